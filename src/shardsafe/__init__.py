@@ -1,0 +1,34 @@
+"""shardsafe: collective, crash-safe, resharding checkpoints for sharded PyTorch training."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .api import load, save, verify  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    DistributedError,
+    FormatError,
+    IntegrityError,
+    SaveError,
+    ShardsafeError,
+    StateMismatchError,
+)
+from .rng import RNGState  # noqa: E402
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "DistributedError",
+    "FormatError",
+    "IntegrityError",
+    "RNGState",
+    "SaveError",
+    "ShardsafeError",
+    "StateMismatchError",
+    "__version__",
+    "load",
+    "save",
+    "verify",
+]

@@ -1,0 +1,310 @@
+"""The collective entry points: save, load, verify."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .adapters import (
+    KIND_MODULE,
+    KIND_OPTIMIZER,
+    KIND_PER_RANK,
+    KIND_TENSOR,
+    LoadBinding,
+    _owner_module,
+    bind_for_load,
+    check_optimizer_groups,
+    describe_for_save,
+    describe_mismatch,
+    tensor_keys_of,
+)
+from .comm import Comm, get_comm
+from .commit import agree_and_publish, new_manifest, open_checkpoint, prepare
+from .errors import DistributedError, FormatError, IntegrityError, ShardsafeError
+from .format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_name, dump_json
+from .integrity import HASH_BLOCK_SIZE, BlockHasher
+from .plan import ChunkSpec, LocalChunk, assign_writers, plan_reads
+from .storage import pread_into, safe_child
+from .transfer import ChunkReader, write_rank_file
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    process_group: Any = None,
+    overwrite: bool = False,
+    metadata: dict[str, Any] | None = None,
+    fsync: bool = True,
+) -> Path:
+    """Save ``state`` as a checkpoint folder at ``path``. Collective: every rank calls it.
+
+    Each rank writes only its own chunks into its own file (a replicated tensor is written once,
+    by one rank); the coordinator writes the JSON files and publishes the folder atomically.
+    Returns the checkpoint path. Raises :class:`~shardsafe.errors.CheckpointExistsError` if a
+    checkpoint is there and ``overwrite`` is False, :class:`~shardsafe.errors.SaveError` if any
+    rank failed (nothing is published; earlier checkpoints are untouched).
+    """
+    comm = get_comm(process_group)
+    final = Path(path).absolute()
+    if metadata is not None:
+        dump_json(metadata)  # fail early, on every rank, on metadata that is not JSON
+    view = describe_for_save(state, comm.rank)
+    tmp = prepare(comm, final, overwrite)
+    specs = [c.spec() for c in view.chunks]
+    assignment = _plan(comm, specs)
+    mine = [view.chunks[i] for i in assignment]
+    try:
+        entries: list[tuple[str, ChunkEntry]] = []
+        file_record = None
+        if mine:
+            name, size, written = write_rank_file(tmp, comm.rank, mine, HASH_BLOCK_SIZE, fsync)
+            entries = [(c.key, e) for c, e in written]
+            file_record = (name, size)
+        result: tuple[Any, ...] = ("ok", file_record, entries, [(s.key, s.dtype, s.global_shape) for s in _specs_of(mine)], view.per_rank)
+    except Exception as exc:  # every rank must still reach the agreement step
+        result = ("error", f"rank {comm.rank}: {type(exc).__name__}: {exc}")
+
+    def build(results: list[tuple[Any, ...]]) -> tuple[Manifest, bytes]:
+        tree = dict(view.tree)
+        per_rank_names = sorted({n for r in results for n in r[4]})
+        for n in per_rank_names:
+            tree[n] = {"kind": KIND_PER_RANK, "ranks": [r[4].get(n) for r in results]}
+        state_bytes = dump_json(tree)
+        files = {r[1][0]: FileEntry(r[1][1], rank) for rank, r in enumerate(results) if r[1] is not None}
+        manifest = new_manifest(comm.world_size, files, state_bytes, metadata, __version__)
+        manifest.tensors = _tensor_entries(results)
+        return manifest, state_bytes
+
+    agree_and_publish(comm, tmp, final, result, build, fsync)
+    return final
+
+
+def _specs_of(chunks: list[LocalChunk]) -> list[ChunkSpec]:
+    return [c.spec() for c in chunks]
+
+
+def _plan(comm: Comm, specs: list[ChunkSpec]) -> list[int]:
+    gathered = comm.gather(specs)
+    plan: tuple[Any, ...] = ("ok", None)
+    if comm.is_coordinator:
+        assert gathered is not None
+        try:
+            plan = ("ok", assign_writers(gathered))
+        except ShardsafeError as exc:
+            plan = ("error", str(exc))
+    plan = comm.broadcast(plan)
+    if plan[0] != "ok":
+        raise DistributedError(plan[1]) if "rank" not in plan[1] else ShardsafeError(plan[1])
+    return list(plan[1][comm.rank])
+
+
+def _tensor_entries(results: list[tuple[Any, ...]]) -> dict[str, TensorEntry]:
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    chunks: dict[str, list[ChunkEntry]] = {}
+    for r in results:
+        for key, dtype, global_shape in r[3]:
+            meta[key] = (dtype, global_shape)
+        for key, entry in r[2]:
+            chunks.setdefault(key, []).append(entry)
+    out = {}
+    for key in sorted(meta):
+        dtype, shape = meta[key]
+        ordered = sorted(chunks[key], key=lambda c: c.offsets)
+        out[key] = TensorEntry(dtype_from_name(dtype.removeprefix("torch."), key), tuple(shape), tuple(ordered))
+    return out
+
+
+@dataclass
+class _Loaded:
+    manifest: Manifest
+    tree: dict[str, Any]
+    binding: LoadBinding
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``state`` in place. Collective: every rank calls it.
+
+    Works across world sizes: each rank reads only the stored byte ranges that overlap what it
+    owns, straight into its tensors. All problems (missing/unexpected keys, shape or dtype
+    mismatches) are collected and raised together, on every rank, before anything is modified.
+    JSON-able values are replaced in ``state``. ``verify`` checks block hashes of what is read.
+    Returns the checkpoint's user metadata.
+    """
+    comm = get_comm(process_group)
+    folder = Path(path).absolute()
+    loaded: _Loaded | None = None
+    problem: str | None = None
+    try:
+        manifest, tree = open_checkpoint(folder)
+        binding = bind_for_load(state, comm.rank)
+        problems = _compare(manifest, tree, binding, state, strict)
+        if problems:
+            raise describe_mismatch(problems)
+        loaded = _Loaded(manifest, tree, binding)
+    except ShardsafeError as exc:
+        problem = f"{type(exc).__name__}|{exc}"
+    _agree(comm, problem)
+    assert loaded is not None
+    problem = None
+    try:
+        with ChunkReader(folder, loaded.manifest, verify) as reader:
+            _read_targets(reader, loaded)
+            lookup = _lazy_lookup(reader, loaded.manifest)
+            for finish in loaded.binding.finalizers:
+                finish(loaded.tree, lookup)
+    except ShardsafeError as exc:
+        problem = f"{type(exc).__name__}|{exc}"
+    _agree(comm, problem)
+    return loaded.manifest.metadata
+
+
+def _agree(comm: Comm, problem: str | None) -> None:
+    """Raise the same error on every rank if any rank had one."""
+    reports = comm.all_gather(problem)
+    failed = [(rank, p) for rank, p in enumerate(reports) if p is not None]
+    if not failed:
+        return
+    from . import errors
+
+    cls_name, message = failed[0][1].split("|", 1)
+    if comm.world_size > 1:
+        distinct = sorted({p.split("|", 1)[1] for _, p in failed})
+        message = "\n".join(distinct) if len(distinct) > 1 else message
+        if failed[0][0] != comm.rank:
+            message = f"(reported by rank {failed[0][0]}) {message}"
+    cls = getattr(errors, cls_name, ShardsafeError)
+    raise cls(message)
+
+
+def _compare(manifest: Manifest, tree: dict[str, Any], binding: LoadBinding, state: dict[str, Any], strict: bool) -> list[str]:
+    problems: list[str] = []
+    for name, kind in binding.names.items():
+        if name not in tree:
+            problems.append(f"{name!r}: not in the checkpoint (it holds {sorted(tree)})")
+            continue
+        saved_kind = tree[name].get("kind") if isinstance(tree[name], dict) else None
+        if saved_kind != kind and not (kind == KIND_TENSOR and saved_kind == KIND_TENSOR):
+            problems.append(f"{name!r}: saved as {saved_kind}, loading into a {kind}")
+            continue
+        if kind in (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR):
+            saved = set(tensor_keys_of(tree[name]["state"]))
+            bound = {k for k in binding.targets if k == name or k.startswith(name + "/")}
+            missing, unexpected = sorted(bound - saved), sorted(saved - bound)
+            if strict:
+                problems += [f"missing in checkpoint: {k}" for k in missing]
+                problems += [f"unexpected in checkpoint: {k}" for k in unexpected]
+            for key in sorted(bound & saved):
+                problems += _compare_tensor(key, manifest, binding, strict)
+        if kind == KIND_OPTIMIZER:
+            optimizer = state[name]
+            problems += check_optimizer_groups(name, _owner_module(state, optimizer, name), optimizer, tree[name]["state"])
+    for key in (k for entry in tree.values() if isinstance(entry, dict) for k in tensor_keys_of(entry.get("state", entry.get("ranks")))):
+        if key not in manifest.tensors:
+            raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
+    return problems
+
+
+def _compare_tensor(key: str, manifest: Manifest, binding: LoadBinding, strict: bool) -> list[str]:
+    entry = manifest.tensors.get(key)
+    target = binding.targets[key]
+    if entry is None:
+        return [f"{key}: referenced by state.json but not in the manifest"]
+    if entry.shape != target.global_shape:
+        return [f"shape mismatch for {key}: checkpoint {list(entry.shape)}, model {list(target.global_shape)}"]
+    if entry.dtype != target.tensor.dtype and strict:
+        return [f"dtype mismatch for {key}: checkpoint {entry.dtype}, model {target.tensor.dtype} (strict=False casts)"]
+    return []
+
+
+def _read_targets(reader: ChunkReader, loaded: _Loaded) -> None:
+    with torch.no_grad():
+        for key, target in loaded.binding.targets.items():
+            entry = loaded.manifest.tensors.get(key)
+            if entry is None:
+                continue
+            for op in plan_reads(entry, target.offsets, tuple(target.tensor.shape)):
+                reader.read_into(key, op, entry.dtype, target.tensor, target.offsets)
+
+
+def _lazy_lookup(reader: ChunkReader, manifest: Manifest) -> Any:
+    def lookup(key: str) -> torch.Tensor:
+        entry = manifest.tensors.get(key)
+        if entry is None:
+            raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        zeros = (0,) * len(entry.shape)
+        for op in plan_reads(entry, zeros, entry.shape):
+            reader.read_into(key, op, entry.dtype, out, zeros)
+        return out
+
+    return lookup
+
+
+def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check a checkpoint completely: manifest, state file, shard headers and every block hash.
+
+    Raises a :class:`~shardsafe.errors.ShardsafeError` naming the file and tensor on the first
+    problem; returns a summary otherwise. Reads with a single block-sized buffer.
+    """
+    folder = Path(path).absolute()
+    manifest, tree = open_checkpoint(folder)
+    _check_headers(folder, manifest)
+    block = manifest.hash_block_size
+    buffer = memoryview(bytearray(block))
+    checked = 0
+    with ChunkReader(folder, manifest, verify=True) as reader:
+        for key, entry in manifest.tensors.items():
+            for chunk in entry.chunks:
+                fd = reader.open(chunk)
+                where = f"{reader.path_of(chunk)} (tensor {key!r}, chunk at {list(chunk.offsets)})"
+                size = chunk.end - chunk.begin
+                for i, start in enumerate(range(0, max(size, 1), block)):
+                    piece = buffer[: min(block, size - start)]
+                    pread_into(fd, [piece], chunk.begin + start, where)
+                    hasher = BlockHasher(block)
+                    hasher.update(piece)
+                    if hasher.finish()[0] != chunk.hashes[i]:
+                        raise IntegrityError(f"{where}: hash mismatch in block {i}; the file is corrupted")
+                    checked += len(piece)
+    return {
+        "path": str(folder),
+        "format_version": manifest.format_version,
+        "world_size": manifest.world_size,
+        "tensors": len(manifest.tensors),
+        "files": len(manifest.files),
+        "bytes_checked": checked,
+        "state_entries": sorted(tree),
+        "metadata": manifest.metadata,
+    }
+
+
+def _check_headers(folder: Path, manifest: Manifest) -> None:
+    from .format import parse_safetensors_header
+
+    for name, entry in manifest.files.items():
+        path = safe_child(folder, name)
+        if not path.is_file():
+            raise IntegrityError(f"{path}: shard file is missing")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise IntegrityError(f"{path}: file is {size} bytes, the manifest expects {entry.size} (truncated or altered)")
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if 8 + length > size:
+                raise IntegrityError(f"{path}: safetensors header length {length} runs past the end of the file")
+            head += f.read(length)
+        parse_safetensors_header(head, size, str(path))

@@ -1,0 +1,40 @@
+"""Exception classes.
+
+Everything shardsafe raises on purpose derives from :class:`ShardsafeError`, a plain
+``Exception``, so ``except Exception`` in a training loop catches it (unlike
+``torch.distributed.checkpoint.CheckpointException``, which derives from BaseException).
+"""
+
+from __future__ import annotations
+
+
+class ShardsafeError(Exception):
+    """Base class of every error shardsafe raises on purpose."""
+
+
+class CheckpointNotFoundError(ShardsafeError, FileNotFoundError):
+    """No committed checkpoint (no manifest) at the given path."""
+
+
+class CheckpointExistsError(ShardsafeError, FileExistsError):
+    """A committed checkpoint already exists and ``overwrite`` was not set."""
+
+
+class FormatError(ShardsafeError):
+    """A manifest, state file or shard header is malformed, unsafe or inconsistent."""
+
+
+class IntegrityError(ShardsafeError):
+    """Stored bytes do not match what the manifest promises (hash, size, missing file)."""
+
+
+class StateMismatchError(ShardsafeError):
+    """The checkpoint does not fit the objects it is loaded into (keys, shapes, dtypes)."""
+
+
+class SaveError(ShardsafeError):
+    """A save failed on one or more ranks; nothing was published."""
+
+
+class DistributedError(ShardsafeError):
+    """Ranks disagree or a collective step failed on another rank."""

@@ -1,0 +1,130 @@
+"""Who writes what on save, and which stored byte ranges each rank reads on load.
+
+Save: every rank describes the chunks it holds (:class:`ChunkSpec`, tiny and picklable); the
+coordinator sees all descriptions, checks they agree, gives every distinct chunk exactly one
+writer (a replicated tensor is written once, by the least loaded rank holding it) and checks the
+chunks tile each tensor. Load: each rank intersects the box it owns with the stored chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SaveError
+from .format import ChunkEntry, TensorEntry, box_overlap, element_size, numel
+
+
+@dataclass
+class LocalChunk:
+    """A piece of a (possibly sharded) tensor held by this rank."""
+
+    key: str
+    tensor: torch.Tensor  # this rank's data for the box below
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def spec(self) -> ChunkSpec:
+        return ChunkSpec(self.key, str(self.tensor.dtype), self.global_shape, self.offsets, self.shape)
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * element_size(getattr(torch, self.dtype.removeprefix("torch.")))
+
+
+def assign_writers(specs_by_rank: list[list[ChunkSpec]]) -> list[list[int]]:
+    """For each rank, the indices of its chunks it must write. Raises SaveError on disagreement."""
+    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
+    for rank, specs in enumerate(specs_by_rank):
+        for index, spec in enumerate(specs):
+            first = seen.setdefault(spec.key, (spec.dtype, spec.global_shape, rank))
+            if first[:2] != (spec.dtype, spec.global_shape):
+                raise SaveError(
+                    f"tensor {spec.key!r} is {first[0]} {list(first[1])} on rank {first[2]} "
+                    f"but {spec.dtype} {list(spec.global_shape)} on rank {rank}"
+                )
+            holders.setdefault((spec.key, spec.offsets, spec.shape), []).append((rank, index))
+    load = [0] * len(specs_by_rank)
+    assignment: list[list[int]] = [[] for _ in specs_by_rank]
+    ordered = sorted(holders.items(), key=lambda kv: -specs_by_rank[kv[1][0][0]][kv[1][0][1]].nbytes)
+    for _, owners in ordered:
+        rank, index = min(owners, key=lambda ri: (load[ri[0]], ri[0]))
+        assignment[rank].append(index)
+        load[rank] += specs_by_rank[rank][index].nbytes
+    _check_tiling(specs_by_rank, assignment)
+    for indices in assignment:
+        indices.sort()
+    return assignment
+
+
+def _check_tiling(specs_by_rank: list[list[ChunkSpec]], assignment: list[list[int]]) -> None:
+    volume: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank, indices in enumerate(assignment):
+        for i in indices:
+            spec = specs_by_rank[rank][i]
+            volume[spec.key] = volume.get(spec.key, 0) + numel(spec.shape)
+            shapes[spec.key] = spec.global_shape
+    for key, total in volume.items():
+        if total != numel(shapes[key]):
+            raise SaveError(
+                f"tensor {key!r}: the ranks' chunks hold {total} elements but its shape {list(shapes[key])} "
+                f"has {numel(shapes[key])}; chunks overlap or are missing (is a per-rank tensor saved under a shared name?)"
+            )
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Copy the box (offsets, shape) from a stored chunk into the destination."""
+
+    chunk: ChunkEntry
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def plan_reads(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...]) -> list[ReadOp]:
+    """The stored pieces overlapping the box this rank owns, in file order."""
+    ops = []
+    for chunk in entry.chunks:
+        hit = box_overlap(chunk.offsets, chunk.shape, dest_offsets, dest_shape)
+        if hit is not None:
+            ops.append(ReadOp(chunk, hit[0], hit[1]))
+    if not ops and numel(dest_shape) == 0 and entry.chunks:
+        return []
+    ops.sort(key=lambda op: (op.chunk.checkpoint or "", op.chunk.file, op.chunk.begin))
+    return ops
+
+
+def contiguous_span(box_offsets: tuple[int, ...], box_shape: tuple[int, ...], base_offsets: tuple[int, ...], base_shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """Element range [start, stop) of ``box`` inside a row-major ``base`` block, if contiguous.
+
+    A box is contiguous when every dimension after the last partial one is full and every
+    dimension before it has extent 1; Shard(0) pieces of a row-major tensor always are.
+    """
+    ndim = len(base_shape)
+    if ndim == 0:
+        return (0, 1)
+    local = [o - b for o, b in zip(box_offsets, base_offsets)]
+    partial = [d for d in range(ndim) if box_shape[d] != base_shape[d]]
+    if partial and any(box_shape[d] != 1 for d in range(partial[-1])):
+        return None
+    strides = [1] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * base_shape[d + 1]
+    start = sum(l * s for l, s in zip(local, strides))
+    return start, start + numel(box_shape)

@@ -1,0 +1,167 @@
+"""Local filesystem storage: how bytes land on disk and come back.
+
+Kept free of checkpoint semantics: it knows files, folders, fsync, atomic renames and
+positional reads. The commit protocol (commit.py) decides what to call when.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .errors import FormatError, IntegrityError
+from .integrity import BlockHasher
+
+WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for device tensors
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def tensor_pieces(tensor: torch.Tensor, piece: int = WRITE_PIECE) -> Iterator[memoryview]:
+    """Yield a tensor's bytes in order; device tensors are staged through host memory piecewise."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        yield tensor_bytes(tensor)
+        return
+    flat = tensor.reshape(-1)
+    step = max(1, piece // max(1, flat.element_size()))
+    staging = torch.empty(min(step, flat.numel()), dtype=flat.dtype, pin_memory=torch.cuda.is_available())
+    for start in range(0, flat.numel(), step):
+        part = flat[start : start + step]
+        staging[: part.numel()].copy_(part)
+        yield tensor_bytes(staging[: part.numel()])
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        written = os.write(fd, view[: 1 << 30])
+        view = view[written:]
+
+
+def write_tensor_file(path: Path, prefix: bytes, tensors: list[torch.Tensor], block_size: int, fsync: bool = True) -> tuple[int, list[list[str]]]:
+    """Stream ``prefix`` then each tensor's bytes into a new file; hash each tensor while writing.
+
+    Returns the file size and, per tensor, its block digests. The file must not exist: with one
+    writer per file by construction, an existing file means a protocol bug, so fail loudly.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    digests: list[list[str]] = []
+    try:
+        _write_all(fd, memoryview(prefix))
+        size = len(prefix)
+        for tensor in tensors:
+            hasher = BlockHasher(block_size)
+            for piece in tensor_pieces(tensor):
+                hasher.update(piece)
+                _write_all(fd, piece)
+                size += len(piece)
+            digests.append(hasher.finish())
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, digests
+
+
+def write_small_file(path: Path, data: bytes, fsync: bool = True) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def safe_child(folder: Path, name: str) -> Path:
+    """``folder/name``, refusing anything that resolves outside ``folder`` (symlinks included)."""
+    candidate = folder / name
+    real_folder = os.path.realpath(folder)
+    real = os.path.realpath(candidate)
+    if os.path.dirname(real) != real_folder and real != real_folder:
+        raise FormatError(f"{candidate}: path leads outside the checkpoint folder {folder}")
+    if os.path.islink(candidate):
+        raise FormatError(f"{candidate}: is a symbolic link; checkpoint files must be regular files")
+    return candidate
+
+
+def read_small_file(path: Path, limit: int) -> bytes:
+    """Read a whole small file, refusing one larger than ``limit`` before reading it."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise FormatError(f"{path}: {size} bytes is more than the {limit} allowed")
+        return f.read(limit + 1)
+
+
+def pread_into(fd: int, views: list[memoryview], offset: int, where: str) -> None:
+    """Fill ``views`` from consecutive bytes at ``offset``; a short read means a truncated file."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        got = os.preadv(fd, pending, offset)
+        if got == 0:
+            raise IntegrityError(f"{where}: file ends early at byte {offset} (truncated)")
+        offset += got
+        while pending and got >= len(pending[0]):
+            got -= len(pending[0])
+            pending.pop(0)
+        if got:
+            pending[0] = pending[0][got:]
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _libc_renameat2() -> object | None:
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    return getattr(libc, "renameat2", None)
+
+
+_renameat2 = _libc_renameat2()
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE).
+
+    Returns False when the platform or filesystem cannot do it, so the caller can fall back.
+    """
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)  # type: ignore[operator]
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
