@@ -26,6 +26,7 @@ from .adapters import (
 from .comm import Comm, get_comm
 from .commit import agree_and_publish, new_manifest, open_checkpoint, prepare
 from .errors import DistributedError, FormatError, IntegrityError, ShardsafeError
+from .faults import crash_point
 from .format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_name, dump_json
 from .integrity import HASH_BLOCK_SIZE, BlockHasher
 from .plan import ChunkSpec, LocalChunk, assign_writers, plan_reads
@@ -56,6 +57,7 @@ def save(
         dump_json(metadata)  # fail early, on every rank, on metadata that is not JSON
     view = describe_for_save(state, comm.rank)
     tmp = prepare(comm, final, overwrite)
+    crash_point("save:after-prepare", comm.rank)
     specs = [c.spec() for c in view.chunks]
     assignment = _plan(comm, specs)
     mine = [view.chunks[i] for i in assignment]
@@ -64,6 +66,7 @@ def save(
         file_record = None
         if mine:
             name, size, written = write_rank_file(tmp, comm.rank, mine, HASH_BLOCK_SIZE, fsync)
+            crash_point("save:after-write", comm.rank)
             entries = [(c.key, e) for c, e in written]
             file_record = (name, size)
         result: tuple[Any, ...] = ("ok", file_record, entries, [(s.key, s.dtype, s.global_shape) for s in _specs_of(mine)], view.per_rank)

@@ -26,6 +26,7 @@ from typing import Any
 from . import errors
 from .comm import Comm
 from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError, ShardsafeError
+from .faults import crash_point
 from .format import MANIFEST_NAME, MAX_JSON_BYTES, STATE_NAME, FileEntry, Manifest, parse_json, parse_manifest
 from .integrity import hash_bytes
 from .storage import exchange_paths, fsync_dir, read_small_file, remove_tree, safe_child, write_small_file
@@ -94,9 +95,11 @@ def agree_and_publish(comm: Comm, tmp: Path, final: Path, rank_result: tuple[Any
                 raise SaveError("save failed, nothing was published:\n  " + "\n  ".join(failures))
             manifest, state_bytes = build(results)
             write_small_file(tmp / STATE_NAME, state_bytes, fsync)
+            crash_point("save:before-manifest", comm.rank)
             write_small_file(tmp / MANIFEST_NAME, manifest.to_bytes(), fsync)
             if fsync:
                 fsync_dir(tmp)
+            crash_point("save:before-publish", comm.rank)
             publish(tmp, final, fsync)
         except Exception as exc:
             remove_tree(tmp)
@@ -113,6 +116,7 @@ def publish(tmp: Path, final: Path, fsync: bool = True) -> None:
     elif exchange_paths(tmp, final):
         if fsync:
             fsync_dir(final.parent)
+        crash_point("save:after-publish", 0)
         remove_tree(tmp)  # now holds the old checkpoint
         return
     else:  # no atomic swap on this filesystem: move the old one aside first

@@ -475,7 +475,7 @@ def decode_value(value: Any, tensor_lookup: Any, where: str = STATE_NAME) -> Any
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (tag, inner), = value.items()
+        ((tag, inner),) = value.items()
         if tag == TENSOR_REF:
             if not isinstance(inner, str):
                 raise FormatError(f"{where}: bad tensor reference {inner!r:.60}")

@@ -55,8 +55,7 @@ def assign_writers(specs_by_rank: list[list[ChunkSpec]]) -> list[list[int]]:
             first = seen.setdefault(spec.key, (spec.dtype, spec.global_shape, rank))
             if first[:2] != (spec.dtype, spec.global_shape):
                 raise SaveError(
-                    f"tensor {spec.key!r} is {first[0]} {list(first[1])} on rank {first[2]} "
-                    f"but {spec.dtype} {list(spec.global_shape)} on rank {rank}"
+                    f"tensor {spec.key!r} is {first[0]} {list(first[1])} on rank {first[2]} but {spec.dtype} {list(spec.global_shape)} on rank {rank}"
                 )
             holders.setdefault((spec.key, spec.offsets, spec.shape), []).append((rank, index))
     load = [0] * len(specs_by_rank)
@@ -110,7 +109,9 @@ def plan_reads(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tu
     return ops
 
 
-def contiguous_span(box_offsets: tuple[int, ...], box_shape: tuple[int, ...], base_offsets: tuple[int, ...], base_shape: tuple[int, ...]) -> tuple[int, int] | None:
+def contiguous_span(
+    box_offsets: tuple[int, ...], box_shape: tuple[int, ...], base_offsets: tuple[int, ...], base_shape: tuple[int, ...]
+) -> tuple[int, int] | None:
     """Element range [start, stop) of ``box`` inside a row-major ``base`` block, if contiguous.
 
     A box is contiguous when every dimension after the last partial one is full and every

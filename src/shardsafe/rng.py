@@ -25,8 +25,14 @@ class RNGState:
         except ImportError:  # pragma: no cover - numpy is optional
             pass
         else:
-            kind, keys, pos, has_gauss, cached = np.random.get_state()
-            state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+            kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc,union-attr]
+            state["numpy"] = {
+                "kind": kind,
+                "keys": torch.from_numpy(keys.astype("int64")),  # type: ignore[union-attr]
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached": float(cached),
+            }
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state

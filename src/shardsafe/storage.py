@@ -13,10 +13,12 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .errors import FormatError, IntegrityError
+from .faults import crash_point
 from .integrity import BlockHasher
 
 WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for device tensors
@@ -27,7 +29,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def tensor_pieces(tensor: torch.Tensor, piece: int = WRITE_PIECE) -> Iterator[memoryview]:
@@ -53,7 +56,9 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[written:]
 
 
-def write_tensor_file(path: Path, prefix: bytes, tensors: list[torch.Tensor], block_size: int, fsync: bool = True) -> tuple[int, list[list[str]]]:
+def write_tensor_file(
+    path: Path, prefix: bytes, tensors: list[torch.Tensor], block_size: int, fsync: bool = True, rank: int = 0
+) -> tuple[int, list[list[str]]]:
     """Stream ``prefix`` then each tensor's bytes into a new file; hash each tensor while writing.
 
     Returns the file size and, per tensor, its block digests. The file must not exist: with one
@@ -71,6 +76,8 @@ def write_tensor_file(path: Path, prefix: bytes, tensors: list[torch.Tensor], bl
                 _write_all(fd, piece)
                 size += len(piece)
             digests.append(hasher.finish())
+            if len(digests) == len(tensors) // 2 + 1:
+                crash_point("save:mid-write", rank)
         if fsync:
             os.fsync(fd)
     finally:

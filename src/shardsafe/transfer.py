@@ -28,16 +28,15 @@ def chunk_name(chunk: LocalChunk) -> str:
     return chunk.key
 
 
-def write_rank_file(folder: Path, rank: int, chunks: list[LocalChunk], block_size: int, fsync: bool = True) -> tuple[str, int, list[tuple[LocalChunk, ChunkEntry]]]:
+def write_rank_file(
+    folder: Path, rank: int, chunks: list[LocalChunk], block_size: int, fsync: bool = True
+) -> tuple[str, int, list[tuple[LocalChunk, ChunkEntry]]]:
     """Write this rank's chunks into its own shard file; returns (file name, size, entries)."""
     name = SHARD_PATTERN.format(rank=rank)
     header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in chunks]
     prefix, ranges = build_safetensors_header(header)
-    size, digests = write_tensor_file(folder / name, prefix, [c.tensor for c in chunks], block_size, fsync)
-    entries = [
-        (c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d)))
-        for c, (begin, end), d in zip(chunks, ranges, digests)
-    ]
+    size, digests = write_tensor_file(folder / name, prefix, [c.tensor for c in chunks], block_size, fsync, rank)
+    entries = [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(chunks, ranges, digests)]
     return name, size, entries
 
 
@@ -84,7 +83,9 @@ class ChunkReader:
             expected = self.manifest.files[chunk.file].size if chunk.checkpoint is None else None
             if (expected is not None and size != expected) or size < chunk.end:
                 os.close(fd)
-                raise IntegrityError(f"{path}: file is {size} bytes, the manifest expects {expected if expected is not None else chunk.end} (truncated or altered)")
+                raise IntegrityError(
+                    f"{path}: file is {size} bytes, the manifest expects {expected if expected is not None else chunk.end} (truncated or altered)"
+                )
             self._fds[ident] = fd
         return fd
 

@@ -1,0 +1,30 @@
+"""Named crash points for fault-injection tests.
+
+``SHARDSAFE_CRASH_AT=<point>[@<rank>]`` makes the process SIGKILL itself when it reaches that
+point (on every rank, or only on the given rank). Points are hooks in the code, not timers, so a
+test can kill a save exactly between two protocol steps. Unset (the normal case), a point is a
+single dictionary look-up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = (
+    "save:after-prepare",  # temporary folder exists, nothing written
+    "save:mid-write",  # this rank's shard file is half written
+    "save:after-write",  # this rank's file is complete and fsynced
+    "save:before-manifest",  # coordinator: all ranks agreed, state.json written
+    "save:before-publish",  # coordinator: manifest written, folder not yet moved
+    "save:after-publish",  # coordinator: new checkpoint visible, old one not yet removed
+)
+
+
+def crash_point(name: str, rank: int) -> None:
+    spec = os.environ.get("SHARDSAFE_CRASH_AT")
+    if not spec:
+        return
+    point, _, only = spec.partition("@")
+    if point == name and (not only or int(only) == rank):
+        os.kill(os.getpid(), signal.SIGKILL)
