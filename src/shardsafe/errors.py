@@ -38,3 +38,7 @@ class SaveError(ShardsafeError):
 
 class DistributedError(ShardsafeError):
     """Ranks disagree or a collective step failed on another rank."""
+
+
+class ModelFolderError(ShardsafeError):
+    """A model folder's weights are missing, empty, or smaller than its index or manifest says."""

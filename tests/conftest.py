@@ -1,0 +1,18 @@
+"""Shared test setup: one thread per process, and the tests folder importable as plain modules.
+
+The multi-process tests fork their ranks from a forkserver (see ``dist_utils``); these settings are
+made before torch is imported anywhere so that the server and every rank inherit them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.pop("SHARDSAFE_CRASH_AT", None)  # a stray crash point would kill the test process itself
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
