@@ -15,10 +15,12 @@ from .errors import (  # noqa: E402
     ShardsafeError,
     StateMismatchError,
 )
+from .manager import CheckpointManager, collect_garbage, list_checkpoints  # noqa: E402
 from .rng import RNGState  # noqa: E402
 
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "DistributedError",
     "FormatError",
@@ -28,6 +30,8 @@ __all__ = [
     "ShardsafeError",
     "StateMismatchError",
     "__version__",
+    "collect_garbage",
+    "list_checkpoints",
     "load",
     "save",
     "verify",

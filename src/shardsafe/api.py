@@ -16,6 +16,7 @@ from .adapters import (
     KIND_PER_RANK,
     KIND_TENSOR,
     LoadBinding,
+    SaveView,
     _owner_module,
     bind_for_load,
     check_optimizer_groups,
@@ -25,12 +26,12 @@ from .adapters import (
 )
 from .comm import Comm, get_comm
 from .commit import agree_and_publish, new_manifest, open_checkpoint, prepare
-from .errors import DistributedError, FormatError, IntegrityError, ShardsafeError
+from .errors import FormatError, IntegrityError, SaveError, ShardsafeError
 from .faults import crash_point
 from .format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_name, dump_json
 from .integrity import HASH_BLOCK_SIZE, BlockHasher
 from .plan import ChunkSpec, LocalChunk, assign_writers, plan_reads
-from .storage import pread_into, safe_child
+from .storage import pread_into, remove_tree, safe_child
 from .transfer import ChunkReader, write_rank_file
 
 
@@ -52,14 +53,25 @@ def save(
     rank failed (nothing is published; earlier checkpoints are untouched).
     """
     comm = get_comm(process_group)
-    final = Path(path).absolute()
     if metadata is not None:
         dump_json(metadata)  # fail early, on every rank, on metadata that is not JSON
     view = describe_for_save(state, comm.rank)
+    return write_checkpoint(Path(path).absolute(), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
+
+
+def write_checkpoint(
+    final: Path, view: SaveView, comm: Comm, *, overwrite: bool = False, metadata: dict[str, Any] | None = None, fsync: bool = True
+) -> Path:
+    """Write and commit an already described state (the part an async save runs in the background)."""
     tmp = prepare(comm, final, overwrite)
     crash_point("save:after-prepare", comm.rank)
     specs = [c.spec() for c in view.chunks]
-    assignment = _plan(comm, specs)
+    try:
+        assignment = _plan(comm, specs)
+    except SaveError:
+        if comm.is_coordinator:
+            remove_tree(tmp)
+        raise
     mine = [view.chunks[i] for i in assignment]
     try:
         entries: list[tuple[str, ChunkEntry]] = []
@@ -103,7 +115,7 @@ def _plan(comm: Comm, specs: list[ChunkSpec]) -> list[int]:
             plan = ("error", str(exc))
     plan = comm.broadcast(plan)
     if plan[0] != "ok":
-        raise DistributedError(plan[1]) if "rank" not in plan[1] else ShardsafeError(plan[1])
+        raise SaveError(plan[1])
     return list(plan[1][comm.rank])
 
 
@@ -150,6 +162,9 @@ def load(
     folder = Path(path).absolute()
     loaded: _Loaded | None = None
     problem: str | None = None
+    # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
+    # fails before reading must take that back, or the next step would differ (step count 1).
+    fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
     try:
         manifest, tree = open_checkpoint(folder)
         binding = bind_for_load(state, comm.rank)
@@ -159,7 +174,12 @@ def load(
         loaded = _Loaded(manifest, tree, binding)
     except ShardsafeError as exc:
         problem = f"{type(exc).__name__}|{exc}"
-    _agree(comm, problem)
+    try:
+        _agree(comm, problem)
+    except ShardsafeError:
+        for optimizer in fresh:
+            optimizer.state.clear()
+        raise
     assert loaded is not None
     problem = None
     try:

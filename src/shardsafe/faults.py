@@ -18,6 +18,8 @@ POINTS = (
     "save:before-manifest",  # coordinator: all ranks agreed, state.json written
     "save:before-publish",  # coordinator: manifest written, folder not yet moved
     "save:after-publish",  # coordinator: new checkpoint visible, old one not yet removed
+    "async:before-write",  # manager: state staged, background write not started
+    "retention:after-rename",  # manager: a retired checkpoint is hidden but not yet deleted
 )
 
 

@@ -1,0 +1,444 @@
+"""CheckpointManager: when to save, which checkpoints to keep, where to resume from.
+
+One object per training job, used identically on every rank::
+
+    with shardsafe.CheckpointManager("ckpt", keep_last=3, keep_best=1, best_metric="loss",
+                                     save_every=100, async_save=True) as manager:
+        start = (manager.restore(state) or 0) + 1
+        for step in range(start, total + 1):
+            loss = train_step()
+            manager.save(step, state, metrics={"loss": loss})
+            if manager.stop_requested:      # SIGTERM/SIGUSR1 with handle_preemption=True
+                break
+
+Checkpoints are ``root/step-0000000100`` folders (lexical order = numeric order), each a normal
+shardsafe checkpoint whose manifest metadata records the step and metrics, so retention and
+``shardsafe list`` work from the folder alone after a restart.
+
+Async saves block the training loop only while the local state is copied into host staging
+buffers (reused across saves); writing, hashing, the commit and retention run in a background
+thread that talks to the other ranks over its own gloo process group, never the training's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .adapters import SaveView, describe_for_save
+from .api import load, write_checkpoint
+from .comm import Comm, get_comm
+from .commit import OLD_MARK, TMP_MARK, is_committed
+from .errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
+from .faults import crash_point
+from .format import MANIFEST_NAME, MAX_JSON_BYTES, parse_manifest
+from .plan import LocalChunk
+from .storage import fsync_dir, read_small_file, remove_tree
+
+log = logging.getLogger("shardsafe")
+
+STEP_DIGITS = 10
+STEP_RE = re.compile(r"^step-(\d+)$")
+DELETING_MARK = ".shardsafe-deleting-"
+META_KEY = "shardsafe.manager"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    path: Path
+    size: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+    best: bool = False
+    latest: bool = False
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a committed (manifest-bearing) folder, ascending."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in os.scandir(root):
+        match = STEP_RE.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and is_committed(Path(entry.path)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def read_info(root: Path, step: int) -> CheckpointInfo:
+    path = root / step_name(step)
+    manifest = parse_manifest(read_small_file(path / MANIFEST_NAME, MAX_JSON_BYTES), str(path / MANIFEST_NAME))
+    meta = manifest.metadata.get(META_KEY)
+    metrics = meta.get("metrics") if isinstance(meta, dict) else None
+    return CheckpointInfo(step, path, manifest.total_bytes, dict(metrics) if isinstance(metrics, dict) else {}, manifest.created)
+
+
+def _metric_value(info: CheckpointInfo, metric: str | None) -> float | None:
+    if metric is None:
+        return None
+    value = info.metrics.get(metric)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+        return float(value)
+    return None
+
+
+def choose_kept(
+    infos: list[CheckpointInfo], keep_last: int | None, keep_best: int | None, best_metric: str | None, best_mode: str
+) -> tuple[set[int], int | None]:
+    """Steps to keep and the best step. The latest and the best are always kept."""
+    steps = sorted(i.step for i in infos)
+    if not steps:
+        return set(), None
+    scored = [(v, i.step) for i in infos if (v := _metric_value(i, best_metric)) is not None]
+    ranked = sorted(scored, key=lambda vs: (vs[0] if best_mode == "min" else -vs[0], -vs[1]))
+    best = ranked[0][1] if ranked else None
+    if keep_last is None and keep_best is None:
+        return set(steps), best
+    keep = {steps[-1]}
+    if best is not None:
+        keep.add(best)
+    if keep_last is not None:
+        keep.update(steps[-keep_last:] if keep_last > 0 else [])
+    if keep_best is not None:
+        keep.update(step for _, step in ranked[:keep_best])
+    return keep, best
+
+
+def retire(root: Path, step: int) -> None:
+    """Make a checkpoint disappear atomically (rename to a hidden name), then delete it.
+
+    A crash between the two leaves only a hidden folder for ``gc``: never a visible checkpoint
+    with some of its files gone.
+    """
+    folder = root / step_name(step)
+    hidden = root / f".{folder.name}{DELETING_MARK}{uuid.uuid4().hex[:12]}"
+    os.rename(folder, hidden)
+    fsync_dir(root)
+    crash_point("retention:after-rename", 0)
+    remove_tree(hidden)
+
+
+def list_checkpoints(root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root`` with sizes and metrics; marks the latest and the best.
+
+    The best metric and mode default to what the manager recorded in the newest checkpoint.
+    """
+    root = Path(root)
+    infos = [read_info(root, s) for s in committed_steps(root)]
+    if not infos:
+        return infos
+    if best_metric is None:
+        meta = _manager_meta(infos[-1].path)
+        best_metric = meta.get("best_metric")
+        best_mode = best_mode or meta.get("best_mode")
+    _, best = choose_kept(infos, None, None, best_metric, best_mode or "min")
+    for info in infos:
+        info.best = info.step == best
+    infos[-1].latest = True
+    return infos
+
+
+def _manager_meta(path: Path) -> dict[str, Any]:
+    manifest = parse_manifest(read_small_file(path / MANIFEST_NAME, MAX_JSON_BYTES), str(path / MANIFEST_NAME))
+    meta = manifest.metadata.get(META_KEY)
+    return meta if isinstance(meta, dict) else {}
+
+
+def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: float = 0.0) -> list[Path]:
+    """Remove what interrupted saves and deletions left: hidden temporary, old and deleting folders,
+    and step folders without a manifest. Only entries older than ``min_age`` seconds are touched,
+    so a save in progress in another job is not disturbed. Returns what was (or would be) removed.
+    """
+    root = Path(root)
+    now = time.time()
+    garbage = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name) if root.is_dir() else []:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        hidden = entry.name.startswith(".") and any(mark in entry.name for mark in (TMP_MARK, OLD_MARK, DELETING_MARK))
+        abandoned = STEP_RE.match(entry.name) is not None and not is_committed(Path(entry.path))
+        if (hidden or abandoned) and now - entry.stat(follow_symlinks=False).st_mtime >= min_age:
+            garbage.append(Path(entry.path))
+    if not dry_run:
+        for path in garbage:
+            remove_tree(path)
+    return garbage
+
+
+class _Staging:
+    """Host buffers the state is copied into for an async save, reused from one save to the next."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def prepare(self, view: SaveView) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Point the view's chunks at staging buffers; returns the (buffer, source) copies to make."""
+        copies = []
+        used = set()
+        for i, chunk in enumerate(view.chunks):
+            ident = (chunk.key, chunk.offsets)
+            source = chunk.tensor.detach()
+            buffer = self.buffers.get(ident)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
+                self.buffers[ident] = buffer
+            used.add(ident)
+            copies.append((buffer, source))
+            view.chunks[i] = LocalChunk(chunk.key, buffer, chunk.global_shape, chunk.offsets)
+        for ident in set(self.buffers) - used:
+            del self.buffers[ident]
+        return copies
+
+
+def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, source in copies:
+            buffer.copy_(source, non_blocking=source.is_cuda)
+        if any(source.is_cuda for _, source in copies):
+            torch.cuda.synchronize()
+
+
+class CheckpointManager:
+    """Saves every ``save_every`` steps, keeps the last/best checkpoints, resumes, handles preemption.
+
+    ``async_save``: False (write in the call), True (copy to staging buffers in the call, write in
+    the background), or ``"overlap"`` (the copy itself runs in the background during the next
+    forward/backward; every optimizer in the saved state waits for it before its ``step()``, so the
+    saved state is exactly the state at the save call; do not modify saved tensors in place
+    other than through those optimizers until the next ``step()``).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        save_every: int | None = None,
+        async_save: bool | str = False,
+        process_group: Any = None,
+        handle_preemption: bool = False,
+        preemption_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1),
+        fsync: bool = True,
+    ) -> None:
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+        if keep_best is not None and best_metric is None:
+            raise ValueError("keep_best needs best_metric (the metrics key to rank checkpoints by)")
+        if async_save not in (False, True, "overlap"):
+            raise ValueError(f"async_save must be False, True or 'overlap', not {async_save!r}")
+        self.root = Path(root).absolute()
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.save_every = save_every
+        self.async_save = async_save
+        self.fsync = fsync
+        self.comm = get_comm(process_group)
+        self._background_comm = self._make_background_comm() if async_save else self.comm
+        self._staging = _Staging()
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._error: BaseException | None = None
+        self._hooked: set[int] = set()
+        self._hooks: list[Any] = []
+        self._preempt_signal: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self.stop_requested = False
+        self.skipped: list[tuple[int, str]] = []  # (step, reason) of damaged checkpoints restore passed over
+        if handle_preemption:
+            self._install_signal_handlers(preemption_signals)
+
+    # ------------------------------------------------------------------ queries
+
+    def step_path(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return committed_steps(self.root)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        return self.save_every is not None and step % self.save_every == 0
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
+        """Save ``state`` as ``step`` if it is due (or ``force``). Collective. Returns True if it saved.
+
+        Raises the error of a previous background save, if one failed.
+        """
+        self._raise_background_error()
+        preempted = self._agree_on_preemption()
+        if not (force or preempted or self.should_save(step)):
+            return False
+        self.wait()
+        metadata = {META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode}}
+        view = describe_for_save(state, self.comm.rank)
+        if not self.async_save or preempted:
+            self._write(step, view, metadata)
+        else:
+            copies = self._staging.prepare(view)
+            if self.async_save == "overlap":
+                self._copied.clear()
+                self._hook_optimizers(state)
+            else:
+                copy_all(copies)
+            self._thread = threading.Thread(target=self._background, args=(step, view, metadata, copies), name="shardsafe-save", daemon=True)
+            self._thread.start()
+        if preempted:
+            self.stop_requested = True
+            log.warning("shardsafe: signal %s received; saved step %d, stop training now", self._preempt_signal, step)
+        return True
+
+    def _write(self, step: int, view: SaveView, metadata: dict[str, Any], comm: Comm | None = None) -> None:
+        write_checkpoint(self.step_path(step), view, comm or self.comm, overwrite=True, metadata=metadata, fsync=self.fsync)
+        if (comm or self.comm).is_coordinator:
+            self.apply_retention()
+
+    def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            if not self._copied.is_set():
+                try:
+                    copy_all(copies)
+                finally:
+                    self._copied.set()
+            crash_point("async:before-write", self.comm.rank)
+            self._write(step, view, metadata, self._background_comm)
+        except BaseException as exc:  # surfaced by the next call
+            self._error = exc
+
+    def apply_retention(self) -> list[int]:
+        """Delete checkpoints outside keep_last/keep_best (coordinator only). Returns deleted steps."""
+        if not self.comm.is_coordinator or (self.keep_last is None and self.keep_best is None):
+            return []
+        infos = [read_info(self.root, s) for s in committed_steps(self.root)]
+        keep, _ = choose_kept(infos, self.keep_last, self.keep_best, self.best_metric, self.best_mode)
+        doomed = [i.step for i in infos if i.step not in keep]
+        for step in doomed:
+            retire(self.root, step)
+        return doomed
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            if isinstance(exc, ShardsafeError):
+                raise SaveError(f"background save failed: {exc}") from exc
+            raise SaveError(f"background save failed: {type(exc).__name__}: {exc}") from exc
+
+    # ------------------------------------------------------------------ overlap mode
+
+    def _hook_optimizers(self, state: dict[str, Any]) -> None:
+        for value in state.values():
+            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._hooked:
+                self._hooked.add(id(value))
+                self._hooks.append(value.register_step_pre_hook(self._wait_for_copy))
+
+    def _wait_for_copy(self, *args: Any, **kwargs: Any) -> None:
+        self._copied.wait()
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+        """Load the newest committed checkpoint that loads cleanly (or ``step``). Collective.
+
+        A damaged checkpoint (missing file, hash mismatch, bad manifest) is reported and skipped
+        in favour of the next older one. Returns the step loaded, or None if there is none.
+        """
+        self.wait()
+        candidates = [step] if step is not None else list(reversed(self.comm.broadcast(self.steps())))
+        for candidate in candidates:
+            try:
+                load(self.step_path(candidate), state, process_group=self.comm.group, strict=strict)
+                return candidate
+            except (IntegrityError, FormatError, CheckpointNotFoundError) as exc:
+                if step is not None:
+                    raise
+                log.warning("shardsafe: skipping damaged checkpoint %s: %s", self.step_path(candidate), exc)
+                self.skipped.append((candidate, str(exc)))
+        return None
+
+    # ------------------------------------------------------------------ preemption
+
+    def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:
+        def on_signal(signum: int, frame: Any) -> None:
+            self._preempt_signal = signum
+
+        for sig in signals:
+            self._previous_handlers[sig] = signal.signal(sig, on_signal)
+
+    def _agree_on_preemption(self) -> bool:
+        if not self._previous_handlers:
+            return False
+        return any(self.comm.all_gather(self._preempt_signal is not None))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _make_background_comm(self) -> Comm:
+        if not self.comm.distributed:
+            return self.comm
+        group = dist.new_group(ranks=self._group_ranks(), backend="gloo")
+        return Comm(group, self.comm.rank, self.comm.world_size)
+
+    def _group_ranks(self) -> list[int]:
+        if self.comm.group is dist.GroupMember.WORLD:
+            return list(range(self.comm.world_size))
+        return [dist.get_global_rank(self.comm.group, r) for r in range(self.comm.world_size)]
+
+    def close(self) -> None:
+        """Finish the save in flight, restore signal handlers, raise any background error."""
+        try:
+            self.wait()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            self._hooked.clear()
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
+            self._previous_handlers.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except SaveError as close_error:
+                log.error("shardsafe: %s", close_error)
+
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "collect_garbage", "list_checkpoints", "step_name"]
