@@ -32,7 +32,7 @@ from .format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_nam
 from .integrity import HASH_BLOCK_SIZE, BlockHasher
 from .plan import ChunkSpec, LocalChunk, assign_writers, plan_reads
 from .storage import pread_into, remove_tree, safe_child
-from .transfer import ChunkReader, write_rank_file
+from .transfer import ChunkReader, ReuseMap, write_rank_file
 
 
 def save(
@@ -60,7 +60,14 @@ def save(
 
 
 def write_checkpoint(
-    final: Path, view: SaveView, comm: Comm, *, overwrite: bool = False, metadata: dict[str, Any] | None = None, fsync: bool = True
+    final: Path,
+    view: SaveView,
+    comm: Comm,
+    *,
+    overwrite: bool = False,
+    metadata: dict[str, Any] | None = None,
+    fsync: bool = True,
+    reuse: ReuseMap | None = None,
 ) -> Path:
     """Write and commit an already described state (the part an async save runs in the background)."""
     tmp = prepare(comm, final, overwrite)
@@ -77,10 +84,10 @@ def write_checkpoint(
         entries: list[tuple[str, ChunkEntry]] = []
         file_record = None
         if mine:
-            name, size, written = write_rank_file(tmp, comm.rank, mine, HASH_BLOCK_SIZE, fsync)
+            name, size, written = write_rank_file(tmp, comm.rank, mine, HASH_BLOCK_SIZE, fsync, reuse)
             crash_point("save:after-write", comm.rank)
             entries = [(c.key, e) for c, e in written]
-            file_record = (name, size)
+            file_record = (name, size) if name is not None else None
         result: tuple[Any, ...] = ("ok", file_record, entries, [(s.key, s.dtype, s.global_shape) for s in _specs_of(mine)], view.per_rank)
     except Exception as exc:  # every rank must still reach the agreement step
         result = ("error", f"rank {comm.rank}: {type(exc).__name__}: {exc}")

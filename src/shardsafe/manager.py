@@ -46,6 +46,7 @@ from .faults import crash_point
 from .format import MANIFEST_NAME, MAX_JSON_BYTES, parse_manifest
 from .plan import LocalChunk
 from .storage import fsync_dir, read_small_file, remove_tree
+from .transfer import ReuseMap, reuse_map
 
 log = logging.getLogger("shardsafe")
 
@@ -121,18 +122,51 @@ def choose_kept(
     return keep, best
 
 
-def retire(root: Path, step: int) -> None:
-    """Make a checkpoint disappear atomically (rename to a hidden name), then delete it.
+def references(root: Path, steps: list[int] | None = None) -> dict[str, set[str]]:
+    """Folder name -> its files that the given committed checkpoints (default: all) point into."""
+    out: dict[str, set[str]] = {}
+    for step in committed_steps(root) if steps is None else steps:
+        path = root / step_name(step) / MANIFEST_NAME
+        manifest = parse_manifest(read_small_file(path, MAX_JSON_BYTES), str(path))
+        for entry in manifest.tensors.values():
+            for chunk in entry.chunks:
+                if chunk.checkpoint is not None:
+                    out.setdefault(chunk.checkpoint, set()).add(chunk.file)
+    return out
 
-    A crash between the two leaves only a hidden folder for ``gc``: never a visible checkpoint
-    with some of its files gone.
+
+def retire(root: Path, step: int, keep_files: set[str] | None = None) -> None:
+    """Make a checkpoint disappear atomically, then delete its data.
+
+    Unreferenced: rename to a hidden name, then delete; a crash between the two leaves only a
+    hidden folder for ``gc``. Referenced by a kept checkpoint (stored-once data): remove its
+    manifest first (it is no longer a checkpoint), then every file nothing points into.
     """
     folder = root / step_name(step)
+    if keep_files:
+        (folder / MANIFEST_NAME).unlink()
+        fsync_dir(folder)
+        crash_point("retention:after-rename", 0)
+        _remove_unreferenced(folder, keep_files)
+        return
     hidden = root / f".{folder.name}{DELETING_MARK}{uuid.uuid4().hex[:12]}"
     os.rename(folder, hidden)
     fsync_dir(root)
     crash_point("retention:after-rename", 0)
     remove_tree(hidden)
+
+
+def _remove_unreferenced(folder: Path, keep: set[str]) -> list[Path]:
+    removed = []
+    for entry in os.scandir(folder):
+        if entry.name not in keep:
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                remove_tree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+    return removed
 
 
 def list_checkpoints(root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None) -> list[CheckpointInfo]:
@@ -168,17 +202,24 @@ def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_
     """
     root = Path(root)
     now = time.time()
+    referenced = references(root)
     garbage = []
     for entry in sorted(os.scandir(root), key=lambda e: e.name) if root.is_dir() else []:
-        if not entry.is_dir(follow_symlinks=False):
+        if not entry.is_dir(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime < min_age:
             continue
+        path = Path(entry.path)
         hidden = entry.name.startswith(".") and any(mark in entry.name for mark in (TMP_MARK, OLD_MARK, DELETING_MARK))
-        abandoned = STEP_RE.match(entry.name) is not None and not is_committed(Path(entry.path))
-        if (hidden or abandoned) and now - entry.stat(follow_symlinks=False).st_mtime >= min_age:
-            garbage.append(Path(entry.path))
-    if not dry_run:
-        for path in garbage:
-            remove_tree(path)
+        abandoned = STEP_RE.match(entry.name) is not None and not is_committed(path)
+        if abandoned and entry.name in referenced:
+            keep = referenced[entry.name]
+            extra = [Path(e.path) for e in os.scandir(path) if e.name not in keep]
+            garbage += extra
+            if not dry_run:
+                _remove_unreferenced(path, keep)
+        elif hidden or abandoned:
+            garbage.append(path)
+            if not dry_run:
+                remove_tree(path)
     return garbage
 
 
@@ -239,7 +280,11 @@ class CheckpointManager:
         handle_preemption: bool = False,
         preemption_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1),
         fsync: bool = True,
+        dedup: bool = False,
     ) -> None:
+        """``dedup``: a chunk whose bytes equal its counterpart in the newest earlier checkpoint is
+        referenced rather than written (frozen weights of a fine-tune are stored once); costs one
+        extra hash pass over chunks that have a counterpart."""
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         if keep_best is not None and best_metric is None:
@@ -252,6 +297,7 @@ class CheckpointManager:
         self.save_every = save_every
         self.async_save = async_save
         self.fsync = fsync
+        self.dedup = dedup
         self.comm = get_comm(process_group)
         self._background_comm = self._make_background_comm() if async_save else self.comm
         self._staging = _Staging()
@@ -296,6 +342,8 @@ class CheckpointManager:
         if not (force or preempted or self.should_save(step)):
             return False
         self.wait()
+        if self.dedup:
+            self._check_not_referenced(step)
         metadata = {META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode}}
         view = describe_for_save(state, self.comm.rank)
         if not self.async_save or preempted:
@@ -315,7 +363,8 @@ class CheckpointManager:
         return True
 
     def _write(self, step: int, view: SaveView, metadata: dict[str, Any], comm: Comm | None = None) -> None:
-        write_checkpoint(self.step_path(step), view, comm or self.comm, overwrite=True, metadata=metadata, fsync=self.fsync)
+        reuse = self._reuse_map(step) if self.dedup else None
+        write_checkpoint(self.step_path(step), view, comm or self.comm, overwrite=True, metadata=metadata, fsync=self.fsync, reuse=reuse)
         if (comm or self.comm).is_coordinator:
             self.apply_retention()
 
@@ -331,6 +380,23 @@ class CheckpointManager:
         except BaseException as exc:  # surfaced by the next call
             self._error = exc
 
+    def _reuse_map(self, step: int) -> ReuseMap | None:
+        """Chunks of the newest other checkpoint, for storing unchanged tensors once."""
+        earlier = [s for s in self.steps() if s != step]
+        if not earlier:
+            return None
+        name = step_name(earlier[-1])
+        path = self.root / name / MANIFEST_NAME
+        return reuse_map(parse_manifest(read_small_file(path, MAX_JSON_BYTES), str(path)), name)
+
+    def _check_not_referenced(self, step: int) -> None:
+        name = step_name(step)
+        if (self.root / name).exists() and name in references(self.root, [s for s in self.steps() if s != step]):
+            raise SaveError(
+                f"{self.root / name}: other checkpoints store tensors in this folder (dedup); "
+                "it cannot be overwritten - delete the later checkpoints first or save under another step"
+            )
+
     def apply_retention(self) -> list[int]:
         """Delete checkpoints outside keep_last/keep_best (coordinator only). Returns deleted steps."""
         if not self.comm.is_coordinator or (self.keep_last is None and self.keep_best is None):
@@ -338,8 +404,10 @@ class CheckpointManager:
         infos = [read_info(self.root, s) for s in committed_steps(self.root)]
         keep, _ = choose_kept(infos, self.keep_last, self.keep_best, self.best_metric, self.best_mode)
         doomed = [i.step for i in infos if i.step not in keep]
-        for step in doomed:
-            retire(self.root, step)
+        if doomed:
+            still_needed = references(self.root, sorted(keep))
+            for step in doomed:
+                retire(self.root, step, still_needed.get(step_name(step)))
         return doomed
 
     def wait(self) -> None:

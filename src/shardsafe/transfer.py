@@ -9,16 +9,16 @@ scratch buffers, so no read ever needs more than two blocks of extra memory.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .errors import FormatError, IntegrityError
 from .format import SHARD_PATTERN, ChunkEntry, HeaderEntry, Manifest, build_safetensors_header, element_size, numel
-from .integrity import BlockHasher
+from .integrity import BlockHasher, hash_blocks
 from .plan import LocalChunk, ReadOp, contiguous_span
-from .storage import pread_into, safe_child, tensor_bytes, write_tensor_file
+from .storage import pread_into, safe_child, tensor_bytes, tensor_pieces, write_tensor_file
 
 
 def chunk_name(chunk: LocalChunk) -> str:
@@ -28,16 +28,46 @@ def chunk_name(chunk: LocalChunk) -> str:
     return chunk.key
 
 
+ReuseMap = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, ChunkEntry]]
+
+
 def write_rank_file(
-    folder: Path, rank: int, chunks: list[LocalChunk], block_size: int, fsync: bool = True
-) -> tuple[str, int, list[tuple[LocalChunk, ChunkEntry]]]:
-    """Write this rank's chunks into its own shard file; returns (file name, size, entries)."""
+    folder: Path, rank: int, chunks: list[LocalChunk], block_size: int, fsync: bool = True, reuse: ReuseMap | None = None
+) -> tuple[str | None, int, list[tuple[LocalChunk, ChunkEntry]]]:
+    """Write this rank's chunks into its own shard file; returns (file name, size, entries).
+
+    With ``reuse`` (the chunks of an earlier checkpoint in the same root, each pointing at the
+    checkpoint that holds its bytes), a chunk whose bytes hash the same as its earlier self is
+    referenced instead of written. The file name is None when nothing had to be written.
+    """
+    entries: list[tuple[LocalChunk, ChunkEntry]] = []
+    to_write = []
+    for chunk in chunks:
+        earlier = reuse.get((chunk.key, chunk.offsets)) if reuse else None
+        if earlier is not None and earlier[0] == chunk.tensor.dtype and earlier[1].shape == chunk.shape:
+            digests = hash_blocks(tensor_pieces(chunk.tensor), block_size)
+            if tuple(digests) == earlier[1].hashes:
+                entries.append((chunk, earlier[1]))
+                continue
+        to_write.append(chunk)
+    if not to_write:
+        return None, 0, entries
     name = SHARD_PATTERN.format(rank=rank)
-    header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in chunks]
+    header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in to_write]
     prefix, ranges = build_safetensors_header(header)
-    size, digests = write_tensor_file(folder / name, prefix, [c.tensor for c in chunks], block_size, fsync, rank)
-    entries = [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(chunks, ranges, digests)]
+    size, digests_list = write_tensor_file(folder / name, prefix, [c.tensor for c in to_write], block_size, fsync, rank)
+    entries += [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(to_write, ranges, digests_list)]
     return name, size, entries
+
+
+def reuse_map(manifest: Manifest, checkpoint_name: str) -> ReuseMap:
+    """Chunks of a committed checkpoint, each resolved to the checkpoint that stores its bytes."""
+    out: ReuseMap = {}
+    for key, entry in manifest.tensors.items():
+        for chunk in entry.chunks:
+            origin = chunk if chunk.checkpoint is not None else replace(chunk, checkpoint=checkpoint_name)
+            out[(key, chunk.offsets)] = (entry.dtype, origin)
+    return out
 
 
 class ChunkReader:
