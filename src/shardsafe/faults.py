@@ -1,13 +1,15 @@
 """Named crash points for fault-injection tests.
 
 ``SHARDSAFE_CRASH_AT=<point>[@<rank>]`` makes the process SIGKILL itself when it reaches that
-point (on every rank, or only on the given rank). Points are hooks in the code, not timers, so a
+point (on every rank, or only on the given rank); ``SHARDSAFE_FAIL_AT=<point>[@<rank>]`` makes
+it raise ``OSError(EIO)`` there instead, as a failing disk would. Points are hooks in the code, not timers, so a
 test can kill a save exactly between two protocol steps. Unset (the normal case), a point is a
 single dictionary look-up.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -23,10 +25,16 @@ POINTS = (
 )
 
 
-def crash_point(name: str, rank: int) -> None:
-    spec = os.environ.get("SHARDSAFE_CRASH_AT")
+def _armed(variable: str, name: str, rank: int) -> bool:
+    spec = os.environ.get(variable)
     if not spec:
-        return
+        return False
     point, _, only = spec.partition("@")
-    if point == name and (not only or int(only) == rank):
+    return point == name and (not only or int(only) == rank)
+
+
+def crash_point(name: str, rank: int) -> None:
+    if _armed("SHARDSAFE_CRASH_AT", name, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _armed("SHARDSAFE_FAIL_AT", name, rank):
+        raise OSError(errno.EIO, f"injected I/O error at {name} (SHARDSAFE_FAIL_AT)")
