@@ -25,13 +25,14 @@ from .adapters import (
     tensor_keys_of,
 )
 from .comm import Comm, get_comm
-from .commit import agree_and_publish, new_manifest, open_checkpoint, prepare
+from .commit import agree_and_publish, new_manifest, open_checkpoint, prepare_save
 from .errors import FormatError, IntegrityError, SaveError, ShardsafeError
 from .faults import crash_point
 from .format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_name, dump_json
 from .integrity import HASH_BLOCK_SIZE, BlockHasher
+from .objectstore import RemoteDir, is_url, local_path_of
 from .plan import ChunkSpec, LocalChunk, assign_writers, plan_reads
-from .storage import pread_into, remove_tree, safe_child
+from .storage import safe_child
 from .transfer import ChunkReader, ReuseMap, write_rank_file
 
 
@@ -43,7 +44,7 @@ def save(
     overwrite: bool = False,
     metadata: dict[str, Any] | None = None,
     fsync: bool = True,
-) -> Path:
+) -> Path | RemoteDir:
     """Save ``state`` as a checkpoint folder at ``path``. Collective: every rank calls it.
 
     Each rank writes only its own chunks into its own file (a replicated tensor is written once,
@@ -56,11 +57,20 @@ def save(
     if metadata is not None:
         dump_json(metadata)  # fail early, on every rank, on metadata that is not JSON
     view = describe_for_save(state, comm.rank)
-    return write_checkpoint(Path(path).absolute(), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
+    return write_checkpoint(location(path), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
+
+
+def location(path: str | os.PathLike[str] | RemoteDir) -> Path | RemoteDir:
+    """A local folder, or a prefix on an object store for fsspec URLs such as ``s3://bucket/ckpt``."""
+    if isinstance(path, RemoteDir):
+        return path
+    if is_url(path):
+        return RemoteDir(str(path))
+    return Path(local_path_of(path)).absolute()
 
 
 def write_checkpoint(
-    final: Path,
+    final: Path | RemoteDir,
     view: SaveView,
     comm: Comm,
     *,
@@ -68,23 +78,23 @@ def write_checkpoint(
     metadata: dict[str, Any] | None = None,
     fsync: bool = True,
     reuse: ReuseMap | None = None,
-) -> Path:
+) -> Path | RemoteDir:
     """Write and commit an already described state (the part an async save runs in the background)."""
-    tmp = prepare(comm, final, overwrite)
+    target = prepare_save(comm, final, overwrite, fsync)
     crash_point("save:after-prepare", comm.rank)
     specs = [c.spec() for c in view.chunks]
     try:
         assignment = _plan(comm, specs)
     except SaveError:
         if comm.is_coordinator:
-            remove_tree(tmp)
+            target.abort()
         raise
     mine = [view.chunks[i] for i in assignment]
     try:
         entries: list[tuple[str, ChunkEntry]] = []
         file_record = None
         if mine:
-            name, size, written = write_rank_file(tmp, comm.rank, mine, HASH_BLOCK_SIZE, fsync, reuse)
+            name, size, written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, reuse)
             crash_point("save:after-write", comm.rank)
             entries = [(c.key, e) for c, e in written]
             file_record = (name, size) if name is not None else None
@@ -103,7 +113,7 @@ def write_checkpoint(
         manifest.tensors = _tensor_entries(results)
         return manifest, state_bytes
 
-    agree_and_publish(comm, tmp, final, result, build, fsync)
+    agree_and_publish(comm, target, result, build)
     return final
 
 
@@ -166,7 +176,7 @@ def load(
     Returns the checkpoint's user metadata.
     """
     comm = get_comm(process_group)
-    folder = Path(path).absolute()
+    folder = location(path)
     loaded: _Loaded | None = None
     problem: str | None = None
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
@@ -289,7 +299,7 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises a :class:`~shardsafe.errors.ShardsafeError` naming the file and tensor on the first
     problem; returns a summary otherwise. Reads with a single block-sized buffer.
     """
-    folder = Path(path).absolute()
+    folder = location(path)
     manifest, tree = open_checkpoint(folder)
     _check_headers(folder, manifest)
     block = manifest.hash_block_size
@@ -298,19 +308,18 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
     with ChunkReader(folder, manifest, verify=True) as reader:
         for key, entry in manifest.tensors.items():
             for chunk in entry.chunks:
-                fd = reader.open(chunk)
                 where = f"{reader.path_of(chunk)} (tensor {key!r}, chunk at {list(chunk.offsets)})"
                 size = chunk.end - chunk.begin
                 for i, start in enumerate(range(0, max(size, 1), block)):
                     piece = buffer[: min(block, size - start)]
-                    pread_into(fd, [piece], chunk.begin + start, where)
+                    reader.read_raw(chunk, [piece], chunk.begin + start, where)
                     hasher = BlockHasher(block)
                     hasher.update(piece)
                     if hasher.finish()[0] != chunk.hashes[i]:
                         raise IntegrityError(f"{where}: hash mismatch in block {i}; the file is corrupted")
                     checked += len(piece)
     return {
-        "path": str(folder),
+        "path": folder.url if isinstance(folder, RemoteDir) else str(folder),
         "format_version": manifest.format_version,
         "world_size": manifest.world_size,
         "tensors": len(manifest.tensors),
@@ -321,9 +330,15 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def _check_headers(folder: Path, manifest: Manifest) -> None:
+def _check_headers(folder: Path | RemoteDir, manifest: Manifest) -> None:
     from .format import parse_safetensors_header
 
+    if isinstance(folder, RemoteDir):
+        for name, entry in manifest.files.items():
+            size = folder.size(name) if folder.exists(name) else -1
+            if size != entry.size:
+                raise IntegrityError(f"{folder.url}/{name}: {'missing' if size < 0 else f'{size} bytes'}, the manifest expects {entry.size}")
+        return
     for name, entry in manifest.files.items():
         path = safe_child(folder, name)
         if not path.is_file():

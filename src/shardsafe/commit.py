@@ -23,13 +23,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import errors
 from .comm import Comm
 from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError, ShardsafeError
 from .faults import crash_point
-from .format import MANIFEST_NAME, MAX_JSON_BYTES, STATE_NAME, FileEntry, Manifest, parse_json, parse_manifest
+from .format import MANIFEST_NAME, MAX_JSON_BYTES, SHARD_PATTERN, STATE_NAME, FileEntry, Manifest, parse_json, parse_manifest
 from .integrity import hash_bytes
-from .storage import exchange_paths, fsync_dir, read_small_file, remove_tree, safe_child, write_small_file
+from .objectstore import RemoteDir
+from .storage import exchange_paths, fsync_dir, read_small_file, remove_tree, safe_child, write_small_file, write_tensor_file
 
 TMP_MARK = ".shardsafe-tmp-"
 OLD_MARK = ".shardsafe-old-"
@@ -56,17 +59,96 @@ def _error_outcome(exc: BaseException) -> tuple[str, str, str]:
     return ("error", name, message)
 
 
+class LocalCommit:
+    """Rename protocol: shards go into a hidden temporary folder that is moved into place."""
+
+    def __init__(self, tmp: Path, final: Path, fsync: bool = True) -> None:
+        self.tmp, self.final, self.fsync = tmp, final, fsync
+
+    def shard_name(self, rank: int) -> str:
+        return SHARD_PATTERN.format(rank=rank)
+
+    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+        return write_tensor_file(self.tmp / name, prefix, tensors, block_size, self.fsync, rank)
+
+    def state_name(self) -> str:
+        return STATE_NAME
+
+    def commit(self, state_bytes: bytes, manifest: Manifest, rank: int) -> None:
+        write_small_file(self.tmp / manifest.state_file, state_bytes, self.fsync)
+        crash_point("save:before-manifest", rank)
+        write_small_file(self.tmp / MANIFEST_NAME, manifest.to_bytes(), self.fsync)
+        if self.fsync:
+            fsync_dir(self.tmp)
+        crash_point("save:before-publish", rank)
+        publish(self.tmp, self.final, self.fsync)
+
+    def abort(self) -> None:
+        remove_tree(self.tmp)
+
+
+class RemoteCommit:
+    """Commit-file protocol for object stores (no rename): every object of a save carries the
+    save's id in its name, and the single PUT of ``manifest.json`` is the commit. Overwriting
+    replaces the manifest (atomic on S3), then deletes the previous save's objects."""
+
+    def __init__(self, folder: RemoteDir, save_id: str) -> None:
+        self.folder, self.save_id = folder, save_id
+
+    def shard_name(self, rank: int) -> str:
+        return f"shard-{rank:05d}-{self.save_id}.safetensors"
+
+    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+        return self.folder.write_tensors(name, prefix, tensors, block_size)
+
+    def state_name(self) -> str:
+        return f"state-{self.save_id}.json"
+
+    def commit(self, state_bytes: bytes, manifest: Manifest, rank: int) -> None:
+        previous: set[str] = set()
+        if self.folder.exists(MANIFEST_NAME):
+            old = parse_manifest(self.folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{self.folder.url}/{MANIFEST_NAME}")
+            previous = set(old.files) | {old.state_file}
+        self.folder.write_bytes(manifest.state_file, state_bytes)
+        crash_point("save:before-manifest", rank)
+        self.folder.write_bytes(MANIFEST_NAME, manifest.to_bytes())
+        crash_point("save:after-publish", rank)
+        self.folder.remove(sorted(previous - set(manifest.files) - {manifest.state_file}))
+
+    def abort(self) -> None:
+        self.folder.remove([name for name in self.folder.list() if self.save_id in name])
+
+
+CommitTarget = LocalCommit | RemoteCommit
+
+
 def prepare(comm: Comm, final: Path, overwrite: bool) -> Path:
-    """Coordinator: check the destination and create the temporary folder; all ranks: learn it."""
+    """Coordinator: check a local destination and create the temporary folder; all ranks: learn it."""
+    target = prepare_save(comm, final, overwrite)
+    assert isinstance(target, LocalCommit)
+    return target.tmp
+
+
+def prepare_save(comm: Comm, final: Path | RemoteDir, overwrite: bool, fsync: bool = True) -> CommitTarget:
+    """Coordinator: check the destination and set up the save; every rank: learn where to write."""
     outcome: tuple[Any, ...] = ("ok", "")
     if comm.is_coordinator:
         try:
-            outcome = ("ok", str(_make_tmp(final, overwrite)))
+            token = _check_remote(final, overwrite) if isinstance(final, RemoteDir) else str(_make_tmp(final, overwrite))
+            outcome = ("ok", token)
         except Exception as exc:  # reported to every rank below
             outcome = _error_outcome(exc)
     outcome = comm.broadcast(outcome)
     _raise_shared(outcome)
-    return Path(outcome[1])
+    if isinstance(final, RemoteDir):
+        return RemoteCommit(final, outcome[1])
+    return LocalCommit(Path(outcome[1]), final, fsync)
+
+
+def _check_remote(final: RemoteDir, overwrite: bool) -> str:
+    if final.exists(MANIFEST_NAME) and not overwrite:
+        raise CheckpointExistsError(f"{final.url}: a checkpoint already exists here; pass overwrite=True to replace it")
+    return uuid.uuid4().hex[:12]
 
 
 def _make_tmp(final: Path, overwrite: bool) -> Path:
@@ -82,7 +164,7 @@ def _make_tmp(final: Path, overwrite: bool) -> Path:
     return tmp
 
 
-def agree_and_publish(comm: Comm, tmp: Path, final: Path, rank_result: tuple[Any, ...], build: Any, fsync: bool = True) -> Manifest | None:
+def agree_and_publish(comm: Comm, target: CommitTarget, rank_result: tuple[Any, ...], build: Any) -> Manifest | None:
     """Agreement + commit. ``build(results)`` runs on the coordinator and returns (manifest, state bytes)."""
     results = comm.gather(rank_result)
     outcome: tuple[Any, ...] = ("ok",)
@@ -94,15 +176,10 @@ def agree_and_publish(comm: Comm, tmp: Path, final: Path, rank_result: tuple[Any
             if failures:
                 raise SaveError("save failed, nothing was published:\n  " + "\n  ".join(failures))
             manifest, state_bytes = build(results)
-            write_small_file(tmp / STATE_NAME, state_bytes, fsync)
-            crash_point("save:before-manifest", comm.rank)
-            write_small_file(tmp / MANIFEST_NAME, manifest.to_bytes(), fsync)
-            if fsync:
-                fsync_dir(tmp)
-            crash_point("save:before-publish", comm.rank)
-            publish(tmp, final, fsync)
+            manifest.state_file = target.state_name()
+            target.commit(state_bytes, manifest, comm.rank)
         except Exception as exc:
-            remove_tree(tmp)
+            target.abort()
             outcome = _error_outcome(exc)
     outcome = comm.broadcast(outcome)
     _raise_shared(outcome)
@@ -144,8 +221,10 @@ def new_manifest(world_size: int, files: dict[str, FileEntry], state_bytes: byte
     )
 
 
-def open_checkpoint(folder: Path) -> tuple[Manifest, dict[str, Any]]:
+def open_checkpoint(folder: Path | RemoteDir) -> tuple[Manifest, dict[str, Any]]:
     """Read and validate a committed checkpoint's manifest and state tree."""
+    if isinstance(folder, RemoteDir):
+        return _open_remote(folder)
     folder = Path(folder)
     manifest_path = folder / MANIFEST_NAME
     if not folder.is_dir():
@@ -153,14 +232,30 @@ def open_checkpoint(folder: Path) -> tuple[Manifest, dict[str, Any]]:
     if not manifest_path.is_file():
         raise CheckpointNotFoundError(f"{folder}: no {MANIFEST_NAME}; this is not a committed checkpoint (an interrupted save leaves none)")
     manifest = parse_manifest(read_small_file(safe_child(folder, MANIFEST_NAME), MAX_JSON_BYTES), str(manifest_path))
-    state_path = safe_child(folder, STATE_NAME)
+    state_path = safe_child(folder, manifest.state_file)
     try:
         data = read_small_file(state_path, MAX_JSON_BYTES)
     except FileNotFoundError:
         raise errors.IntegrityError(f"{state_path}: missing") from None
+    return manifest, _parse_state(manifest, data, str(state_path))
+
+
+def _open_remote(folder: RemoteDir) -> tuple[Manifest, dict[str, Any]]:
+    if not folder.exists(MANIFEST_NAME):
+        raise CheckpointNotFoundError(f"{folder.url}: no {MANIFEST_NAME}; this is not a committed checkpoint")
+    manifest = parse_manifest(folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{folder.url}/{MANIFEST_NAME}")
+    where = f"{folder.url}/{manifest.state_file}"
+    try:
+        data = folder.read_bytes(manifest.state_file, MAX_JSON_BYTES)
+    except FileNotFoundError:
+        raise errors.IntegrityError(f"{where}: missing") from None
+    return manifest, _parse_state(manifest, data, where)
+
+
+def _parse_state(manifest: Manifest, data: bytes, where: str) -> dict[str, Any]:
     if len(data) != manifest.state_size or hash_bytes(data) != manifest.state_hash:
-        raise errors.IntegrityError(f"{state_path}: size or hash differs from the manifest (corrupted)")
-    tree = parse_json(data, str(state_path))
+        raise errors.IntegrityError(f"{where}: size or hash differs from the manifest (corrupted)")
+    tree = parse_json(data, where)
     if not isinstance(tree, dict):
-        raise FormatError(f"{state_path}: not an object")
-    return manifest, tree
+        raise FormatError(f"{where}: not an object")
+    return tree

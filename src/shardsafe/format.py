@@ -222,6 +222,7 @@ class Manifest:
     hash_algorithm: str = HASH_ALGORITHM
     hash_block_size: int = HASH_BLOCK_SIZE
     format_version: int = FORMAT_VERSION
+    state_file: str = STATE_NAME
 
     @property
     def total_bytes(self) -> int:
@@ -236,7 +237,7 @@ class Manifest:
             "world_size": self.world_size,
             "hash_algorithm": self.hash_algorithm,
             "hash_block_size": self.hash_block_size,
-            "state": {"file": STATE_NAME, "size": self.state_size, "hash": self.state_hash},
+            "state": {"file": self.state_file, "size": self.state_size, "hash": self.state_hash},
             "files": {name: {"size": f.size, "rank": f.rank} for name, f in sorted(self.files.items())},
             "metadata": self.metadata,
             "tensors": {key: t.to_json() for key, t in self.tensors.items()},
@@ -323,8 +324,9 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
             raise FormatError(f"{where}: file {name!r} has a negative size")
         files[name] = FileEntry(size, rank)
     state = _expect(raw, "state", dict, where)
-    if state.get("file") != STATE_NAME:
-        raise FormatError(f"{where}: state file must be {STATE_NAME!r}")
+    state_file = check_component(state.get("file"), where)
+    if not (state_file.startswith("state") and state_file.endswith(".json")):
+        raise FormatError(f"{where}: state file {state_file!r} must be named state*.json")
     state_size = _expect(state, "size", int, where)
     if not 0 <= state_size <= MAX_JSON_BYTES:
         raise FormatError(f"{where}: state size {state_size} is out of range")
@@ -353,6 +355,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         hash_algorithm=algorithm,
         hash_block_size=block,
         format_version=version,
+        state_file=state_file,
     )
 
 

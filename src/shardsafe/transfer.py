@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from .errors import FormatError, IntegrityError
-from .format import SHARD_PATTERN, ChunkEntry, HeaderEntry, Manifest, build_safetensors_header, element_size, numel
+from .format import ChunkEntry, HeaderEntry, Manifest, build_safetensors_header, element_size, numel
 from .integrity import BlockHasher, hash_blocks
+from .objectstore import RemoteDir
 from .plan import LocalChunk, ReadOp, contiguous_span
-from .storage import pread_into, safe_child, tensor_bytes, tensor_pieces, write_tensor_file
+from .storage import pread_into, safe_child, tensor_bytes, tensor_pieces
 
 
 def chunk_name(chunk: LocalChunk) -> str:
@@ -31,8 +33,16 @@ def chunk_name(chunk: LocalChunk) -> str:
 ReuseMap = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, ChunkEntry]]
 
 
+class ShardSink(Protocol):
+    """Where one save's shard files go (a local temporary folder, or an object-store prefix)."""
+
+    def shard_name(self, rank: int) -> str: ...
+
+    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]: ...
+
+
 def write_rank_file(
-    folder: Path, rank: int, chunks: list[LocalChunk], block_size: int, fsync: bool = True, reuse: ReuseMap | None = None
+    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseMap | None = None
 ) -> tuple[str | None, int, list[tuple[LocalChunk, ChunkEntry]]]:
     """Write this rank's chunks into its own shard file; returns (file name, size, entries).
 
@@ -52,10 +62,10 @@ def write_rank_file(
         to_write.append(chunk)
     if not to_write:
         return None, 0, entries
-    name = SHARD_PATTERN.format(rank=rank)
+    name = sink.shard_name(rank)
     header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in to_write]
     prefix, ranges = build_safetensors_header(header)
-    size, digests_list = write_tensor_file(folder / name, prefix, [c.tensor for c in to_write], block_size, fsync, rank)
+    size, digests_list = sink.write_shard(name, prefix, [c.tensor for c in to_write], block_size, rank)
     entries += [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(to_write, ranges, digests_list)]
     return name, size, entries
 
@@ -70,15 +80,83 @@ def reuse_map(manifest: Manifest, checkpoint_name: str) -> ReuseMap:
     return out
 
 
+class LocalSource:
+    """Shard files of a checkpoint folder on the local filesystem (or a shared mount)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._fds: dict[tuple[str | None, str], int] = {}
+
+    def describe(self, checkpoint: str | None, file: str) -> str:
+        return str(self._path(checkpoint, file))
+
+    def _path(self, checkpoint: str | None, file: str) -> Path:
+        if checkpoint is None:
+            return safe_child(self.folder, file)
+        return safe_child(safe_child(self.folder.parent, checkpoint), file)
+
+    def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
+        ident = (checkpoint, file)
+        if ident not in self._fds:
+            path = self._path(checkpoint, file)
+            try:
+                self._fds[ident] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            except FileNotFoundError:
+                raise IntegrityError(f"{path}: shard file is missing") from None
+            except OSError as exc:
+                raise IntegrityError(f"{path}: cannot open shard file ({exc.strerror})") from None
+        fd = self._fds[ident]
+        return fd, os.fstat(fd).st_size
+
+    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: str) -> None:
+        pread_into(handle, views, offset, where)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class RemoteSource:
+    """Shard objects of a checkpoint under an fsspec URL; each read is one ranged GET."""
+
+    def __init__(self, folder: RemoteDir) -> None:
+        self.folder = folder
+        self._sizes: dict[tuple[str | None, str], int] = {}
+
+    def _dir(self, checkpoint: str | None) -> RemoteDir:
+        return self.folder if checkpoint is None else self.folder.parent.child(checkpoint)
+
+    def describe(self, checkpoint: str | None, file: str) -> str:
+        return f"{self._dir(checkpoint).url}/{file}"
+
+    def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
+        ident = (checkpoint, file)
+        if ident not in self._sizes:
+            folder = self._dir(checkpoint)
+            try:
+                self._sizes[ident] = folder.size(file)
+            except FileNotFoundError:
+                raise IntegrityError(f"{folder.url}/{file}: shard object is missing") from None
+        return (self._dir(checkpoint), file), self._sizes[ident]
+
+    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: str) -> None:
+        folder, file = handle
+        folder.read_into(file, views, offset, where)
+
+    def close(self) -> None:
+        self._sizes.clear()
+
+
 class ChunkReader:
     """Positional, verified reads from a committed checkpoint's files."""
 
-    def __init__(self, folder: Path, manifest: Manifest, verify: bool = True) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path | RemoteDir, manifest: Manifest, verify: bool = True) -> None:
+        self.source: LocalSource | RemoteSource = RemoteSource(folder) if isinstance(folder, RemoteDir) else LocalSource(folder)
         self.manifest = manifest
         self.verify = verify
         self.block = manifest.hash_block_size
-        self._fds: dict[tuple[str | None, str], int] = {}
+        self._checked: set[tuple[str | None, str]] = set()
 
     def __enter__(self) -> ChunkReader:
         return self
@@ -87,37 +165,25 @@ class ChunkReader:
         self.close()
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.source.close()
 
-    def path_of(self, chunk: ChunkEntry) -> Path:
-        if chunk.checkpoint is None:
-            return safe_child(self.folder, chunk.file)
-        sibling = safe_child(self.folder.parent, chunk.checkpoint)
-        return safe_child(sibling, chunk.file)
+    def path_of(self, chunk: ChunkEntry) -> str:
+        return self.source.describe(chunk.checkpoint, chunk.file)
 
-    def open(self, chunk: ChunkEntry) -> int:
+    def open(self, chunk: ChunkEntry) -> Any:
         """Open (once) the file holding ``chunk``, checking it is as large as the manifest says."""
+        handle, size = self.source.open(chunk.checkpoint, chunk.file)
         ident = (chunk.checkpoint, chunk.file)
-        fd = self._fds.get(ident)
-        if fd is None:
-            path = self.path_of(chunk)
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            except FileNotFoundError:
-                raise IntegrityError(f"{path}: shard file is missing") from None
-            except OSError as exc:
-                raise IntegrityError(f"{path}: cannot open shard file ({exc.strerror})") from None
-            size = os.fstat(fd).st_size
+        if ident not in self._checked:
             expected = self.manifest.files[chunk.file].size if chunk.checkpoint is None else None
             if (expected is not None and size != expected) or size < chunk.end:
-                os.close(fd)
-                raise IntegrityError(
-                    f"{path}: file is {size} bytes, the manifest expects {expected if expected is not None else chunk.end} (truncated or altered)"
-                )
-            self._fds[ident] = fd
-        return fd
+                shown = expected if expected is not None else chunk.end
+                raise IntegrityError(f"{self.path_of(chunk)}: file is {size} bytes, the manifest expects {shown} (truncated or altered)")
+            self._checked.add(ident)
+        return handle
+
+    def read_raw(self, chunk: ChunkEntry, views: list[memoryview], offset: int, where: str) -> None:
+        self.source.read_into(self.open(chunk), views, offset, where)
 
     def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None:
         """Read elements [start, stop) of ``chunk`` into ``dest``, verifying the blocks touched."""
@@ -125,17 +191,16 @@ class ChunkReader:
         lo, hi = start * es, stop * es
         if hi <= lo:
             return
-        fd = self.open(chunk)
         where = f"{self.path_of(chunk)} (tensor {key!r}, chunk at {list(chunk.offsets)})"
         if not self.verify:
-            pread_into(fd, [dest], chunk.begin + lo, where)
+            self.read_raw(chunk, [dest], chunk.begin + lo, where)
             return
         chunk_bytes = chunk.end - chunk.begin
         block_lo = lo // self.block * self.block
         block_hi = min(-(-hi // self.block) * self.block, chunk_bytes)
         head = memoryview(bytearray(lo - block_lo))
         tail = memoryview(bytearray(block_hi - hi))
-        pread_into(fd, [head, dest, tail], chunk.begin + block_lo, where)
+        self.read_raw(chunk, [head, dest, tail], chunk.begin + block_lo, where)
         hasher = BlockHasher(self.block)
         for piece in (head, dest, tail):
             hasher.update(piece)

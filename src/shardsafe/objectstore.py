@@ -1,0 +1,118 @@
+"""Object stores and other fsspec URLs (``s3://bucket/prefix``, ``memory://``, ...).
+
+There is no rename on an object store, so the commit protocol differs from the local one (see
+commit.py): every save writes its data under names unique to that save, and the single PUT of
+``manifest.json`` is the commit. This module only moves bytes; it knows nothing of checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .errors import FormatError, IntegrityError
+from .format import check_component
+from .integrity import BlockHasher
+from .storage import tensor_pieces
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for fsspec URLs other than plain local paths (``file://`` counts as local)."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def local_path_of(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    if isinstance(path, str) and path.startswith("file://"):
+        return path[len("file://") :]
+    return path
+
+
+class RemoteDir:
+    """A "folder" (key prefix) on an fsspec filesystem."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, root = fsspec.core.url_to_fs(self.url)
+        self.root = root.rstrip("/")
+
+    def child(self, name: str) -> RemoteDir:
+        check_component(name, self.url)
+        return RemoteDir(f"{self.url}/{name}")
+
+    @property
+    def parent(self) -> RemoteDir:
+        return RemoteDir(self.url.rsplit("/", 1)[0])
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[1]
+
+    def key(self, name: str) -> str:
+        check_component(name, self.url)
+        return f"{self.root}/{name}"
+
+    def exists(self, name: str) -> bool:
+        return bool(self.fs.exists(self.key(name)))
+
+    def size(self, name: str) -> int:
+        return int(self.fs.size(self.key(name)))
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        size = self.size(name)
+        if size > limit:
+            raise FormatError(f"{self.url}/{name}: {size} bytes is more than the {limit} allowed")
+        data = self.fs.cat_file(self.key(name))
+        return bytes(data)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self.key(name), data)
+
+    def write_tensors(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int) -> tuple[int, list[list[str]]]:
+        """Stream ``prefix`` and the tensors into one object (multipart upload), hashing blocks."""
+        digests: list[list[str]] = []
+        size = len(prefix)
+        with self.fs.open(self.key(name), "wb") as f:
+            f.write(prefix)
+            for tensor in tensors:
+                hasher = BlockHasher(block_size)
+                for piece in tensor_pieces(tensor):
+                    hasher.update(piece)
+                    f.write(piece)
+                    size += len(piece)
+                digests.append(hasher.finish())
+        return size, digests
+
+    def read_into(self, name: str, views: Iterable[memoryview], offset: int, where: str) -> None:
+        """Fill ``views`` from consecutive bytes at ``offset`` with one ranged GET."""
+        views = [v for v in views if len(v)]
+        total = sum(len(v) for v in views)
+        if not total:
+            return
+        data = self.fs.cat_file(self.key(name), start=offset, end=offset + total)
+        if len(data) != total:
+            raise IntegrityError(f"{where}: object ends early at byte {offset + len(data)} (truncated)")
+        pos = 0
+        for v in views:
+            v[:] = data[pos : pos + len(v)]
+            pos += len(v)
+
+    def list(self) -> list[str]:
+        try:
+            entries: Any = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def remove(self, names: Iterable[str]) -> None:
+        keys = [self.key(n) for n in names]
+        if keys:
+            self.fs.rm(keys)
+
+    def remove_all(self) -> None:
+        if self.fs.exists(self.root):
+            self.fs.rm(self.root, recursive=True)
