@@ -37,7 +37,7 @@ from .transfer import ChunkReader, ReuseMap, write_rank_file
 
 
 def save(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | RemoteDir,
     state: dict[str, Any],
     *,
     process_group: Any = None,
@@ -160,7 +160,7 @@ class _Loaded:
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | RemoteDir,
     state: dict[str, Any],
     *,
     process_group: Any = None,
@@ -293,7 +293,7 @@ def _lazy_lookup(reader: ChunkReader, manifest: Manifest) -> Any:
     return lookup
 
 
-def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     """Check a checkpoint completely: manifest, state file, shard headers and every block hash.
 
     Raises a :class:`~shardsafe.errors.ShardsafeError` naming the file and tensor on the first

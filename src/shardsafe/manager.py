@@ -38,12 +38,13 @@ import torch
 import torch.distributed as dist
 
 from .adapters import SaveView, describe_for_save
-from .api import load, write_checkpoint
+from .api import load, location, write_checkpoint
 from .comm import Comm, get_comm
 from .commit import OLD_MARK, TMP_MARK, is_committed
 from .errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
 from .faults import crash_point
-from .format import MANIFEST_NAME, MAX_JSON_BYTES, parse_manifest
+from .format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
+from .objectstore import RemoteDir
 from .plan import LocalChunk
 from .storage import fsync_dir, read_small_file, remove_tree
 from .transfer import ReuseMap, reuse_map
@@ -63,7 +64,7 @@ def step_name(step: int) -> str:
 @dataclass
 class CheckpointInfo:
     step: int
-    path: Path
+    path: Path | RemoteDir
     size: int
     metrics: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0
@@ -71,21 +72,39 @@ class CheckpointInfo:
     latest: bool = False
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Steps with a committed (manifest-bearing) folder, ascending."""
+Root = Path | RemoteDir
+
+
+def _child(root: Root, name: str) -> Root:
+    return root.child(name) if isinstance(root, RemoteDir) else root / name
+
+
+def _has_manifest(folder: Root) -> bool:
+    return folder.exists(MANIFEST_NAME) if isinstance(folder, RemoteDir) else is_committed(folder)
+
+
+def _read_manifest(folder: Root) -> Manifest:
+    if isinstance(folder, RemoteDir):
+        return parse_manifest(folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{folder.url}/{MANIFEST_NAME}")
+    return parse_manifest(read_small_file(folder / MANIFEST_NAME, MAX_JSON_BYTES), str(folder / MANIFEST_NAME))
+
+
+def _step_folders(root: Root) -> list[str]:
+    if isinstance(root, RemoteDir):
+        return [name for name in root.list() if STEP_RE.match(name)]
     if not root.is_dir():
         return []
-    steps = []
-    for entry in os.scandir(root):
-        match = STEP_RE.match(entry.name)
-        if match and entry.is_dir(follow_symlinks=False) and is_committed(Path(entry.path)):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return [e.name for e in os.scandir(root) if STEP_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
 
 
-def read_info(root: Path, step: int) -> CheckpointInfo:
-    path = root / step_name(step)
-    manifest = parse_manifest(read_small_file(path / MANIFEST_NAME, MAX_JSON_BYTES), str(path / MANIFEST_NAME))
+def committed_steps(root: Root) -> list[int]:
+    """Steps with a committed (manifest-bearing) folder, ascending."""
+    return sorted(int(name[len("step-") :]) for name in _step_folders(root) if _has_manifest(_child(root, name)))
+
+
+def read_info(root: Root, step: int) -> CheckpointInfo:
+    path = _child(root, step_name(step))
+    manifest = _read_manifest(path)
     meta = manifest.metadata.get(META_KEY)
     metrics = meta.get("metrics") if isinstance(meta, dict) else None
     return CheckpointInfo(step, path, manifest.total_bytes, dict(metrics) if isinstance(metrics, dict) else {}, manifest.created)
@@ -122,12 +141,11 @@ def choose_kept(
     return keep, best
 
 
-def references(root: Path, steps: list[int] | None = None) -> dict[str, set[str]]:
+def references(root: Root, steps: list[int] | None = None) -> dict[str, set[str]]:
     """Folder name -> its files that the given committed checkpoints (default: all) point into."""
     out: dict[str, set[str]] = {}
     for step in committed_steps(root) if steps is None else steps:
-        path = root / step_name(step) / MANIFEST_NAME
-        manifest = parse_manifest(read_small_file(path, MAX_JSON_BYTES), str(path))
+        manifest = _read_manifest(_child(root, step_name(step)))
         for entry in manifest.tensors.values():
             for chunk in entry.chunks:
                 if chunk.checkpoint is not None:
@@ -135,13 +153,16 @@ def references(root: Path, steps: list[int] | None = None) -> dict[str, set[str]
     return out
 
 
-def retire(root: Path, step: int, keep_files: set[str] | None = None) -> None:
+def retire(root: Root, step: int, keep_files: set[str] | None = None) -> None:
     """Make a checkpoint disappear atomically, then delete its data.
 
     Unreferenced: rename to a hidden name, then delete; a crash between the two leaves only a
     hidden folder for ``gc``. Referenced by a kept checkpoint (stored-once data): remove its
     manifest first (it is no longer a checkpoint), then every file nothing points into.
     """
+    if isinstance(root, RemoteDir):
+        _retire_remote(root.child(step_name(step)), keep_files or set())
+        return
     folder = root / step_name(step)
     if keep_files:
         (folder / MANIFEST_NAME).unlink()
@@ -154,6 +175,13 @@ def retire(root: Path, step: int, keep_files: set[str] | None = None) -> None:
     fsync_dir(root)
     crash_point("retention:after-rename", 0)
     remove_tree(hidden)
+
+
+def _retire_remote(folder: RemoteDir, keep: set[str]) -> None:
+    """No rename on object stores: deleting the manifest (the commit marker) retires it at once."""
+    folder.remove([MANIFEST_NAME])
+    crash_point("retention:after-rename", 0)
+    folder.remove([name for name in folder.list() if name not in keep])
 
 
 def _remove_unreferenced(folder: Path, keep: set[str]) -> list[Path]:
@@ -174,8 +202,8 @@ def list_checkpoints(root: str | os.PathLike[str], best_metric: str | None = Non
 
     The best metric and mode default to what the manager recorded in the newest checkpoint.
     """
-    root = Path(root)
-    infos = [read_info(root, s) for s in committed_steps(root)]
+    where = location(root)
+    infos = [read_info(where, s) for s in committed_steps(where)]
     if not infos:
         return infos
     if best_metric is None:
@@ -189,21 +217,24 @@ def list_checkpoints(root: str | os.PathLike[str], best_metric: str | None = Non
     return infos
 
 
-def _manager_meta(path: Path) -> dict[str, Any]:
-    manifest = parse_manifest(read_small_file(path / MANIFEST_NAME, MAX_JSON_BYTES), str(path / MANIFEST_NAME))
+def _manager_meta(path: Root) -> dict[str, Any]:
+    manifest = _read_manifest(path)
     meta = manifest.metadata.get(META_KEY)
     return meta if isinstance(meta, dict) else {}
 
 
-def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: float = 0.0) -> list[Path]:
+def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: float = 0.0) -> list[Path | str]:
     """Remove what interrupted saves and deletions left: hidden temporary, old and deleting folders,
     and step folders without a manifest. Only entries older than ``min_age`` seconds are touched,
     so a save in progress in another job is not disturbed. Returns what was (or would be) removed.
     """
-    root = Path(root)
+    where = location(root)
+    if isinstance(where, RemoteDir):
+        return _collect_remote_garbage(where, dry_run)
+    root = where
     now = time.time()
     referenced = references(root)
-    garbage = []
+    garbage: list[Path | str] = []
     for entry in sorted(os.scandir(root), key=lambda e: e.name) if root.is_dir() else []:
         if not entry.is_dir(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime < min_age:
             continue
@@ -220,6 +251,21 @@ def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_
             garbage.append(path)
             if not dry_run:
                 remove_tree(path)
+    return garbage
+
+
+def _collect_remote_garbage(root: RemoteDir, dry_run: bool) -> list[Path | str]:
+    """Step prefixes without a manifest (interrupted saves or retirements), minus referenced data."""
+    referenced = references(root)
+    garbage: list[Path | str] = []
+    for name in _step_folders(root):
+        folder = root.child(name)
+        if folder.exists(MANIFEST_NAME):
+            continue
+        doomed = [n for n in folder.list() if n not in referenced.get(name, set())]
+        garbage += [f"{folder.url}/{n}" for n in doomed]
+        if not dry_run:
+            folder.remove(doomed)
     return garbage
 
 
@@ -291,7 +337,7 @@ class CheckpointManager:
             raise ValueError("keep_best needs best_metric (the metrics key to rank checkpoints by)")
         if async_save not in (False, True, "overlap"):
             raise ValueError(f"async_save must be False, True or 'overlap', not {async_save!r}")
-        self.root = Path(root).absolute()
+        self.root = location(root)
         self.keep_last, self.keep_best = keep_last, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_every = save_every
@@ -316,8 +362,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ queries
 
-    def step_path(self, step: int) -> Path:
-        return self.root / step_name(step)
+    def step_path(self, step: int) -> Path | RemoteDir:
+        return _child(self.root, step_name(step))
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -386,14 +432,13 @@ class CheckpointManager:
         if not earlier:
             return None
         name = step_name(earlier[-1])
-        path = self.root / name / MANIFEST_NAME
-        return reuse_map(parse_manifest(read_small_file(path, MAX_JSON_BYTES), str(path)), name)
+        return reuse_map(_read_manifest(_child(self.root, name)), name)
 
     def _check_not_referenced(self, step: int) -> None:
         name = step_name(step)
-        if (self.root / name).exists() and name in references(self.root, [s for s in self.steps() if s != step]):
+        if name in references(self.root, [s for s in self.steps() if s != step]):
             raise SaveError(
-                f"{self.root / name}: other checkpoints store tensors in this folder (dedup); "
+                f"{self.step_path(step)}: other checkpoints store tensors in this folder (dedup); "
                 "it cannot be overwritten - delete the later checkpoints first or save under another step"
             )
 
