@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.pop("SHARDSAFE_CRASH_AT", None)  # a stray crash point would kill the test process itself
+for _variable in ("SHARDSAFE_CRASH_AT", "SHARDSAFE_FAIL_AT"):
+    os.environ.pop(_variable, None)  # a stray fault point would kill or fail the test process itself
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:

@@ -39,9 +39,7 @@ if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks are on this machine; avoid depending on DNS
 
 import torch  # noqa: E402
-import torch._dynamo  # noqa: E402,F401  (imported lazily by fully_shard; preloaded so forked ranks skip it)
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint.state_dict  # noqa: E402,F401
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -50,6 +48,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 import shardsafe  # noqa: E402,F401
 
 TESTS_DIR = Path(__file__).resolve().parent
+# torch._dynamo is what fully_shard imports lazily (seconds); preloaded, forked ranks skip that too.
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "shardsafe", "pytest"]
 PG_TIMEOUT_S = 60.0  # a collective waiting on a dead peer fails after this (the launcher kills first)
 LAUNCH_TIMEOUT_S = 150.0
@@ -211,6 +210,7 @@ def torchrun_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("SHARDSAFE_CRASH_AT", None)
+    env.pop("SHARDSAFE_FAIL_AT", None)
     return env
 
 
@@ -226,6 +226,20 @@ def pid_alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def kill_leftover_workers(out_dir: str | os.PathLike[str]) -> list[int]:
+    """SIGKILL any rank of a torchrun launch into ``out_dir`` that is still running; returns their pids."""
+    killed = []
+    for pid in worker_pids(out_dir):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if pid_alive(pid) and str(out_dir) in cmdline:  # the pid is still ours, not a reused one
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
 
 
 def load_results(out_dir: str | os.PathLike[str], world_size: int) -> list[Any]:
@@ -257,6 +271,8 @@ DIMS = (5, 7, 13, 5, 2)  # dim 0 of the weights: 7, 13, 5, 2 - uneven over 2 and
 
 class Net(nn.Module):
     """A small MLP whose weights split unevenly over 2 and 3 ranks; dropout makes training use the RNG."""
+
+    scale: torch.Tensor
 
     def __init__(self, dims: tuple[int, ...] = DIMS, dropout: float = 0.1) -> None:
         super().__init__()

@@ -15,6 +15,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.lr_scheduler import OneCycleLR
+
+import shardsafe
 from dist_utils import (
     assert_optimizer_equal,
     assert_tensors_equal,
@@ -28,9 +31,6 @@ from dist_utils import (
     train_step,
     typed,
 )
-from torch.optim.lr_scheduler import OneCycleLR
-
-import shardsafe
 
 N_STEPS = 6
 SAVE_AT = 3

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+
+import shardsafe
 from dist_utils import (
     assert_optimizer_equal,
     assert_tensors_equal,
@@ -26,8 +28,6 @@ from dist_utils import (
     shard,
     train,
 )
-
-import shardsafe
 
 
 def save_trained(rank: int, world_size: int, path: str, seed: int) -> dict[str, Any]:

@@ -56,8 +56,28 @@ def save(
     comm = get_comm(process_group)
     if metadata is not None:
         dump_json(metadata)  # fail early, on every rank, on metadata that is not JSON
-    view = describe_for_save(state, comm.rank)
+    view = describe_collectively(state, comm)
     return write_checkpoint(location(path), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
+
+
+def describe_collectively(state: dict[str, Any], comm: Comm) -> SaveView:
+    """Describe this rank's state; if any rank cannot, every rank raises (rather than some waiting forever)."""
+    problem = None
+    view = None
+    try:
+        view = describe_for_save(state, comm.rank)
+    except Exception as exc:
+        problem = _problem(exc, comm.rank)
+    _agree(comm, problem)
+    assert view is not None
+    return view
+
+
+def _problem(exc: Exception, rank: int) -> str:
+    """An error as '<class>|<message>' for :func:`_agree`; unexpected errors become ShardsafeError."""
+    if isinstance(exc, ShardsafeError):
+        return f"{type(exc).__name__}|{exc}"
+    return f"ShardsafeError|rank {rank}: {type(exc).__name__}: {exc}"
 
 
 def location(path: str | os.PathLike[str] | RemoteDir) -> Path | RemoteDir:
@@ -189,8 +209,8 @@ def load(
         if problems:
             raise describe_mismatch(problems)
         loaded = _Loaded(manifest, tree, binding)
-    except ShardsafeError as exc:
-        problem = f"{type(exc).__name__}|{exc}"
+    except Exception as exc:  # shared with every rank below, so none waits alone
+        problem = _problem(exc, comm.rank)
     try:
         _agree(comm, problem)
     except ShardsafeError:
@@ -205,8 +225,8 @@ def load(
             lookup = _lazy_lookup(reader, loaded.manifest)
             for finish in loaded.binding.finalizers:
                 finish(loaded.tree, lookup)
-    except ShardsafeError as exc:
-        problem = f"{type(exc).__name__}|{exc}"
+    except Exception as exc:
+        problem = _problem(exc, comm.rank)
     _agree(comm, problem)
     return loaded.manifest.metadata
 

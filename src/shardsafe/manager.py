@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .adapters import SaveView, describe_for_save
-from .api import load, location, write_checkpoint
+from .adapters import SaveView
+from .api import describe_collectively, load, location, write_checkpoint
 from .comm import Comm, get_comm
 from .commit import OLD_MARK, TMP_MARK, is_committed
 from .errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
@@ -391,7 +391,7 @@ class CheckpointManager:
         if self.dedup:
             self._check_not_referenced(step)
         metadata = {META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode}}
-        view = describe_for_save(state, self.comm.rank)
+        view = describe_collectively(state, self.comm)
         if not self.async_save or preempted:
             self._write(step, view, metadata)
         else:
