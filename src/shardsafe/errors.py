@@ -42,3 +42,7 @@ class DistributedError(ShardsafeError):
 
 class ModelFolderError(ShardsafeError):
     """A model folder's weights are missing, empty, or smaller than its index or manifest says."""
+
+
+class PushError(ShardsafeError):
+    """Uploading a model folder to the Hub or an object store failed (names the destination and the file)."""
