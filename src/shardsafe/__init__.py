@@ -11,11 +11,15 @@ from .errors import (  # noqa: E402
     DistributedError,
     FormatError,
     IntegrityError,
+    PushError,
     SaveError,
     ShardsafeError,
     StateMismatchError,
 )
+from .export import export_hf  # noqa: E402
+from .hub import push  # noqa: E402
 from .manager import CheckpointManager, collect_garbage, list_checkpoints  # noqa: E402
+from .pretrained import save_pretrained  # noqa: E402
 from .rng import RNGState  # noqa: E402
 
 __all__ = [
@@ -25,14 +29,18 @@ __all__ = [
     "DistributedError",
     "FormatError",
     "IntegrityError",
+    "PushError",
     "RNGState",
     "SaveError",
     "ShardsafeError",
     "StateMismatchError",
     "__version__",
     "collect_garbage",
+    "export_hf",
     "list_checkpoints",
     "load",
+    "push",
     "save",
+    "save_pretrained",
     "verify",
 ]

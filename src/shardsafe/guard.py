@@ -81,6 +81,8 @@ def check_model_folder(folder: str | os.PathLike[str]) -> ModelFolderSummary:
         return summary
     if (folder / MANIFEST_NAME).is_file():
         return _check_checkpoint(folder)
+    if (folder / "checkpoint" / MANIFEST_NAME).is_file():  # save_pretrained(gather_16bit=False): config + checkpoint/
+        return _check_checkpoint(safe_child(folder, "checkpoint"))
     pickles = [name for name in PICKLE_FILES if (folder / name).exists()]
     if pickles:
         raise ModelFolderError(f"{folder}: holds {pickles[0]}, a pickle; shardsafe only publishes safetensors weights")

@@ -1,0 +1,622 @@
+"""Hugging Face model folders: shard planning, a streaming safetensors writer, and export.
+
+A Hugging Face model folder holds ``model.safetensors`` (or ``model-0000k-of-0000N.safetensors``
+plus ``model.safetensors.index.json``), ``config.json`` and, for generative models,
+``generation_config.json``. This module writes one tensor at a time: every file's header is
+computed up front from names, dtypes and shapes (known before any byte is read), then each
+tensor is fetched, cast and streamed straight after it, so memory is bounded by the largest
+tensor, not the model.
+
+:func:`export_hf` consolidates a sharded shardsafe checkpoint (or a model folder written by
+``save_pretrained(..., gather_16bit=False)``) into such a folder in one process. What it reads
+from is a :class:`TensorSource` (names, dtypes, shapes, ``read(name)``), so other checkpoint
+formats can plug in. ``shardsafe export`` is its command line (:func:`add_export_command`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .adapters import tensor_keys_of
+from .comm import Comm
+from .commit import open_checkpoint, prepare, publish
+from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, ShardsafeError
+from .format import (
+    MANIFEST_NAME,
+    MAX_JSON_BYTES,
+    HeaderEntry,
+    TensorEntry,
+    build_safetensors_header,
+    dtype_from_name,
+    dtype_name,
+    element_size,
+    numel,
+    parse_json,
+)
+from .guard import INDEX_FILE, SINGLE_FILE, check_model_folder
+from .plan import plan_reads
+from .storage import fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
+from .transfer import ChunkReader
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+CHECKPOINT_DIR = "checkpoint"  # where save_pretrained(gather_16bit=False) puts the sharded checkpoint
+EXPORT_META = "shardsafe_export"  # checkpoint metadata key save_pretrained records for export
+SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+# Decimal units, as huggingface_hub.parse_size_to_int uses (5GB = 5 * 10**9 bytes); binary ones too.
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"``, ``"20KB"`` (decimal, as Hugging Face uses)."""
+    if isinstance(size, bool):
+        raise ValueError(f"invalid size {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        match = _SIZE.match(str(size))
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _UNITS and unit != "":
+            raise ValueError(f"invalid size {size!r}: expected a number with a unit such as 5GB, 500MB, 20KB")
+        value = int(float(match.group(1)) * _UNITS[unit or "B"])
+    if value <= 0:
+        raise ValueError(f"invalid size {size!r}: must be positive")
+    return value
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the output: its name in the model folder, dtype and shape as written."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * element_size(self.dtype)
+
+
+@dataclass
+class ShardPlan:
+    """Which tensors go into which file, in write order."""
+
+    files: list[tuple[str, list[TensorInfo]]]
+
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.files) > 1
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for _, infos in self.files for t in infos)
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return [t for _, infos in self.files for t in infos]
+
+    def weight_map(self) -> dict[str, str]:
+        return {t.name: file for file, infos in self.files for t in infos}
+
+    def describe(self) -> list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]:
+        """A small, comparable description (ranks check they planned the same thing)."""
+        return [(file, [(t.name, dtype_name(t.dtype), t.shape) for t in infos]) for file, infos in self.files]
+
+
+def plan_shards(tensors: list[TensorInfo], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> ShardPlan:
+    """Split ``tensors`` (in state-dict order) into files the way ``huggingface_hub`` does.
+
+    Greedy, in order: a tensor that would push the current file over ``max_shard_size`` starts a
+    new one; a tensor larger than the limit gets a file of its own. One file is named
+    ``model.safetensors``, several ``model-0000k-of-0000N.safetensors``.
+    """
+    limit = parse_size(max_shard_size)
+    seen: set[str] = set()
+    groups: list[list[TensorInfo]] = []
+    current: list[TensorInfo] = []
+    current_size = 0
+    for info in tensors:
+        if info.name in seen:
+            raise ShardsafeError(f"tensor {info.name!r} is listed twice")
+        seen.add(info.name)
+        if info.nbytes > limit:
+            groups.append([info])
+            continue
+        if current and current_size + info.nbytes > limit:
+            groups.append(current)
+            current, current_size = [], 0
+        current.append(info)
+        current_size += info.nbytes
+    if current:
+        groups.append(current)
+    if not groups:
+        raise ShardsafeError("no tensors to write")
+    if len(groups) == 1:
+        return ShardPlan([(SINGLE_FILE, groups[0])])
+    return ShardPlan([(SHARD_FILE.format(index=i + 1, count=len(groups)), g) for i, g in enumerate(groups)])
+
+
+def output_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """Floating-point tensors are cast to ``dtype``; integer and bool tensors keep theirs."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class SafetensorsStreamWriter:
+    """Writes one safetensors file whose tensors arrive one by one, in header order.
+
+    The header is written first (all shapes are known up front); each :meth:`write` streams one
+    tensor's bytes (device tensors through a bounded host buffer). The file is created with
+    ``O_EXCL`` and must be completed by :meth:`close`, which checks every tensor was written.
+    """
+
+    def __init__(self, path: Path, tensors: list[TensorInfo]) -> None:
+        self.path = path
+        self.tensors = tensors
+        prefix, ranges = build_safetensors_header([HeaderEntry(t.name, t.dtype, t.shape) for t in tensors])
+        self.size = ranges[-1][1] if ranges else len(prefix)
+        self._next = 0
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._pos = 0
+        self._write(memoryview(prefix))
+
+    def _write(self, view: memoryview) -> None:
+        assert self._fd is not None
+        while len(view):
+            written = os.write(self._fd, view[: 1 << 30])
+            view = view[written:]
+            self._pos += written
+
+    def write(self, tensor: torch.Tensor) -> None:
+        if self._next >= len(self.tensors):
+            raise ShardsafeError(f"{self.path}: more tensors written than its header lists")
+        info = self.tensors[self._next]
+        if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
+            raise ShardsafeError(
+                f"{self.path}: tensor {info.name!r} is {tensor.dtype} {list(tensor.shape)}, the header says {info.dtype} {list(info.shape)}"
+            )
+        for piece in tensor_pieces(tensor):
+            self._write(piece)
+        self._next += 1
+
+    def close(self, fsync: bool = True) -> None:
+        if self._fd is None:
+            return
+        try:
+            if self._next != len(self.tensors) or self._pos != self.size:
+                raise ShardsafeError(f"{self.path}: {self._next} of {len(self.tensors)} tensors written ({self._pos} of {self.size} bytes)")
+            if fsync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def index_bytes(plan: ShardPlan, total_parameters: int | None = None) -> bytes:
+    """``model.safetensors.index.json`` as transformers writes it (sorted keys, indent 2)."""
+    metadata: dict[str, Any] = {"total_size": plan.total_size}
+    if total_parameters is not None:
+        metadata["total_parameters"] = total_parameters
+    index = {"metadata": metadata, "weight_map": plan.weight_map()}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_index(folder: Path, plan: ShardPlan, total_parameters: int | None = None, fsync: bool = True) -> None:
+    if plan.is_sharded:
+        write_small_file(folder / INDEX_FILE, index_bytes(plan, total_parameters), fsync)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """What an export reads from: named whole tensors, fetched one at a time.
+
+    ``tensors()`` lists what to write, in state-dict order, with names as they appear in the model
+    folder and the *stored* dtype (tied aliases already left out). ``read(name)`` returns that
+    whole tensor (CPU, stored dtype). ``config_files()`` names files to copy next to the
+    weights (``config.json``, ``generation_config.json``); ``default_dtype`` is the dtype to
+    export in when the caller gives none (None: keep the stored dtypes).
+    """
+
+    default_dtype: torch.dtype | None
+
+    def tensors(self) -> list[TensorInfo]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+    def config_files(self) -> dict[str, Path]: ...
+
+    def close(self) -> None: ...
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """(model folder, checkpoint folder) for a checkpoint or a ``gather_16bit=False`` model folder."""
+    folder = Path(path).absolute()
+    if (folder / MANIFEST_NAME).is_file():
+        return folder, folder
+    inner = folder / CHECKPOINT_DIR
+    if (inner / MANIFEST_NAME).is_file():
+        safe_child(folder, CHECKPOINT_DIR)
+        return folder, inner
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"{folder}: no such folder")
+    raise CheckpointNotFoundError(
+        f"{folder}: neither a shardsafe checkpoint ({MANIFEST_NAME}) nor a model folder holding one in {CHECKPOINT_DIR}/{MANIFEST_NAME}"
+    )
+
+
+class CheckpointSource:
+    """The tensors of one state entry (``key``, e.g. ``model``) of a committed shardsafe checkpoint.
+
+    Each :meth:`read` allocates the whole tensor and fills it with verified positional reads of
+    only the chunks it needs (``plan_reads`` + ``ChunkReader``), whatever the saving world size.
+    ``aliases`` (name -> the name it is tied to) are left out when both hold the same values;
+    save_pretrained records them in the checkpoint metadata, and ``export_hf`` derives them from a
+    transformers config.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], key: str = "model", *, verify: bool = True, aliases: dict[str, str] | None = None) -> None:
+        self.model_folder, self.folder = find_checkpoint(path)
+        self.manifest, self.tree = open_checkpoint(self.folder)
+        self.key = key
+        self.prefix = f"{key}/" if key else ""
+        meta = self.manifest.metadata.get(EXPORT_META)
+        self.export_meta: dict[str, Any] = meta if isinstance(meta, dict) and meta.get("key", key) == key else {}
+        stored = self.export_meta.get("dtype")
+        self.default_dtype: torch.dtype | None = dtype_from_name(stored, "checkpoint metadata") if stored is not None else None
+        total = self.export_meta.get("total_parameters")
+        self.total_parameters: int | None = total if isinstance(total, int) and not isinstance(total, bool) else None
+        self._order = self._ordered_keys()
+        if not self._order:
+            names = sorted({k.split("/", 1)[0] for k in self.manifest.tensors})
+            raise FormatError(f"{self.folder}: no tensors under {key!r} (the checkpoint holds {names}); pick one with key=/--key")
+        recorded = self.export_meta.get("aliases")
+        self.aliases_recorded = isinstance(recorded, dict)
+        self.aliases: dict[str, str] = {}
+        self.tie(recorded if isinstance(recorded, dict) else aliases or {})
+        self._reader = ChunkReader(self.folder, self.manifest, verify)
+
+    def _ordered_keys(self) -> list[str]:
+        """Tensor keys under the prefix, in the state-dict order recorded in state.json."""
+        keys = [k for k in self.manifest.tensors if k.startswith(self.prefix)]
+        entry = self.tree.get(self.key) if self.key else None
+        recorded = tensor_keys_of(entry.get("state")) if isinstance(entry, dict) else []
+        present = set(keys)
+        ordered = [k for k in recorded if k in present]
+        listed = set(ordered)
+        return ordered + sorted(k for k in keys if k not in listed)
+
+    def _entry(self, name: str) -> TensorEntry:
+        return self.manifest.tensors[self.prefix + name]
+
+    def tie(self, aliases: dict[str, str]) -> None:
+        """Leave out each ``alias`` (name -> the name it is tied to) that holds the same values as its target."""
+        names = {k[len(self.prefix) :] for k in self._order}
+        self.aliases = {}
+        for alias, target in aliases.items():
+            if alias in names and target in names and alias != target and target not in self.aliases:
+                if _same_stored_content(self._entry(alias), self._entry(target)):
+                    self.aliases[alias] = target
+                else:
+                    log.warning("%s and %s are declared tied but hold different values; both are exported", alias, target)
+
+    def tensors(self) -> list[TensorInfo]:
+        out = []
+        for key in self._order:
+            name = key[len(self.prefix) :]
+            if name in self.aliases:
+                continue
+            entry = self.manifest.tensors[key]
+            out.append(TensorInfo(name, entry.dtype, entry.shape))
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        entry = self._entry(name)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        zeros = (0,) * len(entry.shape)
+        for op in plan_reads(entry, zeros, entry.shape):
+            self._reader.read_into(self.prefix + name, op, entry.dtype, out, zeros)
+        return out
+
+    def config_files(self) -> dict[str, Path]:
+        found = {}
+        for name in CONFIG_FILES:
+            for folder in (self.model_folder, self.folder):
+                if (folder / name).is_file():
+                    found[name] = safe_child(folder, name)
+                    break
+        return found
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> CheckpointSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _same_stored_content(a: TensorEntry, b: TensorEntry) -> bool:
+    """Whether two stored tensors hold the same bytes, judged from their chunk layouts and block hashes."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    layout_a = sorted((c.offsets, c.shape, c.hashes) for c in a.chunks)
+    layout_b = sorted((c.offsets, c.shape, c.hashes) for c in b.chunks)
+    return layout_a == layout_b
+
+
+def hf_tied_aliases(config: Any) -> dict[str, str]:
+    """{alias: source} of the weights a transformers model built from ``config`` ties (e.g. lm_head.weight).
+
+    Builds the model named by ``config.architectures`` on the meta device (no memory) and reads
+    its ``all_tied_weights_keys``; {} when transformers is missing or the model cannot be built.
+    """
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    try:
+        if isinstance(config, dict):
+            config = transformers.AutoConfig.for_model(**config)  # model_type is its first parameter
+        architectures = getattr(config, "architectures", None) or []
+        cls = getattr(transformers, architectures[0], None) if architectures else None
+        with torch.device("meta"):  # no architectures recorded: the causal-LM head is what ties weights
+            model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+        tied = getattr(model, "all_tied_weights_keys", None)
+        return {str(k): str(v) for k, v in (tied or {}).items()}
+    except Exception as exc:  # a config transformers cannot build: export everything
+        log.warning("could not determine tied weights from the config (%s: %s); exporting every tensor", type(exc).__name__, exc)
+        return {}
+
+
+def _load_config(config: Any, files: dict[str, Path]) -> tuple[Any, bytes | None]:
+    """(config for tie detection, config.json bytes to write) from ``config=`` or the source's files."""
+    if config is None:
+        path = files.get("config.json")
+        if path is None:
+            return None, None
+        data = read_small_file(path, MAX_JSON_BYTES)
+        parsed = parse_json(data, str(path))
+        return (parsed if isinstance(parsed, dict) else None), data
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        data = read_small_file(path, MAX_JSON_BYTES)
+        return parse_json(data, str(path)), data
+    if isinstance(config, dict):
+        return config, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    if hasattr(config, "to_json_string"):
+        return config, config.to_json_string(use_diff=True).encode()
+    raise TypeError(f"config must be a transformers config, a dict or a path, got {type(config).__name__}")
+
+
+def _with_dtype(config_json: bytes, dtype: torch.dtype | None) -> bytes:
+    """config.json with its dtype field set to what the weights were exported in."""
+    if dtype is None:
+        return config_json
+    try:
+        data = json.loads(config_json)
+    except ValueError:
+        return config_json
+    if not isinstance(data, dict):
+        return config_json
+    field = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
+    data[field] = dtype_name(dtype)
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def stream_weights(
+    folder: Path,
+    plan: ShardPlan,
+    fetch: Callable[[TensorInfo], torch.Tensor],
+    *,
+    fsync: bool = True,
+    progress: Any = None,
+) -> None:
+    """Write every file of ``plan`` into ``folder``, fetching each tensor only when it is written."""
+    for file, infos in plan.files:
+        writer = SafetensorsStreamWriter(folder / file, infos)
+        try:
+            for info in infos:
+                tensor = fetch(info)
+                writer.write(tensor)
+                del tensor
+                if progress is not None:
+                    progress.update(info.nbytes)
+            writer.close(fsync)
+        finally:
+            writer.abort()
+
+
+def export_hf(
+    src: str | os.PathLike[str] | TensorSource,
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    key: str = "model",
+    config: Any = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    verify: bool = True,
+    fsync: bool = True,
+) -> Path:
+    """Consolidate a sharded checkpoint into a Hugging Face model folder at ``out``, in this process.
+
+    ``src`` is a shardsafe checkpoint, a model folder written by ``save_pretrained(...,
+    gather_16bit=False)``, or any :class:`TensorSource`. Tensors under ``key`` are written under
+    their names without the ``key/`` prefix, one at a time (each read with verified positional
+    reads of just its chunks, then cast), into ``model.safetensors`` or
+    ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json`` by ``max_shard_size``.
+    ``dtype`` casts floating-point tensors (default: what save_pretrained recorded, else the
+    stored dtypes). ``config.json`` / ``generation_config.json`` are copied from the source folder,
+    or ``config`` (a transformers config, dict or path) is written. Tied weights the config
+    declares are written once, as transformers does. The folder is built hidden next to ``out``,
+    checked by the model-folder guard and renamed into place. Returns ``out``.
+    """
+    final = Path(out).absolute()
+    if isinstance(dtype, str):
+        dtype = DTYPE_CHOICES.get(dtype) or dtype_from_name(dtype, "dtype")
+    own = not isinstance(src, TensorSource)
+    source: Any = src
+    if own:
+        assert isinstance(src, (str, os.PathLike))
+        source = CheckpointSource(src, key, verify=verify)
+    try:
+        if final in (getattr(source, "model_folder", None), getattr(source, "folder", None)):
+            raise ShardsafeError(f"{final}: the output folder must not be the source")
+        files = source.config_files()
+        cfg, config_json = _load_config(config, files)
+        if own and not source.aliases_recorded and cfg is not None:
+            source.tie(hf_tied_aliases(cfg))
+        target = dtype if dtype is not None else source.default_dtype
+        stored = source.tensors()
+        plan = plan_shards([TensorInfo(t.name, output_dtype(t.dtype, target), t.shape) for t in stored], max_shard_size)
+        total_parameters = getattr(source, "total_parameters", None) or sum(numel(t.shape) for t in stored)
+        tmp = prepare(Comm(None, 0, 1), final, overwrite)
+        try:
+            from tqdm.auto import tqdm
+
+            with tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress) as bar:
+
+                def fetch(info: TensorInfo) -> torch.Tensor:
+                    return source.read(info.name).to(info.dtype)
+
+                stream_weights(tmp, plan, fetch, fsync=fsync, progress=bar)
+            write_index(tmp, plan, total_parameters, fsync)
+            if config_json is not None:
+                write_small_file(tmp / "config.json", _with_dtype(config_json, target), fsync)
+            if "generation_config.json" in files:
+                write_small_file(tmp / "generation_config.json", read_small_file(files["generation_config.json"], MAX_JSON_BYTES), fsync)
+            if fsync:
+                fsync_dir(tmp)
+            check_model_folder(tmp)
+            publish(tmp, final, fsync)
+        except BaseException:
+            remove_tree(tmp)
+            raise
+    finally:
+        if own:
+            source.close()
+    return final
+
+
+def iter_output(folder: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of a Hugging Face model folder (via safetensors); for tests and tools."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        index = parse_json(read_small_file(folder / INDEX_FILE, MAX_JSON_BYTES), str(folder / INDEX_FILE))
+        files = sorted(set(index["weight_map"].values()))
+    else:
+        files = [SINGLE_FILE]
+    for file in files:
+        with safe_open(str(safe_child(folder, file)), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``export SRC OUT [--dtype D] [--max-shard-size S] [--key K]`` to a ``shardsafe`` parser."""
+    p = subparsers.add_parser(
+        "export",
+        help="consolidate a sharded checkpoint into a Hugging Face model folder (safetensors)",
+        description="Write the tensors under KEY of a shardsafe checkpoint (or of a folder saved with "
+        "save_pretrained(gather_16bit=False)) as a Hugging Face model folder: model.safetensors, or "
+        "model-0000k-of-0000N.safetensors + model.safetensors.index.json, plus config.json / generation_config.json when "
+        "the source has them. One process, one tensor in memory at a time, reading only the chunks it needs. OUT is built "
+        "hidden next to itself and renamed into place; an existing non-empty OUT is refused unless --overwrite.",
+    )
+    p.add_argument("src", type=Path, metavar="SRC", help="checkpoint folder (holding manifest.json) or a save_pretrained(gather_16bit=False) folder")
+    p.add_argument("out", type=Path, metavar="OUT", help="model folder to create")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_CHOICES),
+        default=None,
+        help="cast floating-point tensors to this dtype (default: the dtype save_pretrained recorded, else as stored)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_size_arg,
+        default=parse_size(DEFAULT_MAX_SHARD_SIZE),
+        metavar="SIZE",
+        help="largest weights file, e.g. 5GB, 500MB (decimal units, as Hugging Face; default: 5GB)",
+    )
+    p.add_argument("--key", default="model", help="state entry holding the model (default: %(default)s); its prefix is stripped from names")
+    p.add_argument("--config", type=Path, default=None, metavar="PATH", help="config.json (or a folder holding one) to write with the weights")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_export_command)
+    return p
+
+
+def run_export_command(args: argparse.Namespace) -> int:
+    try:
+        out = export_hf(
+            args.src,
+            args.out,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            key=args.key,
+            config=args.config,
+            progress=not args.no_progress,
+            overwrite=args.overwrite,
+        )
+    except CheckpointExistsError as exc:
+        raise CheckpointExistsError(f"{args.out}: exists and is not empty; pass --overwrite to replace it") from exc
+    summary = check_model_folder(out)
+    print(f"exported {summary.tensors} tensors ({summary.tensor_bytes} bytes) into {len(summary.files)} file(s) in {out}")
+    return 0

@@ -1,0 +1,288 @@
+"""``save_pretrained``: a collective save of a (sharded) model as a Hugging Face model folder.
+
+Every rank calls it. With ``gather_16bit=True`` the tensors of ``get_model_state_dict(model)``
+are gathered one at a time (``DTensor.full_tensor()``, after casting the local shard), in the
+same order on every rank, and the coordinator streams each into the weights file whose header it
+wrote up front; the other ranks drop their copy. So the coordinator's extra memory is bounded by
+the largest tensor, not the model. With ``gather_16bit=False`` no weights file is written at
+all: the folder gets the config, a shardsafe checkpoint of the model in ``checkpoint/`` and a
+note (``EXPORT.md``) saying how to export it later (:func:`shardsafe.export_hf`).
+
+Like :func:`shardsafe.save`, the folder is built hidden next to ``out_dir`` (the coordinator
+creates it), checked by the model-folder guard and renamed into place; only the coordinator
+writes shared files.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters import _unwrap
+from .api import save
+from .comm import Comm, get_comm
+from .commit import _error_outcome, _raise_shared, prepare, publish
+from .errors import DistributedError, SaveError
+from .export import (
+    CHECKPOINT_DIR,
+    DEFAULT_MAX_SHARD_SIZE,
+    EXPORT_META,
+    SafetensorsStreamWriter,
+    ShardPlan,
+    TensorInfo,
+    output_dtype,
+    plan_shards,
+    write_index,
+)
+from .format import dtype_name, dump_json
+from .guard import check_model_folder
+from .integrity import hash_bytes
+from .storage import fsync_dir, remove_tree, write_small_file
+
+NOTE_FILE = "EXPORT.md"
+_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def save_pretrained(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    gather_16bit: bool = True,
+    dtype: torch.dtype | None = torch.bfloat16,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    push_to: str | None = None,
+    revision: str | None = None,
+    private: bool = False,
+    commit_message: str | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+    progress: bool = False,
+) -> Path:
+    """Save ``model`` (plain, DDP or FSDP2) as a Hugging Face model folder at ``out_dir``. Collective.
+
+    ``gather_16bit=True``: ``model.safetensors`` (or ``model-0000k-of-0000N.safetensors`` +
+    ``model.safetensors.index.json``, split by ``max_shard_size``) holding the whole model, with
+    floating-point tensors cast to ``dtype`` (None keeps them), tied weights written once as
+    transformers does, non-persistent buffers skipped; plus ``config.json`` and
+    ``generation_config.json`` when the model has a transformers config.
+    ``gather_16bit=False``: no weights file; the config, ``checkpoint/`` (a shardsafe checkpoint
+    of the model, full precision, any world size can load or export it) and ``EXPORT.md``.
+    ``push_to`` (a Hub repo or object-store URL) then uploads the folder with
+    ``shardsafe.hub.push``. Raises :class:`~shardsafe.errors.CheckpointExistsError` when
+    ``out_dir`` is a non-empty folder and ``overwrite`` is False; on any failure nothing is
+    published and every rank raises the same error. Returns ``out_dir``.
+    """
+    comm = get_comm(process_group)
+    final = Path(out_dir).absolute()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    module = _unwrap(model)
+    state: dict[str, Any] = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    aliases = tied_aliases(module, list(state))
+    infos = [TensorInfo(name, output_dtype(t.dtype, dtype), tuple(t.shape)) for name, t in state.items() if name not in aliases]
+    plan = plan_shards(infos, max_shard_size)
+    _check_same_plan(comm, plan, aliases)
+    total_parameters = sum(p.numel() for p in module.parameters())
+
+    tmp = prepare(comm, final, overwrite)
+    try:
+        if gather_16bit:
+            _gather_and_write(comm, tmp, state, plan, fsync, progress)
+        else:
+            meta = {
+                "key": "model",
+                "dtype": dtype_name(dtype) if dtype is not None else None,
+                "aliases": aliases,
+                "total_parameters": total_parameters,
+            }
+            save(tmp / CHECKPOINT_DIR, {"model": model}, process_group=process_group, metadata={EXPORT_META: meta}, fsync=fsync)
+    except BaseException:
+        if comm.is_coordinator:
+            remove_tree(tmp)
+        raise
+
+    def finish() -> None:
+        _write_config(module, tmp, dtype, fsync)
+        if gather_16bit:
+            write_index(tmp, plan, total_parameters, fsync)
+            check_model_folder(tmp)
+        else:
+            write_small_file(tmp / NOTE_FILE, _note(final, dtype, comm.world_size).encode(), fsync)
+            check_model_folder(tmp / CHECKPOINT_DIR)
+        if fsync:
+            fsync_dir(tmp)
+        publish(tmp, final, fsync)
+
+    _on_coordinator(comm, finish, cleanup=tmp)
+    if push_to is not None:
+        from .hub import push  # type: ignore[import-not-found, unused-ignore]
+
+        push(final, push_to, revision=revision, private=private, message=commit_message, process_group=process_group)
+    return final
+
+
+def _check_same_plan(comm: Comm, plan: ShardPlan, aliases: dict[str, str]) -> None:
+    """Every rank must gather the same tensors in the same order, or the collectives would cross."""
+    digest = hash_bytes(dump_json([plan.describe(), sorted(aliases.items())]))
+    digests = comm.all_gather(digest)
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise DistributedError(f"ranks {differ} see a different model (names, shapes or dtypes) than rank 0; every rank must pass the same model")
+
+
+def _gather_and_write(comm: Comm, tmp: Path, state: dict[str, Any], plan: ShardPlan, fsync: bool, progress: bool) -> None:
+    """All ranks gather each tensor in plan order; the coordinator streams it into its file."""
+    from torch.distributed.tensor import DTensor
+
+    bar = None
+    if comm.is_coordinator and progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="save_pretrained")
+    try:
+        for file, infos in plan.files:
+            error: str | None = None
+            writer = None
+            if comm.is_coordinator:
+                try:
+                    writer = SafetensorsStreamWriter(tmp / file, infos)
+                except Exception as exc:
+                    error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+            try:
+                for info in infos:
+                    value = state[info.name]
+                    with torch.no_grad():
+                        value = value.detach().to(info.dtype)  # cast the shard first: less to send, bit-identical
+                        if isinstance(value, DTensor):
+                            if value.device.type != value.device_mesh.device_type:  # CPU-offloaded shards of a GPU mesh
+                                value = value.to(value.device_mesh.device_type)
+                            value = value.full_tensor()  # collective, same order on every rank
+                    if writer is not None and error is None:
+                        try:
+                            writer.write(value)
+                        except Exception as exc:
+                            error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+                    del value
+                    if bar is not None:
+                        bar.update(info.nbytes)
+                if writer is not None and error is None:
+                    try:
+                        writer.close(fsync)
+                    except Exception as exc:
+                        error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+            finally:
+                if writer is not None:
+                    writer.abort()
+            error = comm.broadcast(error)  # stop every rank at the first failed file
+            if error is not None:
+                raise SaveError(f"save_pretrained failed, nothing was published: {error}")
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _on_coordinator(comm: Comm, fn: Any, cleanup: Path) -> None:
+    """Run ``fn`` on the coordinator; every rank returns, or raises the same error."""
+    outcome: tuple[Any, ...] = ("ok",)
+    if comm.is_coordinator:
+        try:
+            fn()
+        except Exception as exc:
+            remove_tree(cleanup)
+            outcome = _error_outcome(exc)
+    outcome = comm.broadcast(outcome)
+    _raise_shared(outcome)
+
+
+def _clean_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def declared_tied_keys(module: nn.Module) -> list[str]:
+    """The tied-weight patterns transformers models declare (``_tied_weights_keys``), prefixed by submodule."""
+    out: list[str] = []
+    for prefix, sub in module.named_modules():
+        declared = getattr(sub, "_tied_weights_keys", None) or {}
+        for key in declared.keys() if isinstance(declared, dict) else declared:
+            out.append(f"{prefix}.{key}" if prefix else str(key))
+    return out
+
+
+def tied_aliases(module: nn.Module, names: list[str]) -> dict[str, str]:
+    """{alias: kept name} for state-dict entries that are the same tensor object (tied weights).
+
+    The one kept is the one transformers keeps (``remove_tied_weights_from_state_dict``): names
+    matching a declared tied-weight key are dropped, in sorted order, while another remains. A tie
+    no model declares keeps the first name in state-dict order.
+    """
+    wanted = {_clean_name(n): n for n in names}
+    groups: dict[int, list[str]] = {}
+    members = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for raw, tensor in members:
+        name = wanted.get(_clean_name(raw))
+        if name is not None and name not in groups.setdefault(id(tensor), []):
+            groups[id(tensor)].append(name)
+    patterns = declared_tied_keys(module)
+    order = {n: i for i, n in enumerate(names)}
+    aliases: dict[str, str] = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        declared = [n for n in sorted(group) if any(re.search(p, n) for p in patterns)]
+        others = sorted((n for n in group if n not in declared), key=order.__getitem__)
+        keep = others[0] if others else declared[-1]
+        for name in group:
+            if name != keep:
+                aliases[name] = keep
+    return aliases
+
+
+def _write_config(module: nn.Module, folder: Path, dtype: torch.dtype | None, fsync: bool) -> None:
+    """config.json (with architectures and dtype, as transformers writes them) and generation_config.json."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return
+    config = copy.deepcopy(config)
+    config.architectures = [type(module).__name__.removeprefix("FSDP")]
+    if dtype is None:
+        first = next((p for p in module.parameters() if p.is_floating_point()), None)
+        dtype = first.dtype if first is not None else None
+    if dtype is not None:
+        field = "dtype" if hasattr(config, "dtype") or not hasattr(config, "torch_dtype") else "torch_dtype"
+        setattr(config, field, dtype_name(dtype))
+    write_small_file(folder / "config.json", config.to_json_string(use_diff=True).encode(), fsync)
+    generation = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    if generation is not None and hasattr(generation, "to_json_string") and (can_generate is None or can_generate()):
+        write_small_file(folder / "generation_config.json", generation.to_json_string(use_diff=True).encode(), fsync)
+
+
+def _note(final: Path, dtype: torch.dtype | None, world_size: int) -> str:
+    cast = f"in {dtype_name(dtype)} (recorded; `--dtype float32` keeps full precision)" if dtype is not None else "in the stored dtypes"
+    return f"""# No weights file here yet
+
+This folder was written by `shardsafe.save_pretrained(..., gather_16bit=False)` on {world_size} rank(s).
+It holds the model's config and the model itself as a sharded shardsafe checkpoint in
+`{CHECKPOINT_DIR}/` (full precision), not a `model.safetensors`. To get a Hugging Face model folder,
+consolidate it in one process (one tensor in memory at a time), {cast}:
+
+```bash
+shardsafe export {final} {final}-hf [--dtype bfloat16] [--max-shard-size 5GB]
+```
+
+or in Python:
+
+```python
+import shardsafe
+shardsafe.export_hf("{final}", "{final}-hf")
+```
+
+To resume from it on any number of ranks: `shardsafe.load("{final}/{CHECKPOINT_DIR}", {{"model": model}})`.
+"""
