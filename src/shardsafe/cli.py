@@ -19,7 +19,9 @@ from . import __version__
 from .adapters import KIND_MODULE, KIND_OPTIMIZER, KIND_PER_RANK, KIND_STATEFUL, KIND_TENSOR, KIND_VALUE, tensor_keys_of
 from .commit import open_checkpoint
 from .errors import ShardsafeError
+from .export import add_export_command
 from .format import MANIFEST_NAME, STATE_NAME, Manifest, dtype_name
+from .hub import add_push_command
 
 # ----------------------------------------------------------------------------- inspect
 
@@ -72,7 +74,8 @@ def _describe_entry(name: str, entry: Any, manifest: Manifest) -> dict[str, Any]
     elif kind == KIND_PER_RANK:
         out["ranks"] = len(entry.get("ranks") or [])
     elif kind == KIND_STATEFUL and isinstance(entry.get("state"), dict):
-        out["fields"] = sorted(entry["state"])
+        out["fields"] = {k: v for k, v in entry["state"].items() if v is None or isinstance(v, (bool, int, float, str))}
+        out["field_count"] = len(entry["state"])
     elif kind == KIND_VALUE:
         out["value"] = entry.get("state")
     return out
@@ -102,13 +105,23 @@ def _entry_detail(e: dict[str, Any]) -> str:
     if "tensors" in e:
         return f"{e['tensors']} tensors, {format_bytes(e['bytes'])}"
     if "ranks" in e:
-        return f"one entry per rank ({e['ranks']} ranks)"
+        return f"one entry per rank ({e['ranks']} rank{'' if e['ranks'] == 1 else 's'})"
     if "fields" in e:
-        return ", ".join(e["fields"])
+        public = [f"{k}={json.dumps(v)}" for k, v in e["fields"].items() if not k.startswith("_")]
+        return (", ".join(public) + f" ({e['field_count']} fields)").strip()
     if "value" in e:
         text = json.dumps(e["value"])
         return text if len(text) <= 60 else text[:57] + "..."
     return ""
+
+
+def _shape(shape: list[int]) -> str:
+    return f"[{', '.join(map(str, shape))}]" if shape else "scalar"
+
+
+def _block_size(n: int) -> str:
+    """Hash blocks are powers of two: say 16 MiB, not 16.8 MB."""
+    return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n} bytes"
 
 
 def format_inspection(info: dict[str, Any]) -> str:
@@ -119,7 +132,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"created       {created:%Y-%m-%d %H:%M:%S %Z}",
         f"world size    {info['world_size']}",
         f"total size    {format_bytes(info['total_bytes'])} in {len(info['files'])} files "
-        f"({format_bytes(info['tensor_bytes'])} of tensors; {info['hash_algorithm']} per {format_bytes(info['hash_block_size'])} block)",
+        f"({format_bytes(info['tensor_bytes'])} of tensors; {info['hash_algorithm']} hash per {_block_size(info['hash_block_size'])} block)",
         "",
         f"state entries ({len(info['state'])})",
         *_table(["name", "kind", "contents"], [[e["name"], str(e["kind"]), _entry_detail(e)] for e in info["state"]]),
@@ -127,7 +140,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"tensors ({len(info['tensors'])})",
         *_table(
             ["key", "dtype", "shape", "chunks", "bytes"],
-            [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", str(t["chunks"]), format_bytes(t["bytes"])] for t in info["tensors"]],
+            [[t["key"], t["dtype"], _shape(t["shape"]), str(t["chunks"]), format_bytes(t["bytes"])] for t in info["tensors"]],
             right={3, 4},
         ),
         "",
@@ -255,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for the initial weights and data order (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="give up on a launch after this long (default: %(default)s)")
     p.set_defaults(func=_cmd_demo)
+
+    add_push_command(sub)  # `shardsafe push`, defined with push in hub.py
+    add_export_command(sub)  # `shardsafe export`, defined with export_hf in export.py
     return parser
 
 
@@ -269,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ShardsafeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -28,9 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,8 +41,8 @@ from .cli import format_bytes
 DEFAULT_OUT = Path("demo-run")
 MARKER = ".shardsafe-demo"  # marks a folder this demo made, so only such a folder is ever wiped
 EVENTS = "events.jsonl"
-BATCH_PER_RANK = 16
-LEARNING_RATE = 3e-3
+BATCH_PER_RANK = 8
+LEARNING_RATE = 2e-3
 _STEP_DIR = re.compile(r"step-(\d{6,})")
 
 
@@ -115,6 +114,16 @@ def lr_factor(total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def warm_imports() -> None:
+    """Import up front what torch's state-dict helpers import lazily on first use (torch._dynamo, 1-2 s).
+
+    Otherwise the first save or load of a process pays for it and the timings in the summary would
+    measure an import rather than checkpoint I/O.
+    """
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+
 def _worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m shardsafe.demo worker", description="One rank of the demo run (started by torchrun).")
     p.add_argument("--out", type=Path, required=True)
@@ -132,6 +141,7 @@ def worker_main(argv: list[str]) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     args = _worker_parser().parse_args(argv)
+    warm_imports()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -236,7 +246,9 @@ def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
         if step == args.crash_after:
             log.emit("kill", step=step)
             bar.close()
-            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no flush: like a preempted node
+            # Without the barrier a rank that dies first can get rank 0 torn down before it records the kill.
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)  # every rank: no cleanup, no flush, like a node that loses power
         if step % args.save_every == 0 or step == args.steps:
             _save(state, args.out, step, loss, log)
     bar.close()
@@ -281,14 +293,6 @@ class Launch:
     started: float  # time.time() at launch
     seconds: float
     log: Path
-
-
-@dataclass
-class DemoReport:
-    """Everything the summary prints; also written to ``<out>/summary.json``."""
-
-    settings: dict[str, Any]
-    values: dict[str, Any] = field(default_factory=dict)
 
 
 def _say(message: str) -> None:
@@ -393,6 +397,7 @@ def _evaluate_on_one_process(path: Path) -> dict[str, Any]:
     from .demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
 
     model = TinyGPT(GPTConfig())
+    warm_imports()
     started = time.perf_counter()
     try:
         shardsafe.load(path, {"model": model})
@@ -410,39 +415,34 @@ def _evaluate_on_one_process(path: Path) -> dict[str, Any]:
 def _verify(path: Path) -> dict[str, Any]:
     import shardsafe
 
+    started = time.perf_counter()
     try:
-        return shardsafe.verify(path)
+        summary = shardsafe.verify(path)
     except shardsafe.ShardsafeError as exc:
         raise DemoError(f"verify failed on {path}: {exc}") from exc
+    return {**summary, "seconds": time.perf_counter() - started}
 
 
 def run_demo(settings: DemoSettings) -> int:
     """Run every stage and print the summary; 1 with a clear message if a stage fails."""
     try:
-        report = _run_stages(settings)
+        summary = _run_stages(settings)
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    (settings.out / "summary.json").write_text(json.dumps(report.values, indent=1) + "\n")
-    _say(format_summary(report))
+    (settings.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    _say(format_summary(summary))
     return 0
 
 
-@contextmanager
-def _timed(into: dict[str, float], name: str) -> Iterator[None]:
-    started = time.perf_counter()
-    yield
-    into[name] = time.perf_counter() - started
-
-
-def _run_stages(settings: DemoSettings) -> DemoReport:
+def _run_stages(settings: DemoSettings) -> dict[str, Any]:
+    """Crash, resume, reshard, verify; returns the numbers for the summary."""
     crash = settings.crash_step()
     prepare_out(settings.out)
     n = settings.nproc
-    timings: dict[str, float] = {}
     wall = time.perf_counter()
     _say(f"[1/4] run 1: {n} CPU ranks (gloo, FSDP2) train for {settings.steps} steps, saving every {settings.save_every};")
     _say(f"      it will be SIGKILLed after step {crash}")
@@ -450,19 +450,14 @@ def _run_stages(settings: DemoSettings) -> DemoReport:
     found = committed_checkpoints(settings.out)
     if not found:
         raise DemoError(f"run 1 left no committed checkpoint in {settings.out}")
-    _say(f"[2/4] run 1 died after step {crash} (exit code {run1.returncode}); restarting, it resumes from {found[-1][1].name}")
+    _say(f"[2/4] run 1 was killed after step {crash}; relaunching: the new run resumes from {found[-1][1].name}, the latest committed checkpoint")
     run2, events2 = _run_resuming(settings)
     final = committed_checkpoints(settings.out)[-1][1]
     _say(f"[3/4] loading {final.name} onto 1 process (plain module, no process group) and evaluating on held-out text")
     evaluation = _evaluate_on_one_process(final)
     _say(f"[4/4] verifying every block hash of {final.name}")
-    with _timed(timings, "verify"):
-        verified = _verify(final)
-    timings["total"] = time.perf_counter() - wall
-    return DemoReport(
-        settings={"steps": settings.steps, "save_every": settings.save_every, "nproc": n, "out": str(settings.out), "crash_after": crash},
-        values=_collect(settings, crash, (run1, events1), (run2, events2), evaluation, verified, timings),
-    )
+    verified = _verify(final)
+    return _collect(settings, crash, (run1, events1), (run2, events2), evaluation, verified, time.perf_counter() - wall)
 
 
 def _losses(events: list[dict[str, Any]]) -> dict[int, float]:
@@ -476,7 +471,7 @@ def _collect(
     second: tuple[Launch, list[dict[str, Any]]],
     evaluation: dict[str, Any],
     verified: dict[str, Any],
-    timings: dict[str, float],
+    total_seconds: float,
 ) -> dict[str, Any]:
     """Turn the two runs' event logs and the checks into the flat numbers of the summary."""
     (run1, events1), (run2, events2) = first, second
@@ -524,14 +519,13 @@ def _collect(
         "checkpoints": [{"name": p.name, "bytes": folder_bytes(p), "run": writers.get(p.name)} for _, p in committed_checkpoints(settings.out)],
         "run1_seconds": run1.seconds,
         "run2_seconds": run2.seconds,
-        "verify_seconds": timings["verify"],
-        "total_seconds": timings["total"],
+        "verify_seconds": verified["seconds"],
+        "total_seconds": total_seconds,
     }
 
 
-def format_summary(report: DemoReport) -> str:
-    """The human summary: one labelled line (or a few) per fact."""
-    v = report.values
+def format_summary(v: dict[str, Any]) -> str:
+    """The human summary of :func:`_collect`'s numbers: one labelled line (or a few) per fact."""
     n = v["nproc"]
     lines = ["", f"shardsafe demo: summary ({v['out']})"]
 
@@ -548,18 +542,18 @@ def format_summary(report: DemoReport) -> str:
     row("model", f"TinyGPT, {v['parameters'] / 1e6:.2f}M parameters; {n} ranks x {BATCH_PER_RANK} sequences of 64 bytes per step")
     row(
         "steps",
-        f"{v['steps']}: run 1 did steps {v['run1_steps'][0]}-{v['run1_steps'][1]} and was killed (exit code {v['run1_exit_code']}); "
+        f"{v['steps']}: run 1 did {v['run1_steps'][0]}-{v['run1_steps'][1]} and was SIGKILLed (torchrun exit code {v['run1_exit_code']}); "
         f"run 2 resumed at step {v['resumed_step']} and did {v['run2_steps'][0]}-{v['run2_steps'][1]}",
     )
     row(
         "loss",
-        f"start {v['loss_start']:.3f} (step 1), at the kill {v['loss_at_crash']:.3f} (step {v['crash_after']}), "
-        f"after resume {v['loss_after_resume']:.3f} (step {v['run2_steps'][0]}), end {v['loss_end']:.3f} (step {v['steps']})",
+        f"start {v['loss_start']:.3f} (step 1); first step after resume {v['loss_after_resume']:.3f} (step {v['run2_steps'][0]}); "
+        f"end {v['loss_end']:.3f} (step {v['steps']})",
     )
     if v["replayed_steps"]:
         steps = v["replayed_steps"]
-        same = "identical losses" if v["replay_max_abs_diff"] == 0 else f"losses within {v['replay_max_abs_diff']:.2g}"
-        row("replay", f"run 2 redid steps {steps[0]}-{steps[-1]} (lost in the crash) with {same} to run 1's")
+        same = "bitwise identical to" if v["replay_max_abs_diff"] == 0 else f"within {v['replay_max_abs_diff']:.2g} of"
+        row("replay", f"steps {steps[0]}-{steps[-1]}, lost in the crash, were redone by run 2 with losses {same} run 1's")
     row(
         "saves",
         f"{v['saves']} saves: median {v['save_seconds_median']:.3f} s, max {v['save_seconds_max']:.3f} s; "
@@ -567,8 +561,8 @@ def format_summary(report: DemoReport) -> str:
     )
     row(
         "resume",
-        f"load of {v['resumed_from']} on {n} ranks {v['resume_load_seconds']:.3f} s; relaunch to first new step done "
-        f"{v['relaunch_to_first_step_seconds']:.1f} s (mostly process start and importing torch)",
+        f"load of {v['resumed_from']} on {n} ranks {v['resume_load_seconds']:.2f} s (includes torch's one-time set-up of the optimizer state);",
+        f"relaunch to first new step done {v['relaunch_to_first_step_seconds']:.1f} s (mostly process start and importing torch)",
     )
     row(f"reshard {n}->1", f"load of {v['final_checkpoint']} into a plain module, no process group: {v['reshard_load_seconds']:.3f} s")
     row(
@@ -587,6 +581,7 @@ def format_summary(report: DemoReport) -> str:
         *[f"{c['name']}  {format_bytes(c['bytes']):>8}  run {c['run']}{marks.get(c['name'], '')}" for c in v["checkpoints"]],
     )
     row("wall time", f"{v['total_seconds']:.1f} s (run 1 {v['run1_seconds']:.1f} s, run 2 {v['run2_seconds']:.1f} s)")
+    row("details", f"{Path(v['out']) / 'summary.json'}; worker logs in {Path(v['out']) / 'logs'}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,235 @@
+"""The ``shardsafe`` command line: inspect, verify and the demo, run as a user runs them.
+
+Checkpoints are made in the test (one process, no process group; the demo makes a 2-rank FSDP2
+one). The main paths run in a subprocess (``python -m shardsafe.cli``), so exit codes, stdout and
+stderr and the absence of tracebacks are what a user sees; the rest call ``cli.main`` in process,
+because every extra interpreter pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe import cli
+from shardsafe.commit import open_checkpoint
+from shardsafe.format import dtype_name
+
+SHARD = "shard-00000.safetensors"
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shardsafe.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 1, one ``error:`` message naming what is wrong, no traceback, nothing on stdout."""
+    assert result.returncode == 1, result
+    assert result.stderr.startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    for needle in needles:
+        assert needle in result.stderr
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-process checkpoint holding every kind of state entry."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    model[2].to(torch.bfloat16)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
+    state = {"model": model, "optim": optim, "sched": sched, "rng": shardsafe.RNGState(), "step": 7, "scale": torch.arange(4)}
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    shardsafe.save(path, state, metadata={"loss": 1.25, "note": "from test_cli"})
+    return path
+
+
+def test_inspect_json_matches_the_manifest(checkpoint: Path) -> None:
+    result = run_cli("inspect", str(checkpoint), "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    manifest, tree = open_checkpoint(checkpoint)
+
+    assert info["path"] == str(checkpoint)
+    assert info["world_size"] == manifest.world_size == 1
+    assert info["format_version"] == manifest.format_version
+    assert info["writer_version"] == manifest.writer_version == shardsafe.__version__
+    assert info["created"] == manifest.created
+    assert info["metadata"] == {"loss": 1.25, "note": "from test_cli"}
+
+    expected_tensors = {
+        key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes} for key, t in manifest.tensors.items()
+    }
+    assert {t["key"]: {k: v for k, v in t.items() if k != "key"} for t in info["tensors"]} == expected_tensors
+    assert expected_tensors["model/2.weight"]["dtype"] == "bfloat16"
+    assert expected_tensors["model/0.weight"] == {"dtype": "float32", "shape": [5, 6], "chunks": 1, "bytes": 120}
+
+    files = {f["name"]: f["size"] for f in info["files"]}
+    assert files == {p.name: p.stat().st_size for p in checkpoint.iterdir()}
+    assert info["total_bytes"] == sum(files.values())
+    assert info["tensor_bytes"] == sum(t.nbytes for t in manifest.tensors.values())
+
+    state = {e["name"]: e for e in info["state"]}
+    assert list(state) == list(tree)
+    assert {name: e["kind"] for name, e in state.items()} == {
+        "model": "module",
+        "optim": "optimizer",
+        "sched": "stateful",
+        "rng": "per_rank",
+        "step": "value",
+        "scale": "tensor",
+    }
+    assert state["model"]["tensors"] == 4
+    assert state["rng"]["ranks"] == 1
+    assert state["step"]["value"] == 7
+    assert state["sched"]["fields"]["last_epoch"] == 0 and state["sched"]["field_count"] == len(tree["sched"]["state"])
+
+
+def test_inspect_human_output(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", str(checkpoint)]) == 0
+    out = capsys.readouterr().out
+    manifest, _ = open_checkpoint(checkpoint)
+    assert f"checkpoint    {checkpoint}" in out
+    assert "world size    1" in out
+    assert f"format v{manifest.format_version}, written by shardsafe {shardsafe.__version__}" in out
+    for key in manifest.tensors:
+        assert key in out
+    rows = [line.split(None, 1)[1] for line in out.splitlines() if line.strip().startswith("model/2.weight ")]
+    assert rows and re.fullmatch(r"bfloat16 +\[3, 5\] +1 +30 B", rows[0]), rows
+    for section in ("state entries (6)", f"tensors ({len(manifest.tensors)})", "files (3)", "metadata"):
+        assert section in out
+    assert '"note": "from test_cli"' in out
+    assert "one entry per rank (1 rank)" in out
+    assert "last_epoch=0" in out
+
+
+def test_verify_sound_checkpoint(checkpoint: Path) -> None:
+    result = run_cli("verify", str(checkpoint))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"ok: {checkpoint}: ")
+    assert len(result.stdout.splitlines()) == 1
+    assert result.stderr == ""
+
+
+def test_verify_corrupted_checkpoint_names_the_file(checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / SHARD
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # inside the last tensor's bytes: the header still parses, a block hash must not match
+    shard.write_bytes(bytes(data))
+
+    result = run_cli("verify", str(damaged))
+    assert_clean_error(result, str(shard), "hash mismatch")
+
+
+def test_missing_path_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere"
+    assert_clean_error(run_cli("verify", str(missing)), str(missing))
+    assert cli.main(["inspect", str(missing)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and str(missing) in captured.err and not captured.out
+
+
+def test_inspect_refuses_a_tampered_state_file(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    (damaged / "state.json").write_text((damaged / "state.json").read_text().replace('"step"', '"stap"'))
+    assert cli.main(["inspect", str(damaged)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "state.json" in err
+
+
+def test_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, needles in ((["--help"], ("inspect", "verify", "demo")), (["demo", "--help"], ("--steps", "--save-every", "--out", "--nproc"))):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        for needle in needles:
+            assert needle in out
+
+
+def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    assert cli.main(["demo", "--out", str(tmp_path)]) == 1
+    assert "was not made by `shardsafe demo`" in capsys.readouterr().err
+    assert precious.read_text() == "keep me"
+
+
+def test_demo_rejects_settings_without_a_checkpoint_before_the_crash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--steps", "4", "--save-every", "4", "--out", str(tmp_path / "d")]) == 1
+    assert "--crash-after" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Kill, resume, reshard 2 -> 1, verify; then check the final checkpoint ourselves."""
+    from shardsafe.demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
+
+    out = tmp_path / "demo"
+    result = run_cli("demo", "--steps", "12", "--save-every", "4", "--out", str(out), timeout=400)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    text = result.stdout
+    assert "SIGKILLed mid-run after step 6" in text
+    assert "resumes from step-000004" in text
+    assert "verify        passed on step-000012" in text
+    assert "Traceback" not in result.stderr
+
+    summary = _summary(out)
+    assert summary["resumed_from"] == "step-000004" and summary["resumed_step"] == 4
+    assert summary["run1_steps"] == [1, 6] and summary["run2_steps"] == [5, 12]
+    assert summary["run1_exit_code"] != 0
+    assert summary["replayed_steps"] == [5, 6] and summary["replay_max_abs_diff"] == 0  # model, optimizer, schedule and RNG all restored
+    assert summary["verify_passed"] is True
+    assert summary["final_checkpoint"] == "step-000012"
+    assert [c["name"] for c in summary["checkpoints"]] == ["step-000004", "step-000008", "step-000012"]
+    assert [c["run"] for c in summary["checkpoints"]] == [1, 2, 2]
+    assert summary["loss_end"] < summary["loss_start"]
+    assert abs(summary["eval_loss_one_process"] - summary["eval_loss_ranks"]) < 1e-4
+
+    # The final checkpoint is a 2-rank one and loads into a plain module, giving the same loss.
+    final = out / "step-000012"
+    manifest, _ = open_checkpoint(final)
+    assert manifest.world_size == 2
+    assert len(manifest.tensors["model/blocks.0.mlp.0.weight"].chunks) == 2
+    model = TinyGPT(GPTConfig())
+    state: dict[str, Any] = {"model": model, "step": 0}
+    assert shardsafe.load(final, state)["step"] == 12
+    assert state["step"] == 12
+    assert evaluate(model, split_corpus()[1], model.cfg.seq_len) == pytest.approx(summary["eval_loss_one_process"], abs=1e-5)
+
+    assert cli.main(["inspect", str(final), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["world_size"] == 2
+    assert {e["name"]: e["kind"] for e in info["state"]} == {
+        "model": "module",
+        "optim": "optimizer",
+        "sched": "stateful",
+        "rng": "per_rank",
+        "step": "value",
+    }
+    assert not [p.name for p in out.iterdir() if ".shardsafe-tmp-" in p.name]
