@@ -251,3 +251,28 @@ def test_unchanged_tensors_are_stored_once(tmp_path: Path) -> None:
     for key, value in results[0]["final"].items():
         assert torch.equal(model.state_dict()[key], value), key
     assert shardsafe.collect_garbage(root) == []  # referenced data is not garbage
+
+
+def test_list_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardsafe.cli import main
+
+    root = tmp_path / "ckpt"
+    model = nn.Linear(3, 2)
+    losses = [3.0, 1.0, 4.0, 5.0]
+    with shardsafe.CheckpointManager(root, save_every=1, keep_last=2, keep_best=1, best_metric="loss") as manager:
+        for step, loss in enumerate(losses, 1):
+            manager.save(step, {"model": model}, metrics={"loss": loss})
+    (root / ".step-0000000009.shardsafe-tmp-0123456789ab").mkdir()
+    (root / step_name(8)).mkdir()  # a step folder without manifest
+    assert main(["list", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["best"], r["latest"], r["metrics"]["loss"]) for r in rows] == [
+        (2, True, False, 1.0),
+        (3, False, False, 4.0),
+        (4, False, True, 5.0),
+    ]
+    assert main(["gc", str(root), "--dry-run", "--min-age", "0"]) == 0
+    assert "would remove 2 entries" in capsys.readouterr().out
+    assert main(["gc", str(root), "--min-age", "0"]) == 0
+    assert sorted(p.name for p in root.iterdir()) == [step_name(s) for s in (2, 3, 4)]
+    assert main(["gc", str(root)]) == 0 and "removed 0 entries" in capsys.readouterr().out.splitlines()[-1]

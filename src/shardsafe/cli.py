@@ -22,6 +22,7 @@ from .errors import ShardsafeError
 from .export import add_export_command
 from .format import MANIFEST_NAME, STATE_NAME, Manifest, dtype_name
 from .hub import add_push_command
+from .manager import add_manager_commands
 
 # ----------------------------------------------------------------------------- inspect
 
@@ -271,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_push_command(sub)  # `shardsafe push`, defined with push in hub.py
     add_export_command(sub)  # `shardsafe export`, defined with export_hf in export.py
+    add_manager_commands(sub)  # `shardsafe list` and `shardsafe gc`, defined with the manager
     return parser
 
 
