@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 

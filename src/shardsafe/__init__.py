@@ -5,6 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .api import load, save, verify  # noqa: E402
+from .deepspeed_zero import convert_deepspeed  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -36,6 +37,7 @@ __all__ = [
     "StateMismatchError",
     "__version__",
     "collect_garbage",
+    "convert_deepspeed",
     "export_hf",
     "list_checkpoints",
     "load",

@@ -52,7 +52,11 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in _unwrap(module).named_parameters(remove_duplicate=False)}
+    """Parameter id -> FQN; a tied parameter gets its first name, as torch's get_optimizer_state_dict keys it."""
+    names: dict[int, str] = {}
+    for name, p in _unwrap(module).named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
 
 
 def _owner_module(state: dict[str, Any], optimizer: torch.optim.Optimizer, name: str) -> nn.Module:

@@ -21,6 +21,7 @@ from .commit import open_checkpoint
 from .errors import ShardsafeError
 from .export import add_export_command
 from .format import MANIFEST_NAME, STATE_NAME, Manifest, dtype_name
+from .deepspeed_zero import add_convert_command
 from .hub import add_push_command
 from .manager import add_manager_commands
 
@@ -193,6 +194,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         out=args.out,
         nproc=args.nproc,
+        preempt_at=args.preempt_at,
         crash_after=args.crash_after,
         seed=args.seed,
         timeout=args.timeout,
@@ -216,7 +218,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardsafe",
-        description="Inspect and verify shardsafe checkpoints, or run the crash/resume/reshard demo.",
+        description="Inspect and verify shardsafe checkpoints, or run the preempt/crash/resume/reshard demo.",
         epilog="Exit status: 0 ok, 1 the checkpoint has a problem (or a demo stage failed), 2 bad usage.",
     )
     parser.add_argument("--version", action="version", version=f"shardsafe {__version__}")
@@ -243,11 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="train a small GPT under FSDP2 on CPU ranks, kill it, resume, reshard onto 1 process",
-        description="Launch P CPU ranks (gloo) with torchrun to train a small GPT under FSDP2, saving every K steps; SIGKILL the "
-        "whole run partway; relaunch it so it resumes from the latest committed checkpoint and finishes; reload the final "
-        "checkpoint onto one plain process (no process group) to evaluate it; verify it; print a summary. "
-        "Takes about a minute on a 2-core machine.",
+        help="train a small GPT under FSDP2 with a CheckpointManager: preempt, crash, resume, reshard onto 1 process",
+        description="Launch P CPU ranks (gloo) with torchrun to train a small GPT under FSDP2, saving through a CheckpointManager "
+        "(async saves every K steps, keep the last 3 and the best by held-out loss, preemption handling). Run 1 gets SIGTERM "
+        "partway (a simulated preemption: all ranks write a final checkpoint at the step boundary and exit cleanly); run 2 "
+        "resumes from it and is SIGKILLed later; run 3 resumes from the newest committed checkpoint and finishes. The final "
+        "checkpoint is reloaded onto one plain process (no process group) to evaluate it, verified, and a summary is printed "
+        "(blocked time per async save vs a sync save, retention, resume steps). Takes about a minute on a 2-core machine.",
     )
     p.add_argument("--steps", type=_positive_int, default=40, help="total training steps (default: %(default)s)")
     p.add_argument("--save-every", type=_positive_int, default=5, metavar="K", help="save a checkpoint every K steps (default: %(default)s)")
@@ -260,11 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc", type=_positive_int, default=2, metavar="P", help="number of CPU ranks (default: %(default)s)")
     p.add_argument(
+        "--preempt-at",
+        type=_positive_int,
+        default=None,
+        metavar="STEP",
+        help="send SIGTERM to every rank of the first run after this step (default: between two saves, about a third of the way)",
+    )
+    p.add_argument(
         "--crash-after",
         type=_positive_int,
         default=None,
         metavar="STEP",
-        help="kill the first run after this step (default: between two saves, about halfway)",
+        help="SIGKILL the second run after this step (default: just before a save, about two thirds of the way)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the initial weights and data order (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="give up on a launch after this long (default: %(default)s)")
@@ -273,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_push_command(sub)  # `shardsafe push`, defined with push in hub.py
     add_export_command(sub)  # `shardsafe export`, defined with export_hf in export.py
     add_manager_commands(sub)  # `shardsafe list` and `shardsafe gc`, defined with the manager
+    add_convert_command(sub)  # `shardsafe convert`, DeepSpeed ZeRO -> shardsafe
     return parser
 
 

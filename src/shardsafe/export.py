@@ -503,7 +503,9 @@ def export_hf(
     source: Any = src
     if own:
         assert isinstance(src, (str, os.PathLike))
-        source = CheckpointSource(src, key, verify=verify)
+        from .deepspeed_zero import open_source  # a DeepSpeed ZeRO folder (`latest` + tag folders), else a shardsafe checkpoint
+
+        source = open_source(src, key, verify=verify)
     try:
         if final in (getattr(source, "model_folder", None), getattr(source, "folder", None)):
             raise ShardsafeError(f"{final}: the output folder must not be the source")
