@@ -18,10 +18,10 @@ from typing import Any
 from . import __version__
 from .adapters import KIND_MODULE, KIND_OPTIMIZER, KIND_PER_RANK, KIND_STATEFUL, KIND_TENSOR, KIND_VALUE, tensor_keys_of
 from .commit import open_checkpoint
+from .deepspeed_zero import add_convert_command
 from .errors import ShardsafeError
 from .export import add_export_command
 from .format import MANIFEST_NAME, STATE_NAME, Manifest, dtype_name
-from .deepspeed_zero import add_convert_command
 from .hub import add_push_command
 from .manager import add_manager_commands
 
