@@ -14,9 +14,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
+import xxhash
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Model sizes: (layers, width). 16 x Linear(4096, 4096) with bias = 268.5 M fp32 params = 1.0002 GiB.
 FULL = (16, 4096)
@@ -142,15 +145,32 @@ def timed() -> Iterator[list[float]]:
 # ----------------------------------------------------------------------------- correctness
 
 
-def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    """Per-key float64 (sum, sum of |x|) of the (local) tensors; over shards they add up to the full tensor's."""
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor; a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _digest(t: torch.Tensor) -> str:
+    flat = t.detach().contiguous().reshape(-1)
+    array: Any = flat.view(torch.uint8).numpy()
+    return xxhash.xxh3_64(memoryview(array)).hexdigest() if flat.numel() else "empty"
+
+
+def fingerprint(tensors: dict[str, torch.Tensor], parts: int = 1) -> dict[str, list[str]]:
+    """Exact per-key fingerprint: xxh3 of the local bytes of a sharded tensor (one part), or of each
+    of the ``parts`` dim-0 chunks of a whole tensor, which are exactly FSDP2's even Shard(0) pieces."""
     out = {}
-    with torch.no_grad():
-        for key, t in tensors.items():
-            local = t.to_local() if hasattr(t, "to_local") else t
-            wide = local.detach().to(torch.float64)
-            out[key] = [float(wide.sum()), float(wide.abs().sum())]
+    for key, t in tensors.items():
+        if isinstance(t, DTensor):
+            out[key] = [_digest(t.to_local())]
+        else:
+            out[key] = [_digest(piece) for piece in torch.chunk(t, parts, dim=0)]
     return out
+
+
+def merge_fingerprints(per_rank: list[dict[str, list[str]]]) -> dict[str, list[str]]:
+    """Per-rank fingerprints of Shard(0) pieces, in rank order, as the fingerprint of the whole tensors."""
+    return {key: [h for part in per_rank for h in part[key]] for key in per_rank[0]}
 
 
 def state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -164,22 +184,16 @@ def state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, t
     return out
 
 
-def fingerprints_match(a: dict[str, list[float]], b: dict[str, list[float]], rel: float = 1e-9) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        scale = max(abs(a[key][1]), abs(b[key][1]), 1e-300)
-        if abs(a[key][0] - b[key][0]) > rel * scale or abs(a[key][1] - b[key][1]) > rel * scale:
-            return False
-    return True
+def zero_state(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Zero the parameters and every optimizer state tensor, so a load has to restore them all."""
+    with torch.no_grad():
+        tensors = [*model.parameters(), *(v for per_param in optim.state.values() for v in per_param.values() if isinstance(v, torch.Tensor))]
+        for t in tensors:
+            local(t).zero_()
 
 
-def merge_fingerprints(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Add up per-rank fingerprints of shards into the full tensors' fingerprints."""
-    out: dict[str, list[float]] = {}
-    for part in parts:
-        for key, (s, a) in part.items():
-            prev = out.setdefault(key, [0.0, 0.0])
-            prev[0] += s
-            prev[1] += a
-    return out
+def allocate_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state with torch's own helper (a dummy step), outside any timing."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    get_optimizer_state_dict(model, optim)

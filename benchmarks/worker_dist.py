@@ -14,13 +14,25 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import PeakMemory, build_model, drop_file_cache, fingerprint, fingerprints_match, folder_bytes, merge_fingerprints, state_tensors
+from common import (
+    PeakMemory,
+    allocate_optimizer_state,
+    build_model,
+    drop_file_cache,
+    fingerprint,
+    folder_bytes,
+    local,
+    merge_fingerprints,
+    state_tensors,
+    zero_state,
+)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,12 +60,6 @@ def gather(value: Any) -> list[Any]:
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-
-
-def zero_model(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            (p.to_local() if hasattr(p, "to_local") else p).zero_()
 
 
 def rank0_only(fn: Callable[[], Any]) -> Any:
@@ -87,11 +93,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234 + rank)
     with torch.no_grad():
         for p in model.parameters():
-            p.to_local().normal_(0.0, 0.02, generator=gen)
+            local(p).normal_(0.0, 0.02, generator=gen)
     optim = make_optimizer(model)
     model(torch.randn(4, args.width, generator=gen)).square().mean().backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
+    log("model built and optimizer stepped")
     saved_fp = fingerprint(state_tensors(model, optim))
     full_fp = merge_fingerprints(gather(saved_fp))
     gc.collect()
@@ -104,7 +111,7 @@ def main() -> None:
         dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(dcp_dir, sync_files=True))
 
     savers = {"shardsafe": (save_shardsafe, ss_dir), "dcp": (save_dcp, dcp_dir)}
-    results: dict[str, Any] = {"save": {"shardsafe": [], "dcp": [], "dd": []}, "load_2to2": {"shardsafe": [], "dcp": []}}
+    results: dict[str, Any] = {"save": {"shardsafe": [], "dcp": [], "dd": []}}
 
     def clear(path: Path) -> None:
         def rm() -> None:
@@ -123,13 +130,13 @@ def main() -> None:
         order = order[i % 3 :] + order[: i % 3]
         for name in order:
             if name == "dd":
-                nbytes = rank0_only(lambda: folder_bytes(ss_dir) if ss_dir.exists() else 0)
+                nbytes = rank0_only(partial(folder_bytes_or_zero, ss_dir))
                 if not nbytes:
                     continue  # no shardsafe checkpoint yet to size it; dd runs later in the round
                 dd_count = -(-nbytes // DD_BLOCK)
                 clear(dd_file)
                 barrier()
-                rec = rank0_only(lambda: run_dd(dd_file, dd_count))
+                rec = rank0_only(partial(run_dd, dd_file, dd_count))
                 results["save"]["dd"].append(rec)
                 clear(dd_file)
                 log(f"round {i + 1}: dd {rec['bytes'] / 1e9:.2f} GB in {rec['seconds']:.2f} s = {rec['bytes'] / rec['seconds'] / 1e9:.3f} GB/s")
@@ -147,10 +154,10 @@ def main() -> None:
                 "extra_mem_per_rank": [r["extra_mem"] for r in per_rank],
                 "baseline_rss_per_rank": [r["baseline_rss"] for r in per_rank],
                 "mem_method": per_rank[0]["method"],
-                "bytes": rank0_only(lambda f=folder: folder_bytes(f)),
+                "bytes": rank0_only(partial(folder_bytes, folder)),
             }
             results["save"][name].append(rec)
-            rank0_only(lambda f=folder: drop_file_cache(f))  # same (empty) cache state before every step
+            rank0_only(partial(drop_file_cache, folder))  # same (empty) cache state before every step
             log(
                 f"round {i + 1}: {name} save {rec['seconds']:.2f} s, {rec['bytes'] / 1e9:.2f} GB on disk, "
                 f"extra peak RSS per rank {[round(m / 2**20, 1) for m in rec['extra_mem_per_rank']]} MiB"
@@ -158,7 +165,7 @@ def main() -> None:
     if len(results["save"]["dd"]) < args.runs:  # the dd that came first in round 1 had nothing to size it by
         clear(dd_file)
         barrier()
-        results["save"]["dd"].append(rank0_only(lambda: run_dd(dd_file, dd_count)))
+        results["save"]["dd"].append(rank0_only(partial(run_dd, dd_file, dd_count)))
         clear(dd_file)
 
     # ---------------------------------------------------------------- loads at the same world size
@@ -167,45 +174,56 @@ def main() -> None:
 
     def load_dcp() -> None:
         msd, osd = get_state_dict(model, optim)
-        sd = {"model": msd, "optim": osd}
+        sd: dict[str, Any] = {"model": msd, "optim": osd}
         dcp.load(sd, storage_reader=FileSystemReader(dcp_dir))
         set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     loaders = {"shardsafe": (load_shardsafe, ss_dir), "dcp": (load_dcp, dcp_dir)}
-    for i in range(args.runs):
-        order = ["shardsafe", "dcp"] if i % 2 == 0 else ["dcp", "shardsafe"]
-        for name in order:
-            fn, folder = loaders[name]
+    for variant in ("fresh", "allocated"):
+        results[f"load_2to2_{variant}"] = {"shardsafe": [], "dcp": []}
+        if variant == "allocated":
             del optim
             gc.collect()
-            optim = make_optimizer(model)  # a fresh, stateless optimizer: what a resumed job has
-            zero_model(model)
-            residual = rank0_only(lambda f=folder: drop_file_cache(f))
-            barrier()
-            with PeakMemory() as mem:
-                start = time.perf_counter()
-                fn()
-                elapsed = time.perf_counter() - start
-            ok = fingerprints_match(fingerprint(state_tensors(model, optim)), saved_fp)
-            per_rank = gather({"seconds": elapsed, "extra_mem": mem.extra, "ok": ok})
-            rec = {
-                "seconds": max(r["seconds"] for r in per_rank),
-                "extra_mem_per_rank": [r["extra_mem"] for r in per_rank],
-                "bytes": rank0_only(lambda f=folder: folder_bytes(f)),
-                "cached_bytes_before": residual,
-                "correct": all(r["ok"] for r in per_rank),
-            }
-            results["load_2to2"][name].append(rec)
-            log(f"round {i + 1}: {name} load 2->2 {rec['seconds']:.2f} s, state matches: {rec['correct']}, cached before: {residual}")
+            optim = make_optimizer(model)
+            allocate_optimizer_state(model, optim)  # once; every run then loads into this existing (zeroed) state
+        for i in range(args.runs):
+            order = ["shardsafe", "dcp"] if i % 2 == 0 else ["dcp", "shardsafe"]
+            for name in order:
+                fn, folder = loaders[name]
+                if variant == "fresh":
+                    del optim
+                    gc.collect()
+                    optim = make_optimizer(model)  # new and stateless: what a resumed job has
+                zero_state(model, optim)
+                residual = rank0_only(partial(drop_file_cache, folder))
+                barrier()
+                with PeakMemory() as mem:
+                    start = time.perf_counter()
+                    fn()
+                    elapsed = time.perf_counter() - start
+                ok = fingerprint(state_tensors(model, optim)) == saved_fp
+                per_rank = gather({"seconds": elapsed, "extra_mem": mem.extra, "ok": ok})
+                rec = {
+                    "seconds": max(r["seconds"] for r in per_rank),
+                    "extra_mem_per_rank": [r["extra_mem"] for r in per_rank],
+                    "cached_bytes_before": residual,
+                    "correct": all(r["ok"] for r in per_rank),
+                }
+                results[f"load_2to2_{variant}"][name].append(rec)
+                log(f"round {i + 1}: {name} load 2->2 ({variant} optimizer) {rec['seconds']:.2f} s, correct: {rec['correct']}, cached: {residual}")
 
     results["world_size"] = world
     results["fingerprint"] = full_fp
-    results["tensor_bytes"] = sum(t.to_local().numel() * t.element_size() for t in state_tensors(model, optim).values())
+    results["tensor_bytes"] = sum(local(t).numel() * t.element_size() for t in state_tensors(model, optim).values())
     results["tensor_bytes"] = sum(gather(results["tensor_bytes"]))
     if rank == 0:
         args.out.write_text(json.dumps(results, indent=1))
     barrier()
     dist.destroy_process_group()
+
+
+def folder_bytes_or_zero(folder: Path) -> int:
+    return folder_bytes(folder) if folder.exists() else 0
 
 
 def run_dd(path: Path, count: int) -> dict[str, Any]:
