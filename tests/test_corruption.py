@@ -32,6 +32,7 @@ from dist_utils import (
     shard,
     train,
 )
+from reliability import record
 from shardsafe.errors import FormatError, IntegrityError, ShardsafeError, StateMismatchError
 
 WORLD = 2
@@ -170,6 +171,7 @@ def test_corruption_detected_by_verify_and_load(base: tuple[Path, dict[str, Any]
     with pytest.raises(cls) as load_error:
         shardsafe.load(path, _load_state())
     _check_message(str(load_error.value), path, file, key)
+    record("damaged checkpoint files (test_corruption.py)", faults=1)
 
 
 def test_intact_copy_loads_exactly(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

@@ -276,3 +276,29 @@ def test_list_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["gc", str(root), "--min-age", "0"]) == 0
     assert sorted(p.name for p in root.iterdir()) == [step_name(s) for s in (2, 3, 4)]
     assert main(["gc", str(root)]) == 0 and "removed 0 entries" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_retention_parses_each_manifest_once_and_rereads_a_resaved_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention after every save reuses parsed manifests (no re-parsing in the background thread each save),
+    but a checkpoint saved again under the same step is read again: its new metrics decide what is kept."""
+    import shardsafe.manager as manager_module
+
+    parsed: list[str] = []
+    real = manager_module._read_manifest
+
+    def counting(folder: Any) -> Any:
+        parsed.append(Path(str(folder)).name)
+        return real(folder)
+
+    monkeypatch.setattr(manager_module, "_read_manifest", counting)
+    root = tmp_path / "ckpt"
+    model = nn.Linear(3, 2)
+    with shardsafe.CheckpointManager(root, save_every=1, keep_last=2, keep_best=1, best_metric="loss") as manager:
+        for step, loss in enumerate([0.5, 3.0, 2.0, 1.0], 1):
+            manager.save(step, {"model": model}, metrics={"loss": loss})
+        assert committed_steps(root) == [1, 3, 4]  # the best (step 1) and the last two
+        assert sorted(parsed) == [step_name(s) for s in (1, 2, 3, 4)]  # each manifest parsed once over 4 retentions
+        manager.save(4, {"model": model}, metrics={"loss": 0.1}, force=True)  # step 4 again, now the best
+    assert committed_steps(root) == [3, 4]
+    assert parsed.count(step_name(4)) == 2
+    assert [(i.step, i.best) for i in shardsafe.list_checkpoints(root)] == [(3, False), (4, True)]

@@ -105,8 +105,24 @@ class SaveView:
     per_rank: dict[str, Any] = field(default_factory=dict)  # this rank's per-rank entries
 
 
+def _unique_paths(name: str) -> Callable[[str], None]:
+    """Refuse a second tensor under the same key: a dict key containing '/' can spell another entry's
+    path (``{"a/0": t1, "a": [t2]}``), and one of the two tensors would silently take the other's place."""
+    seen: set[str] = set()
+
+    def check(path: str) -> None:
+        if path in seen:
+            raise ShardsafeError(f"state[{name!r}]: two tensors map to the checkpoint key {path!r} (a dict key containing '/'?); rename one")
+        seen.add(path)
+
+    return check
+
+
 def _collector(chunks: list[LocalChunk], name: str) -> Callable[[str, torch.Tensor], str]:
+    unique = _unique_paths(name)
+
     def ref(path: str, tensor: torch.Tensor) -> str:
+        unique(path)
         local, global_shape, offsets = _placement(tensor)
         if local.numel() or not any(global_shape):
             chunks.append(LocalChunk(path, local, global_shape, offsets))
@@ -151,7 +167,10 @@ class LoadBinding:
 
 
 def _bind_tensors(binding: LoadBinding, value: Any, name: str) -> None:
+    unique = _unique_paths(name)
+
     def ref(path: str, tensor: torch.Tensor) -> str:
+        unique(path)
         local, global_shape, offsets = _placement(tensor)
         binding.targets[path] = ReadTarget(path, local, global_shape, offsets)
         return path

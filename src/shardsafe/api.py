@@ -186,6 +186,7 @@ def load(
     process_group: Any = None,
     strict: bool = True,
     verify: bool = True,
+    atomic: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``state`` in place. Collective: every rank calls it.
 
@@ -194,6 +195,16 @@ def load(
     mismatches) are collected and raised together, on every rank, before anything is modified.
     JSON-able values are replaced in ``state``. ``verify`` checks block hashes of what is read.
     Returns the checkpoint's user metadata.
+
+    ``atomic`` (default): a load that fails on damaged or missing stored data leaves ``state``
+    exactly as it was. Every rank first checks the byte ranges it will read (files opened and
+    sized; with ``verify``, each hash block touched is read into one block-sized scratch buffer
+    and hashed), the ranks agree, and only then is anything written. The cost is a second read
+    of this rank's share: from the page cache on a local or shared filesystem when it fits in
+    free memory (the second pass reuses the open files and skips hashing); on an object store the
+    first 64 MiB of verified blocks are kept in memory and the rest is downloaded again and
+    re-verified. ``atomic=False`` reads once, straight into the destinations:
+    faster, but a hash mismatch found midway leaves the tensors read before it overwritten.
     """
     comm = get_comm(process_group)
     folder = location(path)
@@ -219,14 +230,27 @@ def load(
         raise
     assert loaded is not None
     problem = None
-    try:
-        with ChunkReader(folder, loaded.manifest, verify) as reader:
+    with ChunkReader(folder, loaded.manifest, verify) as reader:
+        if atomic:  # check everything this rank will read, agree, and only then write
+            try:
+                _check_sources(reader, loaded, comm.rank)
+            except Exception as exc:
+                problem = _problem(exc, comm.rank)
+            try:
+                _agree(comm, problem)
+            except ShardsafeError:
+                for optimizer in fresh:
+                    optimizer.state.clear()
+                raise
+            # The blocks are verified; local re-reads go through the same open files (page cache).
+            reader.verify = verify and reader.remote
+        try:
             _read_targets(reader, loaded)
             lookup = _lazy_lookup(reader, loaded.manifest)
             for finish in loaded.binding.finalizers:
                 finish(loaded.tree, lookup)
-    except Exception as exc:
-        problem = _problem(exc, comm.rank)
+        except Exception as exc:
+            problem = _problem(exc, comm.rank)
     _agree(comm, problem)
     return loaded.manifest.metadata
 
@@ -299,14 +323,51 @@ def _read_targets(reader: ChunkReader, loaded: _Loaded) -> None:
                 reader.read_into(key, op, entry.dtype, target.tensor, target.offsets)
 
 
+def _check_sources(reader: ChunkReader, loaded: _Loaded, rank: int) -> None:
+    """The first pass of an atomic load: everything the second pass will read, checked, nothing written."""
+    for key, target in loaded.binding.targets.items():
+        entry = loaded.manifest.tensors.get(key)
+        if entry is None:
+            continue
+        for op in plan_reads(entry, target.offsets, tuple(target.tensor.shape)):
+            reader.check_read(key, op, entry.dtype)
+    for key in _finalizer_keys(loaded, rank):
+        entry = loaded.manifest.tensors.get(key)
+        if entry is None:
+            raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
+        for op in plan_reads(entry, (0,) * len(entry.shape), entry.shape):
+            reader.check_read(key, op, entry.dtype)
+
+
+def _finalizer_keys(loaded: _Loaded, rank: int) -> list[str]:
+    """Tensors the finalizers will look up (stateful objects, values, this rank's per-rank entry);
+    decoding their trees here also surfaces a malformed state.json before anything is modified."""
+    keys: list[str] = []
+    for name, kind in loaded.binding.names.items():
+        entry = loaded.tree[name]
+        if kind == KIND_PER_RANK:
+            ranks = entry.get("ranks")
+            if not isinstance(ranks, list) or not ranks:
+                raise FormatError(f"state.json: {name!r} has no per-rank entries")
+            keys += tensor_keys_of(ranks[rank % len(ranks)])
+        elif kind == KIND_OPTIMIZER:
+            tensor_keys_of(entry.get("state"))  # read in place; decoded only to check it
+        elif kind not in (KIND_MODULE, KIND_TENSOR):
+            keys += tensor_keys_of(entry.get("state"))
+    return keys
+
+
 def _lazy_lookup(reader: ChunkReader, manifest: Manifest) -> Any:
     def lookup(key: str) -> torch.Tensor:
         entry = manifest.tensors.get(key)
         if entry is None:
             raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
-        out = torch.empty(entry.shape, dtype=entry.dtype)
         zeros = (0,) * len(entry.shape)
-        for op in plan_reads(entry, zeros, entry.shape):
+        ops = plan_reads(entry, zeros, entry.shape)
+        for op in ops:
+            reader.open(op.chunk)  # files exist and hold what the manifest says before the tensor is allocated
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        for op in ops:
             reader.read_into(key, op, entry.dtype, out, zeros)
         return out
 
@@ -321,6 +382,7 @@ def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     """
     folder = location(path)
     manifest, tree = open_checkpoint(folder)
+    _check_tree(manifest, tree, str(folder.url if isinstance(folder, RemoteDir) else folder))
     _check_headers(folder, manifest)
     block = manifest.hash_block_size
     buffer = memoryview(bytearray(block))
@@ -350,6 +412,16 @@ def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     }
 
 
+def _check_tree(manifest: Manifest, tree: dict[str, Any], where: str) -> None:
+    """state.json decodes (tags well formed) and every tensor it refers to is in the manifest."""
+    for name, entry in tree.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+            raise FormatError(f"{where}/state.json: entry {name!r} has no kind")
+        for key in tensor_keys_of(entry.get("state", entry.get("ranks"))):
+            if key not in manifest.tensors:
+                raise FormatError(f"{where}/state.json: {name!r} refers to tensor {key!r}, which the manifest does not list")
+
+
 def _check_headers(folder: Path | RemoteDir, manifest: Manifest) -> None:
     from .format import parse_safetensors_header
 
@@ -372,4 +444,22 @@ def _check_headers(folder: Path | RemoteDir, manifest: Manifest) -> None:
             if 8 + length > size:
                 raise IntegrityError(f"{path}: safetensors header length {length} runs past the end of the file")
             head += f.read(length)
-        parse_safetensors_header(head, size, str(path))
+        header = parse_safetensors_header(head, size, str(path))
+        _check_header_matches(manifest, name, header, str(path))
+
+
+def _check_header_matches(manifest: Manifest, file: str, header: dict[str, Any], where: str) -> None:
+    """Every chunk the manifest places in ``file`` has a header entry with the same range, dtype and shape
+    (so a safetensors reader of the shard file sees what shardsafe loads)."""
+    by_range = {(begin, end): (dtype, shape) for dtype, shape, begin, end in header.values()}
+    for key, entry in manifest.tensors.items():
+        for chunk in entry.chunks:
+            if chunk.checkpoint is not None or chunk.file != file:
+                continue
+            found = by_range.get((chunk.begin, chunk.end))
+            if found is None or found[0] != entry.dtype or tuple(found[1]) != chunk.shape:
+                shown = "no entry" if found is None else f"{found[0]} {list(found[1])}"
+                raise FormatError(
+                    f"{where}: the safetensors header disagrees with the manifest for tensor {key!r} chunk at {list(chunk.offsets)} "
+                    f"(bytes [{chunk.begin}, {chunk.end}): manifest {entry.dtype} {list(chunk.shape)}, header {shown})"
+                )

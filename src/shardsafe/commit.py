@@ -17,6 +17,7 @@ never a mix: a folder without a manifest is never loaded (and hidden temporaries
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -33,6 +34,8 @@ from .format import MANIFEST_NAME, MAX_JSON_BYTES, SHARD_PATTERN, STATE_NAME, Fi
 from .integrity import hash_bytes
 from .objectstore import RemoteDir
 from .storage import exchange_paths, fsync_dir, read_small_file, remove_tree, safe_child, write_small_file, write_tensor_file
+
+log = logging.getLogger("shardsafe")
 
 TMP_MARK = ".shardsafe-tmp-"
 OLD_MARK = ".shardsafe-old-"
@@ -94,6 +97,8 @@ class RemoteCommit:
 
     def __init__(self, folder: RemoteDir, save_id: str) -> None:
         self.folder, self.save_id = folder, save_id
+        self.manifest_sent = False  # the manifest PUT was attempted: it may be visible even if it "failed"
+        self.committed = False
 
     def shard_name(self, rank: int) -> str:
         return f"shard-{rank:05d}-{self.save_id}.safetensors"
@@ -111,12 +116,53 @@ class RemoteCommit:
             previous = set(old.files) | {old.state_file}
         self.folder.write_bytes(manifest.state_file, state_bytes)
         crash_point("save:before-manifest", rank)
-        self.folder.write_bytes(MANIFEST_NAME, manifest.to_bytes())
+        data = manifest.to_bytes()
+        self.manifest_sent = True
+        try:
+            self.folder.write_bytes(MANIFEST_NAME, data)
+        except Exception:
+            # The PUT may have been stored even though its answer was lost: then the save is committed.
+            if self._manifest_is(data) is not True:
+                raise
+        self.committed = True
         crash_point("save:after-publish", rank)
-        self.folder.remove(sorted(previous - set(manifest.files) - {manifest.state_file}))
+        try:
+            self.folder.remove(sorted(previous - set(manifest.files) - {manifest.state_file}))
+        except Exception as exc:  # committed already; what is left over is garbage for collect_garbage
+            log.warning("shardsafe: %s: committed, but removing the previous save's objects failed: %s", self.folder.url, exc)
+
+    def _manifest_is(self, data: bytes) -> bool | None:
+        """Whether the visible manifest is ``data`` (None: cannot tell)."""
+        try:
+            return self.folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES) == data
+        except FileNotFoundError:
+            return False
+        except Exception:
+            return None
 
     def abort(self) -> None:
-        self.folder.remove([name for name in self.folder.list() if self.save_id in name])
+        """Remove this save's objects, unless its manifest is (or may be) visible; never raises."""
+        if self.committed:
+            return
+        try:
+            if self.manifest_sent and self._manifest_is_ours() is not False:
+                log.warning("shardsafe: %s: the manifest of the failed save may be visible; keeping its objects", self.folder.url)
+                return
+            self.folder.remove([name for name in self.folder.list() if self.save_id in name])
+        except Exception as exc:  # leftovers are invisible (no manifest names them) and collected by gc
+            log.warning("shardsafe: %s: could not remove the objects of the failed save: %s", self.folder.url, exc)
+
+    def _manifest_is_ours(self) -> bool | None:
+        try:
+            data = self.folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES)
+        except FileNotFoundError:
+            return False
+        except Exception:
+            return None
+        try:
+            return parse_manifest(data, f"{self.folder.url}/{MANIFEST_NAME}").state_file == self.state_name()
+        except FormatError:
+            return None
 
 
 CommitTarget = LocalCommit | RemoteCommit
@@ -138,6 +184,8 @@ def prepare_save(comm: Comm, final: Path | RemoteDir, overwrite: bool, fsync: bo
             outcome = ("ok", token)
         except Exception as exc:  # reported to every rank below
             outcome = _error_outcome(exc)
+            if not isinstance(exc, ShardsafeError):
+                outcome = (outcome[0], outcome[1], f"coordinator (rank {comm.rank}): {outcome[2]}")
     outcome = comm.broadcast(outcome)
     _raise_shared(outcome)
     if isinstance(final, RemoteDir):
@@ -181,6 +229,8 @@ def agree_and_publish(comm: Comm, target: CommitTarget, rank_result: tuple[Any, 
         except Exception as exc:
             target.abort()
             outcome = _error_outcome(exc)
+            if not isinstance(exc, ShardsafeError):  # name who failed, as the ranks' reports do
+                outcome = (outcome[0], outcome[1], f"coordinator (rank {comm.rank}): {outcome[2]}")
     outcome = comm.broadcast(outcome)
     _raise_shared(outcome)
     return manifest
@@ -199,13 +249,20 @@ def publish(tmp: Path, final: Path, fsync: bool = True) -> None:
     else:  # no atomic swap on this filesystem: move the old one aside first
         old = final.parent / f".{final.name}{OLD_MARK}{uuid.uuid4().hex[:12]}"
         os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            crash_point("save:between-renames", 0)
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)  # put the old checkpoint back (after a crash here, collect_garbage does)
+            raise
         if fsync:
             fsync_dir(final.parent)
+        crash_point("save:after-publish", 0)
         remove_tree(old)
         return
     if fsync:
         fsync_dir(final.parent)
+    crash_point("save:after-publish", 0)
 
 
 def new_manifest(world_size: int, files: dict[str, FileEntry], state_bytes: bytes, metadata: dict[str, Any] | None, version: str) -> Manifest:

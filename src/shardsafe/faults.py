@@ -16,12 +16,16 @@ import signal
 POINTS = (
     "save:after-prepare",  # temporary folder exists, nothing written
     "save:mid-write",  # this rank's shard file is half written
+    "save:before-fsync",  # this rank's file is completely written, not yet fsynced
     "save:after-write",  # this rank's file is complete and fsynced
     "save:before-manifest",  # coordinator: all ranks agreed, state.json written
     "save:before-publish",  # coordinator: manifest written, folder not yet moved
+    "save:between-renames",  # coordinator, no RENAME_EXCHANGE: the old checkpoint moved aside, the new one not yet in
     "save:after-publish",  # coordinator: new checkpoint visible, old one not yet removed
     "async:before-write",  # manager: state staged, background write not started
+    "retention:before-rename",  # manager: the checkpoints to retire are chosen, none touched yet
     "retention:after-rename",  # manager: a retired checkpoint is hidden but not yet deleted
+    "retention:mid-delete",  # manager: a hidden retired checkpoint is partly deleted (its manifest first)
 )
 
 

@@ -287,16 +287,37 @@ def _parse_chunk(raw: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...],
     return ChunkEntry(offsets, cshape, file, begin, end, tuple(hashes), checkpoint)
 
 
+MAX_OVERLAP_CHECKS = 1 << 22  # box comparisons per tensor; real tilings need about n * sqrt(n) at most
+
+
 def _check_coverage(key: str, shape: tuple[int, ...], chunks: list[ChunkEntry]) -> None:
-    """Chunks must tile the tensor: no overlap (checked pairwise on boxes) and total volume = numel."""
+    """Chunks must tile the tensor: no two overlap and their total volume is numel.
+
+    Boxes inside the tensor with the right total volume and no overlap cover it exactly, so no
+    element can be left unread (keeping whatever the destination held). Overlaps are found with a
+    sweep along the dimension whose chunk starts vary most, which compares few pairs for any real
+    sharding; a manifest that would need more than ``MAX_OVERLAP_CHECKS`` comparisons is refused.
+    """
     total = sum(numel(c.shape) for c in chunks)
     if total != numel(shape):
         raise FormatError(f"manifest tensor {key!r}: chunks hold {total} elements, shape {list(shape)} needs {numel(shape)}")
-    if len(chunks) <= 64:
-        for i, a in enumerate(chunks):
-            for b in chunks[i + 1 :]:
-                if box_overlap(a.offsets, a.shape, b.offsets, b.shape) is not None and numel(a.shape) and numel(b.shape):
-                    raise FormatError(f"manifest tensor {key!r}: chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    boxes = [c for c in chunks if numel(c.shape)]
+    if len(boxes) < 2 or not shape:
+        return
+    dim = max(range(len(shape)), key=lambda d: len({c.offsets[d] for c in boxes}))
+    boxes.sort(key=lambda c: c.offsets[dim])
+    active: list[ChunkEntry] = []
+    budget = MAX_OVERLAP_CHECKS
+    for b in boxes:
+        start = b.offsets[dim]
+        active = [a for a in active if a.offsets[dim] + a.shape[dim] > start]
+        budget -= len(active)
+        if budget < 0:
+            raise FormatError(f"manifest tensor {key!r}: {len(chunks)} chunks are too many to check for overlaps")
+        for a in active:
+            if box_overlap(a.offsets, a.shape, b.offsets, b.shape) is not None:
+                raise FormatError(f"manifest tensor {key!r}: chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+        active.append(b)
 
 
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
@@ -343,6 +364,9 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: metadata must be an object")
+    created = raw.get("created", 0.0)
+    if not isinstance(created, (int, float)) or isinstance(created, bool):
+        raise FormatError(f"{where}: field 'created' has the wrong type ({type(created).__name__})")
     return Manifest(
         world_size=world_size,
         tensors=tensors,
@@ -350,7 +374,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         state_size=state_size,
         state_hash=str(_expect(state, "hash", str, where)),
         metadata=metadata,
-        created=float(raw.get("created", 0.0)),
+        created=float(created),
         writer_version=str(raw.get("writer_version", "")),
         hash_algorithm=algorithm,
         hash_block_size=block,
@@ -426,7 +450,10 @@ def parse_safetensors_header(head: bytes, file_size: int, where: str) -> dict[st
             raise FormatError(f"{ewhere}: unknown dtype {st!r}")
         dtype = _BY_ST_NAME[st]
         shape = _int_list(_expect(entry, "shape", list, ewhere), ewhere)
-        begin, end = _int_list(_expect(entry, "data_offsets", list, ewhere), ewhere, max_len=2)
+        offsets = _int_list(_expect(entry, "data_offsets", list, ewhere), ewhere, max_len=2)
+        if len(offsets) != 2:
+            raise FormatError(f"{ewhere}: data_offsets must be [begin, end]")
+        begin, end = offsets
         if end - begin != numel(shape) * element_size(dtype) or base + end > file_size:
             raise FormatError(f"{ewhere}: data offsets [{begin}, {end}) do not fit its shape or the file")
         out[name] = (dtype, shape, base + begin, base + end)
@@ -490,7 +517,7 @@ def decode_value(value: Any, tensor_lookup: Any, where: str = STATE_NAME) -> Any
         if tag == PAIRS_TAG and isinstance(inner, list):
             out = {}
             for pair in inner:
-                if not isinstance(pair, list) or len(pair) != 2:
+                if not isinstance(pair, list) or len(pair) != 2 or not (pair[0] is None or isinstance(pair[0], (str, int, float))):
                     raise FormatError(f"{where}: bad key/value pair {pair!r:.60}")
                 out[pair[0]] = decode_value(pair[1], tensor_lookup, where)
             return out

@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,9 +103,9 @@ def committed_steps(root: Root) -> list[int]:
     return sorted(int(name[len("step-") :]) for name in _step_folders(root) if _has_manifest(_child(root, name)))
 
 
-def read_info(root: Root, step: int) -> CheckpointInfo:
+def read_info(root: Root, step: int, read: Callable[[Root], Manifest] = _read_manifest) -> CheckpointInfo:
     path = _child(root, step_name(step))
-    manifest = _read_manifest(path)
+    manifest = read(path)
     meta = manifest.metadata.get(META_KEY)
     metrics = meta.get("metrics") if isinstance(meta, dict) else None
     return CheckpointInfo(step, path, manifest.total_bytes, dict(metrics) if isinstance(metrics, dict) else {}, manifest.created)
@@ -141,11 +142,11 @@ def choose_kept(
     return keep, best
 
 
-def references(root: Root, steps: list[int] | None = None) -> dict[str, set[str]]:
+def references(root: Root, steps: list[int] | None = None, read: Callable[[Root], Manifest] = _read_manifest) -> dict[str, set[str]]:
     """Folder name -> its files that the given committed checkpoints (default: all) point into."""
     out: dict[str, set[str]] = {}
     for step in committed_steps(root) if steps is None else steps:
-        manifest = _read_manifest(_child(root, step_name(step)))
+        manifest = read(_child(root, step_name(step)))
         for entry in manifest.tensors.values():
             for chunk in entry.chunks:
                 if chunk.checkpoint is not None:
@@ -160,6 +161,7 @@ def retire(root: Root, step: int, keep_files: set[str] | None = None) -> None:
     hidden folder for ``gc``. Referenced by a kept checkpoint (stored-once data): remove its
     manifest first (it is no longer a checkpoint), then every file nothing points into.
     """
+    crash_point("retention:before-rename", 0)
     if isinstance(root, RemoteDir):
         _retire_remote(root.child(step_name(step)), keep_files or set())
         return
@@ -174,6 +176,8 @@ def retire(root: Root, step: int, keep_files: set[str] | None = None) -> None:
     os.rename(folder, hidden)
     fsync_dir(root)
     crash_point("retention:after-rename", 0)
+    (hidden / MANIFEST_NAME).unlink(missing_ok=True)  # first, so no part of it can pass for a checkpoint again
+    crash_point("retention:mid-delete", 0)
     remove_tree(hidden)
 
 
@@ -241,6 +245,18 @@ def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_
         path = Path(entry.path)
         hidden = entry.name.startswith(".") and any(mark in entry.name for mark in (TMP_MARK, OLD_MARK, DELETING_MARK))
         abandoned = STEP_RE.match(entry.name) is not None and not is_committed(path)
+        original = _moved_aside_from(root, entry.name)
+        if original is not None:
+            # An overwrite without RENAME_EXCHANGE died between its two renames: this is the only
+            # copy of the checkpoint. Put it back rather than delete it.
+            garbage.append(path)
+            if not dry_run:
+                if original.exists():
+                    original.rmdir()  # an empty folder left in its place
+                os.rename(path, original)
+                fsync_dir(root)
+                log.warning("shardsafe: restored %s from %s (an overwrite was interrupted between its two renames)", original, path)
+            continue
         if abandoned and entry.name in referenced:
             keep = referenced[entry.name]
             extra = [Path(e.path) for e in os.scandir(path) if e.name not in keep]
@@ -252,6 +268,18 @@ def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_
             if not dry_run:
                 remove_tree(path)
     return garbage
+
+
+def _moved_aside_from(root: Path, name: str) -> Path | None:
+    """For ``.NAME.shardsafe-old-ID`` holding a committed checkpoint while NAME holds none: NAME."""
+    if not name.startswith(".") or OLD_MARK not in name:
+        return None
+    original = root / name[1:].rsplit(OLD_MARK, 1)[0]
+    if not original.name or is_committed(original) or not is_committed(root / name):
+        return None
+    if original.exists() and (not original.is_dir() or any(original.iterdir())):
+        return None
+    return original
 
 
 def _collect_remote_garbage(root: RemoteDir, dry_run: bool) -> list[Path | str]:
@@ -267,6 +295,36 @@ def _collect_remote_garbage(root: RemoteDir, dry_run: bool) -> list[Path | str]:
         if not dry_run:
             folder.remove(doomed)
     return garbage
+
+
+class _ManifestCache:
+    """Parsed manifests of local checkpoints, reused while the manifest file is the same file.
+
+    Retention reads every committed manifest after each save (and a dedup save checks references
+    first); parsing and validating them all again each time is pure Python that, during an async
+    save, holds the GIL the training loop needs. A re-saved or replaced checkpoint has a new
+    manifest file (new inode), so it is read again; object-store roots are not cached.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+
+    def __call__(self, folder: Root) -> Manifest:
+        if isinstance(folder, RemoteDir):
+            return _read_manifest(folder)
+        try:
+            st = os.stat(folder / MANIFEST_NAME)
+        except OSError:
+            return _read_manifest(folder)  # raises the usual error
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        entry = self._entries.get(str(folder))
+        if entry is None or entry[0] != key:
+            entry = (key, _read_manifest(folder))
+            self._entries[str(folder)] = entry
+        return entry[1]
+
+    def forget(self, folder: Root) -> None:
+        self._entries.pop(str(folder), None)
 
 
 class _Staging:
@@ -347,6 +405,7 @@ class CheckpointManager:
         self.comm = get_comm(process_group)
         self._background_comm = self._make_background_comm() if async_save else self.comm
         self._staging = _Staging()
+        self._manifests = _ManifestCache()
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
@@ -357,6 +416,7 @@ class CheckpointManager:
         self._previous_handlers: dict[int, Any] = {}
         self.stop_requested = False
         self.skipped: list[tuple[int, str]] = []  # (step, reason) of damaged checkpoints restore passed over
+        self.retention_errors: list[str] = []  # retention failures (coordinator; logged, not raised)
         if handle_preemption:
             self._install_signal_handlers(preemption_signals)
 
@@ -412,7 +472,11 @@ class CheckpointManager:
         reuse = self._reuse_map(step) if self.dedup else None
         write_checkpoint(self.step_path(step), view, comm or self.comm, overwrite=True, metadata=metadata, fsync=self.fsync, reuse=reuse)
         if (comm or self.comm).is_coordinator:
-            self.apply_retention()
+            try:
+                self.apply_retention()
+            except Exception as exc:  # the save is committed; raising here, on the coordinator alone, would split the ranks
+                log.warning("shardsafe: retention after saving step %d failed (retried after the next save): %s", step, exc)
+                self.retention_errors.append(f"step {step}: {type(exc).__name__}: {exc}")
 
     def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         try:
@@ -432,11 +496,11 @@ class CheckpointManager:
         if not earlier:
             return None
         name = step_name(earlier[-1])
-        return reuse_map(_read_manifest(_child(self.root, name)), name)
+        return reuse_map(self._manifests(_child(self.root, name)), name)
 
     def _check_not_referenced(self, step: int) -> None:
         name = step_name(step)
-        if name in references(self.root, [s for s in self.steps() if s != step]):
+        if name in references(self.root, [s for s in self.steps() if s != step], self._manifests):
             raise SaveError(
                 f"{self.step_path(step)}: other checkpoints store tensors in this folder (dedup); "
                 "it cannot be overwritten - delete the later checkpoints first or save under another step"
@@ -446,12 +510,13 @@ class CheckpointManager:
         """Delete checkpoints outside keep_last/keep_best (coordinator only). Returns deleted steps."""
         if not self.comm.is_coordinator or (self.keep_last is None and self.keep_best is None):
             return []
-        infos = [read_info(self.root, s) for s in committed_steps(self.root)]
+        infos = [read_info(self.root, s, self._manifests) for s in committed_steps(self.root)]
         keep, _ = choose_kept(infos, self.keep_last, self.keep_best, self.best_metric, self.best_mode)
         doomed = [i.step for i in infos if i.step not in keep]
         if doomed:
-            still_needed = references(self.root, sorted(keep))
+            still_needed = references(self.root, sorted(keep), self._manifests)
             for step in doomed:
+                self._manifests.forget(self.step_path(step))
                 retire(self.root, step, still_needed.get(step_name(step)))
         return doomed
 

@@ -66,8 +66,10 @@ class RemoteDir:
         size = self.size(name)
         if size > limit:
             raise FormatError(f"{self.url}/{name}: {size} bytes is more than the {limit} allowed")
-        data = self.fs.cat_file(self.key(name))
-        return bytes(data)
+        data = bytes(self.fs.cat_file(self.key(name)))
+        if len(data) != size:  # a response cut short (or an object replaced meanwhile)
+            raise IntegrityError(f"{self.url}/{name}: read {len(data)} bytes, the object has {size}")
+        return data
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self.key(name), data)

@@ -20,7 +20,7 @@ from .format import ChunkEntry, HeaderEntry, Manifest, build_safetensors_header,
 from .integrity import BlockHasher, hash_blocks
 from .objectstore import RemoteDir
 from .plan import LocalChunk, ReadOp, contiguous_span
-from .storage import pread_into, safe_child, tensor_bytes, tensor_pieces
+from .storage import open_regular, pread_into, safe_child, tensor_bytes, tensor_pieces
 
 
 def chunk_name(chunk: LocalChunk) -> str:
@@ -100,7 +100,7 @@ class LocalSource:
         if ident not in self._fds:
             path = self._path(checkpoint, file)
             try:
-                self._fds[ident] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                self._fds[ident] = open_regular(path, follow=False)  # never blocks on a planted FIFO
             except FileNotFoundError:
                 raise IntegrityError(f"{path}: shard file is missing") from None
             except OSError as exc:
@@ -148,6 +148,9 @@ class RemoteSource:
         self._sizes.clear()
 
 
+REMOTE_CACHE_BYTES = 64 << 20
+
+
 class ChunkReader:
     """Positional, verified reads from a committed checkpoint's files."""
 
@@ -157,6 +160,12 @@ class ChunkReader:
         self.verify = verify
         self.block = manifest.hash_block_size
         self._checked: set[tuple[str | None, str]] = set()
+        self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
+        self._scratch = memoryview(bytearray(0))
+        # Object stores only: verified blocks kept for the second pass of an atomic load, so a small
+        # state is not downloaded twice (bounded; larger states are fetched again).
+        self._cache: dict[tuple[str | None, str, int, int], bytes] = {}
+        self._cache_left = REMOTE_CACHE_BYTES if isinstance(self.source, RemoteSource) else 0
 
     def __enter__(self) -> ChunkReader:
         return self
@@ -182,8 +191,81 @@ class ChunkReader:
             self._checked.add(ident)
         return handle
 
+    @property
+    def remote(self) -> bool:
+        return isinstance(self.source, RemoteSource)
+
+    def check_read(self, key: str, op: ReadOp, saved_dtype: torch.dtype) -> None:
+        """Check what :meth:`read_into` would read for ``op`` without writing anywhere.
+
+        Opens the file (checking its size) and, with ``verify``, reads every hash block that the
+        read touches into one reusable block-sized scratch buffer and checks its hash. Reading the
+        rows of the chunk that the box spans covers both ways :meth:`read_into` may read it.
+        """
+        chunk = op.chunk
+        self.open(chunk)
+        if not self.verify:
+            return
+        if chunk.shape:
+            row_elems = numel(chunk.shape[1:])
+            row0 = op.offsets[0] - chunk.offsets[0]
+            start, stop = row0 * row_elems, (row0 + op.shape[0]) * row_elems
+        else:
+            start, stop = 0, 1
+        es = element_size(saved_dtype)
+        self.check_bytes(key, chunk, start * es, stop * es)
+
+    def check_bytes(self, key: str, chunk: ChunkEntry, lo: int, hi: int) -> None:
+        """Verify the hash blocks of ``chunk`` that bytes [lo, hi) of it touch (each block once per reader)."""
+        if hi <= lo:
+            return
+        where = f"{self.path_of(chunk)} (tensor {key!r}, chunk at {list(chunk.offsets)})"
+        chunk_bytes = chunk.end - chunk.begin
+        for i in range(lo // self.block, -(-hi // self.block)):
+            ident = (chunk.checkpoint, chunk.file, chunk.begin, i)
+            if ident in self._verified:
+                continue
+            size = min(self.block, chunk_bytes - i * self.block)
+            if len(self._scratch) < size:
+                self._scratch = memoryview(bytearray(size))
+            view = self._scratch[:size]
+            self.read_raw(chunk, [view], chunk.begin + i * self.block, where)
+            hasher = BlockHasher(self.block)
+            hasher.update(view)
+            if hasher.finish()[0] != chunk.hashes[i]:
+                raise IntegrityError(
+                    f"{where}: hash mismatch in block {i} (bytes {chunk.begin + i * self.block}..): "
+                    "the file is corrupted; restore it or load an earlier checkpoint"
+                )
+            self._verified.add(ident)
+            if size <= self._cache_left:
+                self._cache[ident] = bytes(view)
+                self._cache_left -= size
+
     def read_raw(self, chunk: ChunkEntry, views: list[memoryview], offset: int, where: str) -> None:
+        if self._cache and self._from_cache(chunk, views, offset):
+            return
         self.source.read_into(self.open(chunk), views, offset, where)
+
+    def _from_cache(self, chunk: ChunkEntry, views: list[memoryview], offset: int) -> bool:
+        """Fill ``views`` from cached verified blocks when they hold every byte asked for."""
+        lo = offset - chunk.begin
+        hi = lo + sum(len(v) for v in views)
+        if hi <= lo:
+            return False
+        first = lo // self.block
+        blocks = []
+        for i in range(first, (hi - 1) // self.block + 1):
+            cached = self._cache.get((chunk.checkpoint, chunk.file, chunk.begin, i))
+            if cached is None:
+                return False
+            blocks.append(cached)
+        data = memoryview(b"".join(blocks))[lo - first * self.block : hi - first * self.block]
+        pos = 0
+        for v in views:
+            v[:] = data[pos : pos + len(v)]
+            pos += len(v)
+        return True
 
     def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None:
         """Read elements [start, stop) of ``chunk`` into ``dest``, verifying the blocks touched."""
