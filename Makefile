@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+stress: $(STAMP)
+	$(PY) -m pip install -q atheris
+	$(PY) -m pytest -q -m stress
+	$(PY) tests/fuzz/fuzz_parsers.py -runs=20000
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
