@@ -296,19 +296,24 @@ def measure_window(r: Rank, state: dict[str, Any], step: Callable[[], None], sav
         return run
 
     methods = {
-        "no checkpoint": none,
         "shardsafe async": shardsafe_save("shardsafe async"),
         "shardsafe overlap": shardsafe_save("shardsafe overlap"),
         "dcp async_save": dcp_save(None),
         "dcp async_save + DefaultStager(async staging)": dcp_save(savers.stager_async),
     }
+    # Each measurement is paired with a no-checkpoint window right next to it (before or after, alternating),
+    # so the load of the shared machine at that moment cancels out of the difference.
     out: dict[str, list[list[float]]] = {name: [] for name in methods}
     order = list(methods)
     for run in range(runs):
-        for name in order if run % 2 == 0 else order[::-1]:
-            r.barrier()
-            seconds, finished = methods[name]()
-            out[name].append([seconds, float(finished)])
+        for i, name in enumerate(order if run % 2 == 0 else order[::-1]):
+            seconds: dict[str, float] = {}
+            finished = True
+            for which in ("none", name) if (run + i) % 2 == 0 else (name, "none"):
+                r.barrier()
+                seconds[which], done = none() if which == "none" else methods[name]()
+                finished = finished and done
+            out[name].append([seconds[name], float(finished), seconds["none"]])
         r.log(f"window run {run + 1}/{runs} done")
     hook.remove()
     return {"runs": out, "window": window}
@@ -495,11 +500,12 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     med = statistics.median
     blocked = {k: med(v) for k, v in _slowest(per_rank, ["blocked", "runs"], 0).items()}
     committed = {k: med(v) for k, v in _slowest(per_rank, ["blocked", "runs"], 1).items()}
-    window = {k: med(v) for k, v in _slowest(per_rank, ["window", "runs"], 0).items()}
-    finished = {k: min(run[1] for r in per_rank for run in r["window"]["runs"][k]) > 0 for k in window}  # in every run, on every rank
     windows = _slowest(per_rank, ["window", "runs"], 0)
-    paired = {k: [w - n for w, n in zip(v, windows["no checkpoint"])] for k, v in windows.items() if k != "no checkpoint"}
-    extra = {k: med(v) for k, v in paired.items()}  # each run against the no-checkpoint window of the same round
+    baselines = _slowest(per_rank, ["window", "runs"], 2)
+    window = {"no checkpoint": med(x for v in baselines.values() for x in v), **{k: med(v) for k, v in windows.items()}}
+    finished = {k: min(run[1] for r in per_rank for run in r["window"]["runs"][k]) > 0 for k in windows}  # every run, every rank
+    paired = {k: [w - n for w, n in zip(v, baselines[k])] for k, v in windows.items()}
+    extra = {k: med(v) for k, v in paired.items()}  # each against the no-checkpoint window measured next to it
     dcp_modes = [k for k in extra if k.startswith("dcp")]
     best_dcp = min(dcp_modes, key=lambda k: extra[k])
     dd = res["dedup"]
@@ -592,10 +598,10 @@ def section(s: dict[str, Any], facts: dict[str, Any]) -> str:
     w = s["window_steps"]
     lines += [
         "",
-        f"**Time the loop loses per checkpoint**: a save call plus the next {w} training steps, minus the {w} steps without a "
-        "save of the same round (median of the per-round differences; each round's values listed). The background write "
-        "shares the 2 cores with training here (on a GPU node it would mostly not), and the spread between rounds is of the "
-        "order of the differences:",
+        f"**Time the loop loses per checkpoint**: a save call plus the next {w} training steps, minus {w} steps without a save "
+        "measured right next to it (before or after, alternating); median of these paired differences, each round's listed. "
+        "The background write shares the 2 cores with training here (on a GPU node it would mostly not), and the spread "
+        "between rounds is of the order of the differences:",
         "",
         f"| method | call + {w} steps | extra | extra per round | background save finished within the window |",
         "|---|---:|---:|---:|---|",

@@ -79,18 +79,18 @@ def all_cases(s3: bool) -> list[tuple[Any, bool, str, int | None]]:
     return out
 
 
-# Default run: every point on the coordinator and every per-rank point on rank 1 (async), all
-# ranks at once for one point, the new retention points in sync mode, dedup retention, overlap.
+# Default run: every point on the coordinator, three per-rank points on rank 1 (async), all ranks
+# at once for one point, the retention points in sync mode, dedup retention, overlap mode.
 DEFAULT = (
     [(True, False, point, 0) for point in PER_RANK + COORDINATOR]
-    + [(True, False, point, 1) for point in PER_RANK]
+    + [(True, False, point, 1) for point in ("save:after-prepare", "save:mid-write", "save:after-write")]
     + [(True, False, "save:after-write", None)]
     + [(False, False, "retention:before-rename", 0), (False, False, "retention:mid-delete", 0)]
     + [(True, True, "retention:before-rename", 0), (True, True, "retention:after-rename", 0)]
     + [("overlap", False, "async:before-write", 1)]
 )
 STRESS = [case for case in all_cases(False) if case not in DEFAULT]
-S3_DEFAULT = [(True, False, "save:before-manifest", 0), (True, False, "retention:after-rename", 0), (True, False, "save:after-write", 1)]
+S3_DEFAULT = [(True, False, "retention:after-rename", 0)]  # a whole S3 save, then retirement by deleting the manifest
 S3_STRESS = [case for case in all_cases(True) if case not in S3_DEFAULT]
 
 
