@@ -682,7 +682,7 @@ def section(s: dict[str, Any], facts: dict[str, Any]) -> str:
         "target is below what any writer can reach for this state; for the model alone the second save is "
         f"{s['dedup_model_bytes'] / s['dedup_model_full_bytes']:.1%} of a full one.",
         "- A checkpoint every step: a demo-model step takes "
-        f"{1 / s['rates']['no checkpoint'] * 1000:.0f} ms here, and one save costs more CPU than that. In the call, most of the "
+        f"{1 / s['rates']['no checkpoint'] * 1000:.0f} ms here, and one save costs about as much CPU as a step. In the call, most of the "
         "blocked time is describing the state's 116 tensors through torch's state-dict helpers (copying its 2.7 MB per rank takes "
         "~1 ms); in the background thread, profiled separately with cProfile on this machine, a save takes ~0.1-0.2 s of CPU "
         "(the manifest's JSON encoding, five fsyncs, the commit's collectives, retention), which competes with training for the "
