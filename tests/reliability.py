@@ -45,7 +45,7 @@ def table(path: str | os.PathLike[str]) -> str:
         row[1] += entry["faults"]
         row[2] += entry["checked"]
     lines = [
-        "| what the suite tries | cases | faults injected | earlier checkpoints / states checked bit-exact | data lost |",
+        "| what the suite tries | cases | faults / hostile inputs injected | earlier checkpoints / states checked bit-exact | data lost |",
         "|---|---:|---:|---:|---:|",
     ]
     for category in sorted(totals):
