@@ -34,11 +34,10 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from common import PeakMemory, drop_file_cache, folder_bytes  # noqa: E402
+from common import PeakMemory, drop_file_cache, folder_bytes, write_section  # noqa: E402
 
 MAX_SHARD = "500MB"
 SECTION = "## Export"
-NOTES_MARK = "<!-- notes -->"  # benchmarks/run.py rewrites everything above this line of BENCHMARKS.md
 FULL = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 4, "num_attention_heads": 16}
 QUICK = {"vocab_size": 8000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 2, "num_attention_heads": 8}
 
@@ -238,25 +237,6 @@ def section(facts: dict[str, Any], save: dict[str, Any], single: dict[str, list[
     return "\n".join(lines)
 
 
-def write_section(md: Path, text: str) -> None:
-    """Put ``text`` as the "## Export" section of ``md``: replace an earlier one, else append.
-
-    Appended below the ``<!-- notes -->`` line, which ``benchmarks/run.py`` keeps when it rewrites
-    the part above it (a new file gets that line first).
-    """
-    old = md.read_text() if md.exists() else ""
-    if NOTES_MARK not in old:
-        old = old.rstrip("\n") + ("\n\n" if old else "# Benchmarks\n\n") + NOTES_MARK + "\n"
-    if SECTION in old:
-        before, rest = old.split(SECTION, 1)
-        after = rest.split("\n## ", 1)
-        tail = "\n## " + after[1] if len(after) > 1 else ""
-        new = before + text + tail
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text
-    md.write_text(new)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: an 18 M parameter model, 1 run")
@@ -332,7 +312,7 @@ def main() -> int:
     text = section(facts, save, single)
     print(text)
     if args.md is not None:
-        write_section(args.md, text)
+        write_section(args.md, SECTION, text)
         print(f"wrote the {SECTION!r} section of {args.md}")
     if not args.keep:
         shutil.rmtree(root)

@@ -48,7 +48,6 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 SECTION = "## CheckpointManager"
-NOTES_MARK = "<!-- notes -->"  # benchmarks/run.py rewrites everything above this line of BENCHMARKS.md
 FULL = {"layers": 10, "width": 2240, "batch": 16, "window": 2, "tiny_steps": 8, "tiny_blocks": 6}
 QUICK = {"layers": 10, "width": 512, "batch": 8, "window": 1, "tiny_steps": 4, "tiny_blocks": 2}
 FROZEN_LAYERS = 0.9  # fraction of the layers frozen in the dedup measurement
@@ -701,25 +700,6 @@ def section(s: dict[str, Any], facts: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_section(md: Path, text: str) -> None:
-    """Put ``text`` as the "## CheckpointManager" section of ``md``: replace an earlier one, else append.
-
-    Appended below the ``<!-- notes -->`` line, which ``benchmarks/run.py`` keeps when it rewrites
-    the part above it (a new file gets that line first).
-    """
-    old = md.read_text() if md.exists() else ""
-    if NOTES_MARK not in old:
-        old = old.rstrip("\n") + ("\n\n" if old else "# Benchmarks\n\n") + NOTES_MARK + "\n"
-    if SECTION + "\n" in old:
-        before, rest = old.split(SECTION + "\n", 1)
-        after = rest.split("\n## ", 1)
-        tail = "\n## " + after[1] if len(after) > 1 else ""
-        new = before + text + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    md.write_text(new if new.endswith("\n") else new + "\n")
-
-
 def _load() -> str:
     try:
         return " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -772,7 +752,9 @@ def main() -> int:
     text = section(summarize(per_rank), facts)
     print(text)
     if md is not None:
-        write_section(md, text)
+        from common import write_section
+
+        write_section(md, SECTION, text)
         print(f"wrote the {SECTION!r} section of {md}")
     if not args.keep:
         shutil.rmtree(args.dir)

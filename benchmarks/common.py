@@ -197,3 +197,25 @@ def allocate_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer) -> 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     get_optimizer_state_dict(model, optim)
+
+
+NOTES_MARK = "<!-- notes -->"  # benchmarks/run.py rewrites everything above this line of BENCHMARKS.md
+
+
+def write_section(md: Path, heading: str, text: str) -> None:
+    """Put ``text`` as the ``heading`` section of ``md``: replace an earlier one, else append.
+
+    Appended below the ``<!-- notes -->`` line, which ``benchmarks/run.py`` keeps when it rewrites
+    the part above it (a new file gets that line first).
+    """
+    old = md.read_text() if md.exists() else ""
+    if NOTES_MARK not in old:
+        old = old.rstrip("\n") + ("\n\n" if old else "# Benchmarks\n\n") + NOTES_MARK + "\n"
+    if heading + "\n" in old:
+        before, rest = old.split(heading + "\n", 1)
+        after = rest.split("\n## ", 1)
+        tail = "\n## " + after[1] if len(after) > 1 else ""
+        new = before + text + tail
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    md.write_text(new if new.endswith("\n") else new + "\n")

@@ -34,9 +34,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from common import FULL, QUICK, param_bytes  # noqa: E402
+from common import FULL, NOTES_MARK, QUICK, param_bytes  # noqa: E402
 
-NOTES_MARK = "<!-- notes -->"
 TARGETS = {"save_vs_dcp": 1.1, "save_vs_dd": 0.85, "load_vs_dcp": 1.5, "extra_mem_mib": 64.0}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,12 +223,7 @@ def load(
         loaded = _Loaded(manifest, tree, binding)
     except Exception as exc:  # shared with every rank below, so none waits alone
         problem = _problem(exc, comm.rank)
-    try:
-        _agree(comm, problem)
-    except ShardsafeError:
-        for optimizer in fresh:
-            optimizer.state.clear()
-        raise
+    _agree(comm, problem, reset=fresh)
     assert loaded is not None
     problem = None
     with ChunkReader(folder, loaded.manifest, verify) as reader:
@@ -236,12 +232,7 @@ def load(
                 _check_sources(reader, loaded, comm.rank)
             except Exception as exc:
                 problem = _problem(exc, comm.rank)
-            try:
-                _agree(comm, problem)
-            except ShardsafeError:
-                for optimizer in fresh:
-                    optimizer.state.clear()
-                raise
+            _agree(comm, problem, reset=fresh)
             # The blocks are verified; local re-reads go through the same open files (page cache).
             reader.verify = verify and reader.remote
         try:
@@ -255,8 +246,12 @@ def load(
     return loaded.manifest.metadata
 
 
-def _agree(comm: Comm, problem: str | None) -> None:
-    """Raise the same error on every rank if any rank had one."""
+def _agree(comm: Comm, problem: str | None, reset: Sequence[torch.optim.Optimizer] = ()) -> None:
+    """Raise the same error on every rank if any rank had one.
+
+    ``reset``: optimizers whose state the load created; emptied again before raising, so a failed
+    load leaves a fresh optimizer fresh.
+    """
     reports = comm.all_gather(problem)
     failed = [(rank, p) for rank, p in enumerate(reports) if p is not None]
     if not failed:
@@ -270,6 +265,8 @@ def _agree(comm: Comm, problem: str | None) -> None:
         if failed[0][0] != comm.rank:
             message = f"(reported by rank {failed[0][0]}) {message}"
     cls = getattr(errors, cls_name, ShardsafeError)
+    for optimizer in reset:
+        optimizer.state.clear()
     raise cls(message)
 
 
@@ -362,14 +359,7 @@ def _lazy_lookup(reader: ChunkReader, manifest: Manifest) -> Any:
         entry = manifest.tensors.get(key)
         if entry is None:
             raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
-        zeros = (0,) * len(entry.shape)
-        ops = plan_reads(entry, zeros, entry.shape)
-        for op in ops:
-            reader.open(op.chunk)  # files exist and hold what the manifest says before the tensor is allocated
-        out = torch.empty(entry.shape, dtype=entry.dtype)
-        for op in ops:
-            reader.read_into(key, op, entry.dtype, out, zeros)
-        return out
+        return reader.read_tensor(key, entry)
 
     return lookup
 

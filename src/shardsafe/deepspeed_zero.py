@@ -50,7 +50,7 @@ from . import __version__
 from .comm import Comm
 from .commit import agree_and_publish, new_manifest, prepare_save
 from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, ShardsafeError
-from .export import CONFIG_FILES, DTYPE_CHOICES, CheckpointSource, TensorInfo
+from .export import DTYPE_CHOICES, CheckpointSource, TensorInfo, find_config_files
 from .format import (
     MANIFEST_NAME,
     ChunkEntry,
@@ -539,13 +539,7 @@ class DeepSpeedCheckpoint:
         raise KeyError(f"{name!r} is not a tensor of {self.folder}")
 
     def config_files(self) -> dict[str, Path]:
-        found = {}
-        for name in CONFIG_FILES:
-            for folder in (self.model_folder, self.folder):
-                if (folder / name).is_file():
-                    found[name] = safe_child(folder, name)
-                    break
-        return found
+        return find_config_files(self.model_folder, self.folder)
 
     def tie(self, aliases: dict[str, str]) -> None:
         """Tied weights are those the checkpoint records (``shared_params``); nothing to add."""

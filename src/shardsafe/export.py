@@ -44,7 +44,6 @@ from .format import (
     parse_json,
 )
 from .guard import INDEX_FILE, SINGLE_FILE, check_model_folder
-from .plan import plan_reads
 from .storage import fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
 from .transfer import ChunkReader
 
@@ -267,6 +266,17 @@ class TensorSource(Protocol):
     def close(self) -> None: ...
 
 
+def find_config_files(*folders: Path) -> dict[str, Path]:
+    """config.json / generation_config.json, from the first of ``folders`` that has each."""
+    found = {}
+    for name in CONFIG_FILES:
+        for folder in folders:
+            if (folder / name).is_file():
+                found[name] = safe_child(folder, name)
+                break
+    return found
+
+
 def find_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """(model folder, checkpoint folder) for a checkpoint or a ``gather_16bit=False`` model folder."""
     folder = Path(path).absolute()
@@ -350,20 +360,10 @@ class CheckpointSource:
 
     def read(self, name: str) -> torch.Tensor:
         entry = self._entry(name)
-        out = torch.empty(entry.shape, dtype=entry.dtype)
-        zeros = (0,) * len(entry.shape)
-        for op in plan_reads(entry, zeros, entry.shape):
-            self._reader.read_into(self.prefix + name, op, entry.dtype, out, zeros)
-        return out
+        return self._reader.read_tensor(self.prefix + name, entry)
 
     def config_files(self) -> dict[str, Path]:
-        found = {}
-        for name in CONFIG_FILES:
-            for folder in (self.model_folder, self.folder):
-                if (folder / name).is_file():
-                    found[name] = safe_child(folder, name)
-                    break
-        return found
+        return find_config_files(self.model_folder, self.folder)
 
     def close(self) -> None:
         self._reader.close()

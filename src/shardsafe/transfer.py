@@ -16,10 +16,10 @@ from typing import Any, Protocol
 import torch
 
 from .errors import FormatError, IntegrityError
-from .format import ChunkEntry, HeaderEntry, Manifest, build_safetensors_header, element_size, numel
+from .format import ChunkEntry, HeaderEntry, Manifest, TensorEntry, build_safetensors_header, element_size, numel
 from .integrity import BlockHasher, hash_blocks
 from .objectstore import RemoteDir
-from .plan import LocalChunk, ReadOp, contiguous_span
+from .plan import LocalChunk, ReadOp, contiguous_span, plan_reads
 from .storage import open_regular, pread_into, safe_child, tensor_bytes, tensor_pieces
 
 
@@ -266,6 +266,21 @@ class ChunkReader:
             v[:] = data[pos : pos + len(v)]
             pos += len(v)
         return True
+
+    def read_tensor(self, key: str, entry: TensorEntry) -> torch.Tensor:
+        """The whole tensor ``key``, from every chunk that holds it.
+
+        Every file is opened (and its size checked against the manifest) before the tensor is
+        allocated, so a manifest cannot make the reader allocate more than the files hold.
+        """
+        zeros = (0,) * len(entry.shape)
+        ops = plan_reads(entry, zeros, entry.shape)
+        for op in ops:
+            self.open(op.chunk)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        for op in ops:
+            self.read_into(key, op, entry.dtype, out, zeros)
+        return out
 
     def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None:
         """Read elements [start, stop) of ``chunk`` into ``dest``, verifying the blocks touched."""
