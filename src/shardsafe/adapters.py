@@ -76,14 +76,13 @@ def _model_state(module: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(module)
 
 
-def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, initialize: bool) -> dict[str, Any]:
+def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state keyed by parameter names.
 
-    On save an optimizer that has not stepped yet is described without touching it (torch's
-    helper would run a dummy step to create its state, changing what training does next); on load
-    its state is created first, so there are tensors to read into.
+    An optimizer that has not stepped yet is described without touching it: torch's helper would
+    run a dummy step to create its state, changing what training does next.
     """
-    if optimizer.state or initialize:
+    if optimizer.state:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(module, optimizer)
@@ -94,6 +93,46 @@ def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, ini
         g["params"] = [names[id(p)] for p in group["params"]]
         groups.append(g)
     return {"state": {}, "param_groups": groups}
+
+
+SavedLayout = Callable[[str], "tuple[tuple[int, ...], torch.dtype] | None"]
+"""Global shape and dtype of a stored tensor key (None when the checkpoint lacks it)."""
+
+
+def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, saved_state: Any, layout: SavedLayout) -> None:
+    """Give a fresh optimizer empty state tensors shaped like the checkpoint's, to be read into.
+
+    torch's get_optimizer_state_dict creates missing state with a dummy optimizer step, which on
+    a large model costs more than reading the checkpoint. Here a parameter-shaped entry
+    (``exp_avg``) becomes ``empty_like(param)`` (same sharding and dtype as the parameter, as the
+    optimizer itself would make it); any other tensor (``step``) gets the stored shape and dtype,
+    on the parameter's device only for ``fused``/``capturable`` groups, as torch places it.
+    Every element is then overwritten by the load (the manifest's chunks tile each tensor).
+    """
+    by_name = {n: p for n, p in _unwrap(module).named_parameters(remove_duplicate=False)}
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    entries = decode_value(saved_state, lambda key: key).get("state", {})
+    with torch.no_grad():
+        for fqn, saved in entries.items():
+            param = by_name.get(fqn)
+            if param is None or id(param) not in group_of or not isinstance(saved, dict):
+                continue  # reported by the key comparison
+            on_device = bool(group_of[id(param)].get("fused") or group_of[id(param)].get("capturable"))
+            slot = optimizer.state[param]
+            for k, key in saved.items():
+                found = layout(key) if isinstance(key, str) else None
+                if found is None:
+                    continue
+                shape, dtype = found
+                if param.dim() and shape == tuple(param.shape):
+                    slot[k] = torch.empty_like(param)
+                else:
+                    device = _local(param).device if on_device else torch.device("cpu")
+                    slot[k] = torch.empty(shape, dtype=dtype, device=device)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass
@@ -139,7 +178,7 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
         if isinstance(value, nn.Module):
             view.tree[name] = {"kind": KIND_MODULE, "state": encode_value(_model_state(value), name, ref)}
         elif isinstance(value, torch.optim.Optimizer):
-            osd = _optimizer_state(_owner_module(state, value, name), value, initialize=False)
+            osd = _optimizer_state(_owner_module(state, value, name), value)
             view.tree[name] = {"kind": KIND_OPTIMIZER, "state": encode_value(osd, name, ref)}
         elif getattr(value, "per_rank", False) and hasattr(value, "state_dict"):
             view.per_rank[name] = encode_value(value.state_dict(), f"{name}/rank{rank}", ref)
@@ -178,7 +217,9 @@ def _bind_tensors(binding: LoadBinding, value: Any, name: str) -> None:
     encode_value(value, name, ref)
 
 
-def bind_for_load(state: dict[str, Any], rank: int) -> LoadBinding:
+def bind_for_load(state: dict[str, Any], rank: int, saved_tree: dict[str, Any] | None = None, layout: SavedLayout | None = None) -> LoadBinding:
+    """Destinations for loading into ``state``; with the checkpoint's tree and ``layout``, a
+    fresh optimizer first gets state tensors shaped like the stored ones."""
     binding = LoadBinding()
     for name, value in state.items():
         _check_name(name)
@@ -188,7 +229,9 @@ def bind_for_load(state: dict[str, Any], rank: int) -> LoadBinding:
         elif isinstance(value, torch.optim.Optimizer):
             binding.names[name] = KIND_OPTIMIZER
             module = _owner_module(state, value, name)
-            osd = _optimizer_state(module, value, initialize=True)
+            if not value.state and saved_tree is not None and layout is not None and isinstance(saved_tree.get(name), dict):
+                allocate_optimizer_state(module, value, saved_tree[name].get("state"), layout)
+            osd = _optimizer_state(module, value)
             _bind_tensors(binding, osd["state"], f"{name}/state")
             binding.finalizers.append(_optimizer_finalizer(name, module, value))
         elif getattr(value, "per_rank", False) and hasattr(value, "load_state_dict"):

@@ -216,7 +216,7 @@ def load(
     fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
     try:
         manifest, tree = open_checkpoint(folder)
-        binding = bind_for_load(state, comm.rank)
+        binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest))
         problems = _compare(manifest, tree, binding, state, strict)
         if problems:
             raise describe_mismatch(problems)
@@ -244,6 +244,14 @@ def load(
             problem = _problem(exc, comm.rank)
     _agree(comm, problem)
     return loaded.manifest.metadata
+
+
+def _layout_of(manifest: Manifest) -> Any:
+    def layout(key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        entry = manifest.tensors.get(key)
+        return None if entry is None else (tuple(entry.shape), entry.dtype)
+
+    return layout
 
 
 def _agree(comm: Comm, problem: str | None, reset: Sequence[torch.optim.Optimizer] = ()) -> None:
