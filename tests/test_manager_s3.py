@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,11 @@ def test_manager_on_s3_root(s3_bucket: str, tmp_path: Path) -> None:
     assert manager.restore(state) == 4 and state["step"] == 4
     for key, value in results[0]["final"].items():
         assert torch.equal(model.state_dict()[key], value), key
+    # a young object may belong to a save in progress elsewhere: min_age leaves it alone
+    stamp = orphan.modified("shard-00000-deadbeef0000.safetensors")
+    assert stamp is not None and abs(stamp - time.time()) < 300  # moto's LastModified, to the second
+    assert shardsafe.collect_garbage(root, min_age=600) == []
+    assert orphan.exists("shard-00000-deadbeef0000.safetensors")
     removed = shardsafe.collect_garbage(root)
     assert removed == [f"{orphan.url}/shard-00000-deadbeef0000.safetensors"]
     assert step_name(5) not in remote.list()

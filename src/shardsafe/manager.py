@@ -234,7 +234,7 @@ def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_
     """
     where = location(root)
     if isinstance(where, RemoteDir):
-        return _collect_remote_garbage(where, dry_run)
+        return _collect_remote_garbage(where, dry_run, min_age)
     root = where
     now = time.time()
     referenced = references(root)
@@ -282,15 +282,24 @@ def _moved_aside_from(root: Path, name: str) -> Path | None:
     return original
 
 
-def _collect_remote_garbage(root: RemoteDir, dry_run: bool) -> list[Path | str]:
-    """Step prefixes without a manifest (interrupted saves or retirements), minus referenced data."""
+def _collect_remote_garbage(root: RemoteDir, dry_run: bool, min_age: float) -> list[Path | str]:
+    """Step prefixes without a manifest (interrupted saves or retirements), minus referenced data.
+
+    A prefix holding any object younger than ``min_age`` (or of unknown age) is left alone: it may
+    be a save in progress in another job, whose manifest is simply not written yet.
+    """
     referenced = references(root)
     garbage: list[Path | str] = []
+    now = time.time()
     for name in _step_folders(root):
         folder = root.child(name)
         if folder.exists(MANIFEST_NAME):
             continue
-        doomed = [n for n in folder.list() if n not in referenced.get(name, set())]
+        present = folder.list()
+        if min_age > 0 and any((stamp := folder.modified(n)) is None or now - stamp < min_age for n in present):
+            log.info("shardsafe gc: %s has objects younger than %.0f s (a save in progress?); left alone", folder.url, min_age)
+            continue
+        doomed = [n for n in present if n not in referenced.get(name, set())]
         garbage += [f"{folder.url}/{n}" for n in doomed]
         if not dry_run:
             folder.remove(doomed)

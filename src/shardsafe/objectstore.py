@@ -110,6 +110,23 @@ class RemoteDir:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def modified(self, name: str) -> float | None:
+        """When the object was last written (seconds since the epoch); None if the store cannot say."""
+        try:
+            info = self.fs.info(self.key(name))
+        except FileNotFoundError:
+            return None
+        for field in ("LastModified", "mtime", "last_modified", "updated", "created"):
+            stamp = info.get(field)
+            if hasattr(stamp, "timestamp"):
+                return float(stamp.timestamp())
+            if isinstance(stamp, (int, float)):
+                return float(stamp)
+        try:
+            return float(self.fs.modified(self.key(name)).timestamp())
+        except (NotImplementedError, AttributeError, FileNotFoundError):
+            return None
+
     def remove(self, names: Iterable[str]) -> None:
         keys = [self.key(n) for n in names]
         if keys:
