@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench stress clean
+.PHONY: demo test lint bench bench-core bench-export bench-manager bench-deepspeed stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,20 @@ stress: $(STAMP)
 	$(PY) -m pytest -q -m stress
 	$(PY) tests/fuzz/fuzz_parsers.py -runs=20000
 
-bench: $(STAMP)
+# Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~40 min on 2 cores).
+bench: bench-core bench-export bench-manager bench-deepspeed
+
+bench-core: $(STAMP)
 	$(PY) benchmarks/run.py
+
+bench-export: $(STAMP)
+	$(PY) benchmarks/bench_export.py --md BENCHMARKS.md
+
+bench-manager: $(STAMP)
+	$(PY) benchmarks/bench_manager.py
+
+bench-deepspeed: $(STAMP)
+	$(PY) benchmarks/bench_deepspeed.py --md BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) demo-run bench-run

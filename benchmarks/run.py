@@ -1,4 +1,4 @@
-"""shardsafe vs torch.distributed.checkpoint (DCP), side by side: `make bench`.
+"""shardsafe vs torch.distributed.checkpoint (DCP), side by side: `make bench-core`.
 
 Runs, in one go, with fsync on for both libraries:
 
@@ -253,7 +253,7 @@ def write_markdown(path: Path, facts: dict[str, Any], r: dict[str, Any], table: 
         "",
         "## Results",
         "",
-        f"- **Command:** `{facts['command']}` (what `make bench` runs), {facts['runs']} alternating run(s) per measurement, medians below",
+        f"- **Command:** `{facts['command']}` (what `make bench-core` runs), {facts['runs']} alternating run(s) per measurement, medians below",
         f"- **Date:** {facts['date']}, whole benchmark took {facts['wall']}",
         f"- **Machine:** {facts['cpu']}, {facts['memory']} RAM, Linux {facts['kernel']}; disk: {facts['filesystem']}",
         f"- **Software:** Python {facts['python']}, torch {facts['torch']} (CPU), shardsafe {facts['shardsafe']} at {facts['commit']}",
