@@ -1,7 +1,8 @@
 """Turning live training objects into named tensor chunks plus JSON, and back.
 
 Supported ``state`` values: ``nn.Module`` (plain, DDP, FSDP2), ``torch.optim.Optimizer`` (keyed
-by the parameter names of the module in the same dict, so it reshards), anything with
+by the parameter names of the module in the same dict, so it reshards), a DeepSpeed ZeRO-3 engine
+(``deepspeed_engine.py``: its partitions, optimizer state and counters), anything with
 ``state_dict()``/``load_state_dict()``, tensors and DTensors, per-rank objects (``per_rank = True``,
 like :class:`~shardsafe.rng.RNGState`), and JSON-able values.
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from .deepspeed_engine import KIND_DEEPSPEED_ENGINE, bind_engine, describe_engine, is_deepspeed_engine
 from .errors import ShardsafeError, StateMismatchError
 from .format import decode_value, encode_value
 from .plan import LocalChunk
@@ -175,7 +177,10 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
     for name, value in state.items():
         _check_name(name)
         ref = _collector(view.chunks, name)
-        if isinstance(value, nn.Module):
+        if is_deepspeed_engine(value):  # before nn.Module: an engine is one
+            view.tree[name], chunks = describe_engine(value, name)
+            view.chunks += chunks
+        elif isinstance(value, nn.Module):
             view.tree[name] = {"kind": KIND_MODULE, "state": encode_value(_model_state(value), name, ref)}
         elif isinstance(value, torch.optim.Optimizer):
             osd = _optimizer_state(_owner_module(state, value, name), value)
@@ -223,7 +228,12 @@ def bind_for_load(state: dict[str, Any], rank: int, saved_tree: dict[str, Any] |
     binding = LoadBinding()
     for name, value in state.items():
         _check_name(name)
-        if isinstance(value, nn.Module):
+        if is_deepspeed_engine(value):  # before nn.Module: an engine is one
+            binding.names[name] = KIND_DEEPSPEED_ENGINE
+            targets, finish = bind_engine(value, name, saved_tree.get(name) if saved_tree is not None else None)
+            binding.targets.update(targets)
+            binding.finalizers.append(finish)
+        elif isinstance(value, nn.Module):
             binding.names[name] = KIND_MODULE
             _bind_tensors(binding, _model_state(value), name)
         elif isinstance(value, torch.optim.Optimizer):

@@ -12,6 +12,7 @@ import torch
 
 from . import __version__
 from .adapters import (
+    KIND_DEEPSPEED_ENGINE,
     KIND_MODULE,
     KIND_OPTIMIZER,
     KIND_PER_RANK,
@@ -27,6 +28,7 @@ from .adapters import (
 )
 from .comm import Comm, get_comm
 from .commit import agree_and_publish, new_manifest, open_checkpoint, prepare_save
+from .deepspeed_engine import check_engine, fresh_engine_optimizers
 from .errors import FormatError, IntegrityError, SaveError, ShardsafeError
 from .faults import crash_point
 from .format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_name, dump_json
@@ -214,6 +216,7 @@ def load(
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
     fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+    fresh += fresh_engine_optimizers(state.values())
     try:
         manifest, tree = open_checkpoint(folder)
         binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest))
@@ -288,7 +291,7 @@ def _compare(manifest: Manifest, tree: dict[str, Any], binding: LoadBinding, sta
         if saved_kind != kind and not (kind == KIND_TENSOR and saved_kind == KIND_TENSOR):
             problems.append(f"{name!r}: saved as {saved_kind}, loading into a {kind}")
             continue
-        if kind in (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR):
+        if kind in (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR, KIND_DEEPSPEED_ENGINE):
             saved = set(tensor_keys_of(tree[name]["state"]))
             bound = {k for k in binding.targets if k == name or k.startswith(name + "/")}
             missing, unexpected = sorted(bound - saved), sorted(saved - bound)
@@ -300,6 +303,8 @@ def _compare(manifest: Manifest, tree: dict[str, Any], binding: LoadBinding, sta
         if kind == KIND_OPTIMIZER:
             optimizer = state[name]
             problems += check_optimizer_groups(name, _owner_module(state, optimizer, name), optimizer, tree[name]["state"])
+        if kind == KIND_DEEPSPEED_ENGINE:
+            problems += check_engine(name, state[name], tree[name])
     for key in (k for entry in tree.values() if isinstance(entry, dict) for k in tensor_keys_of(entry.get("state", entry.get("ranks")))):
         if key not in manifest.tensors:
             raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
@@ -357,7 +362,7 @@ def _finalizer_keys(loaded: _Loaded, rank: int) -> list[str]:
             keys += tensor_keys_of(ranks[rank % len(ranks)])
         elif kind == KIND_OPTIMIZER:
             tensor_keys_of(entry.get("state"))  # read in place; decoded only to check it
-        elif kind not in (KIND_MODULE, KIND_TENSOR):
+        elif kind not in (KIND_MODULE, KIND_TENSOR, KIND_DEEPSPEED_ENGINE):  # those are read in place
             keys += tensor_keys_of(entry.get("state"))
     return keys
 

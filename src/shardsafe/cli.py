@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .adapters import KIND_MODULE, KIND_OPTIMIZER, KIND_PER_RANK, KIND_STATEFUL, KIND_TENSOR, KIND_VALUE, tensor_keys_of
+from .adapters import KIND_DEEPSPEED_ENGINE, KIND_MODULE, KIND_OPTIMIZER, KIND_PER_RANK, KIND_STATEFUL, KIND_TENSOR, KIND_VALUE, tensor_keys_of
 from .commit import open_checkpoint
 from .deepspeed_zero import add_convert_command
 from .errors import ShardsafeError
@@ -69,7 +69,7 @@ def _describe_entry(name: str, entry: Any, manifest: Manifest) -> dict[str, Any]
     out: dict[str, Any] = {"name": name, "kind": kind}
     if not isinstance(entry, dict):
         return out
-    if kind in (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR):
+    if kind in (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR, KIND_DEEPSPEED_ENGINE):
         keys = tensor_keys_of(entry.get("state"))
         out["tensors"] = len(keys)
         out["bytes"] = sum(manifest.tensors[k].nbytes for k in keys if k in manifest.tensors)
