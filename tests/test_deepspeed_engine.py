@@ -261,3 +261,21 @@ def test_verify_files_and_layout(runs: dict[str, Any], precision: str) -> None:
     assert {e["state"]["step"]["tensor"]["value"] for e in meta["optimizer_scalars"]} == {2.0}
     assert meta["counters"] == {"global_steps": 2, "global_samples": 8, "skipped_steps": 0, "micro_steps": 2}
     assert tree["sched"]["kind"] == "stateful" and tree["step"] == {"kind": "value", "state": 2}
+
+
+@pytest.mark.parametrize("precision", ("bf16", "fp32"))
+def test_export_of_an_engine_checkpoint(runs: dict[str, Any], precision: str, tmp_path: Path) -> None:
+    """`shardsafe export` of a checkpoint saved from an engine: the default key finds the engine entry,
+    parameters get their shapes back (fp32 master weights, as zero_to_fp32 gives; frozen ones in their
+    own dtype), buffers come as stored and the tied alias is written once."""
+    from shardsafe.export import iter_output
+
+    out = shardsafe.export_hf(runs["root"] / f"ss_{precision}", tmp_path / "hf", progress=False)
+    got = dict(iter_output(out))
+    at_save = runs["save"][0][precision]["at_save"]["tensors"]
+    masters = {k.split("/", 1)[1]: v for k, v in at_save.items() if k.startswith("fp32/")}
+    frozen = {k.split("/", 1)[1]: v for k, v in at_save.items() if k.startswith("lp/") and k.split("/", 1)[1] not in masters}
+    assert masters and all(same_bits(got[name], value) for name, value in masters.items())
+    assert "frozen.weight" in frozen and all(same_bits(got[name], value) for name, value in frozen.items())
+    assert (got["scale"].dtype, got["scale"].shape, got["counts"].dtype) == (torch.float32, (13,), torch.int64)
+    assert sorted(got) == sorted([*masters, *frozen, "scale", "counts"])  # no head.weight (tied), no scratch

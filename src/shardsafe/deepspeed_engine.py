@@ -336,6 +336,35 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
     return {"kind": KIND_DEEPSPEED_ENGINE, "state": state, "meta": meta}, chunks
 
 
+def engine_model_tensors(entry: Any, where: str) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """For export: model tensor name -> (stored key, original shape) of a saved engine entry.
+
+    Trainable parameters come from their fp32 master (as DeepSpeed's zero_to_fp32 does), frozen
+    ones in their own dtype, both reshaped from the stored 1-D form; persistent buffers as stored
+    (shape None). A tied parameter is stored once, under its first name, and exported once.
+    """
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where}: not a DeepSpeed engine entry")
+    state = decode_value(entry.get("state"), lambda key: key, where)
+    meta = _saved_meta(entry, where)
+    params = meta.get("params")
+    if not isinstance(state, dict) or not isinstance(params, dict):
+        raise FormatError(f"{where}: the engine entry has no parameter table")
+    out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for pname, info in params.items():
+        section = "frozen" if not isinstance(info, dict) or info.get("group") is None else "fp32"
+        key = (state.get(section) or {}).get(pname)
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(key, str) or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise FormatError(f"{where}: parameter {pname!r} has no stored {section} tensor or no valid shape")
+        out[pname] = (key, tuple(shape))
+    for bname, key in (state.get("buffers") or {}).items():
+        if not isinstance(key, str):
+            raise FormatError(f"{where}: buffer {bname!r} is not a stored tensor")
+        out[bname] = (key, None)
+    return out
+
+
 def _sync(z: _Zero3) -> None:
     """Wait for DeepSpeed's side streams (an accelerator's async partition copies) before reading its buffers."""
     if any(flat.device.type != "cpu" for flat in z.flats):

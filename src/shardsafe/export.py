@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ import torch
 from .adapters import tensor_keys_of
 from .comm import Comm
 from .commit import open_checkpoint, prepare, publish
+from .deepspeed_engine import KIND_DEEPSPEED_ENGINE, engine_model_tensors
 from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, ShardsafeError
 from .format import (
     MANIFEST_NAME,
@@ -306,7 +308,7 @@ class CheckpointSource:
     def __init__(self, path: str | os.PathLike[str], key: str = "model", *, verify: bool = True, aliases: dict[str, str] | None = None) -> None:
         self.model_folder, self.folder = find_checkpoint(path)
         self.manifest, self.tree = open_checkpoint(self.folder)
-        self.key = key
+        self.key = key = self._engine_key_for(key)
         self.prefix = f"{key}/" if key else ""
         meta = self.manifest.metadata.get(EXPORT_META)
         self.export_meta: dict[str, Any] = meta if isinstance(meta, dict) and meta.get("key", key) == key else {}
@@ -314,7 +316,8 @@ class CheckpointSource:
         self.default_dtype: torch.dtype | None = dtype_from_name(stored, "checkpoint metadata") if stored is not None else None
         total = self.export_meta.get("total_parameters")
         self.total_parameters: int | None = total if isinstance(total, int) and not isinstance(total, bool) else None
-        self._order = self._ordered_keys()
+        self._stored = self._stored_layout()
+        self._order = [self.prefix + name for name in self._stored]
         if not self._order:
             names = sorted({k.split("/", 1)[0] for k in self.manifest.tensors})
             raise FormatError(f"{self.folder}: no tensors under {key!r} (the checkpoint holds {names}); pick one with key=/--key")
@@ -324,18 +327,37 @@ class CheckpointSource:
         self.tie(recorded if isinstance(recorded, dict) else aliases or {})
         self._reader = ChunkReader(self.folder, self.manifest, verify)
 
-    def _ordered_keys(self) -> list[str]:
-        """Tensor keys under the prefix, in the state-dict order recorded in state.json."""
-        keys = [k for k in self.manifest.tensors if k.startswith(self.prefix)]
+    def _engine_key_for(self, key: str) -> str:
+        """The default key ``model`` finds the model of a checkpoint saved from a DeepSpeed engine
+        (ShardsafeTrainer under ZeRO-3 saves it as ``engine``) when there is no ``model`` entry."""
+        if key != "model" or key in self.tree:
+            return key
+        engines = [name for name, entry in self.tree.items() if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE]
+        return engines[0] if len(engines) == 1 else key
+
+    def _stored_layout(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+        """Output tensor name -> (stored key, shape to give it; None keeps the stored one), in the
+        state-dict order recorded in state.json. A DeepSpeed engine entry stores parameters flat
+        (one 1-D tensor each); its recorded shapes restore them."""
         entry = self.tree.get(self.key) if self.key else None
+        if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE:
+            layout = engine_model_tensors(entry, f"{self.folder}/state.json: {self.key!r}")
+            for name, (stored, shape) in layout.items():
+                entry_ = self.manifest.tensors.get(stored)
+                if entry_ is None:
+                    raise FormatError(f"{self.folder}: state.json refers to tensor {stored!r}, which the manifest does not list")
+                if shape is not None and math.prod(shape) != math.prod(entry_.shape):
+                    raise FormatError(f"{self.folder}: {stored!r} holds {math.prod(entry_.shape)} elements, {name!r} needs {list(shape)}")
+            return layout
+        keys = [k for k in self.manifest.tensors if k.startswith(self.prefix)]
         recorded = tensor_keys_of(entry.get("state")) if isinstance(entry, dict) else []
         present = set(keys)
         ordered = [k for k in recorded if k in present]
         listed = set(ordered)
-        return ordered + sorted(k for k in keys if k not in listed)
+        return {k[len(self.prefix) :]: (k, None) for k in ordered + sorted(k for k in keys if k not in listed)}
 
     def _entry(self, name: str) -> TensorEntry:
-        return self.manifest.tensors[self.prefix + name]
+        return self.manifest.tensors[self._stored[name][0]]
 
     def tie(self, aliases: dict[str, str]) -> None:
         """Leave out each ``alias`` (name -> the name it is tied to) that holds the same values as its target."""
@@ -354,13 +376,15 @@ class CheckpointSource:
             name = key[len(self.prefix) :]
             if name in self.aliases:
                 continue
-            entry = self.manifest.tensors[key]
-            out.append(TensorInfo(name, entry.dtype, entry.shape))
+            stored, shape = self._stored[name]
+            entry = self.manifest.tensors[stored]
+            out.append(TensorInfo(name, entry.dtype, shape if shape is not None else entry.shape))
         return out
 
     def read(self, name: str) -> torch.Tensor:
-        entry = self._entry(name)
-        return self._reader.read_tensor(self.prefix + name, entry)
+        stored, shape = self._stored[name]
+        tensor = self._reader.read_tensor(stored, self.manifest.tensors[stored])
+        return tensor.view(shape) if shape is not None else tensor
 
     def config_files(self) -> dict[str, Path]:
         return find_config_files(self.model_folder, self.folder)

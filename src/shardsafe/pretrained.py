@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from .adapters import _unwrap
 from .api import save
 from .comm import Comm, get_comm
 from .commit import _error_outcome, _raise_shared, prepare, publish
-from .errors import DistributedError, SaveError
+from .errors import DistributedError, SaveError, ShardsafeError
 from .export import (
     CHECKPOINT_DIR,
     DEFAULT_MAX_SHARD_SIZE,
@@ -128,6 +129,152 @@ def save_pretrained(
     return final
 
 
+def save_pretrained_stream(
+    module: nn.Module,
+    out_dir: str | os.PathLike[str],
+    tensors: list[TensorInfo],
+    stream: Iterable[tuple[str, torch.Tensor]],
+    *,
+    total_parameters: int | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    process_group: Any = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> Path:
+    """:func:`save_pretrained` (gathered) for a model whose whole tensors exist one at a time. Collective.
+
+    For models :func:`save_pretrained` cannot gather itself, e.g. DeepSpeed ZeRO-3 parameters,
+    which only ``deepspeed.zero.GatheredParameters`` makes whole, a module at a time. ``tensors``
+    lists the name, dtype and shape of every tensor to write, in the order ``stream`` yields
+    ``(name, tensor)`` (tied aliases already left out); shapes must be known up front because each
+    file's header is written first. Every rank iterates ``stream`` to its end, so the collectives
+    inside it stay in lock-step on all ranks; the coordinator streams each tensor into its file
+    (cast to the listed dtype) and the other ranks drop theirs, so no rank holds more than one
+    whole tensor (or whatever one step of ``stream`` gathers). ``module`` provides
+    ``config.json`` / ``generation_config.json``; its tensors are not read. The folder is built
+    hidden, checked by the model-folder guard and renamed into place, as by
+    :func:`save_pretrained`. Returns ``out_dir``.
+    """
+    comm = get_comm(process_group)
+    final = Path(out_dir).absolute()
+    plan = plan_shards(tensors, max_shard_size)
+    _check_same_plan(comm, plan, {})
+    tmp = prepare(comm, final, overwrite)
+    try:
+        _write_stream(comm, tmp, plan, iter(stream), fsync)
+    except BaseException:
+        if comm.is_coordinator:
+            remove_tree(tmp)
+        raise
+
+    def finish() -> None:
+        floating = {t.dtype for t in plan.tensors if t.dtype.is_floating_point}
+        _write_config(module, tmp, floating.pop() if len(floating) == 1 else None, fsync)  # None: the model's own dtype
+        write_index(tmp, plan, total_parameters, fsync)
+        check_model_folder(tmp)
+        if fsync:
+            fsync_dir(tmp)
+        publish(tmp, final, fsync)
+
+    _on_coordinator(comm, finish, cleanup=tmp)
+    return final
+
+
+def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple[str, torch.Tensor]], fsync: bool, bar: Any = None) -> None:
+    """Every rank consumes ``stream`` in plan order; the coordinator writes each tensor into its file."""
+    for file, infos in plan.files:
+        error: str | None = None
+        writer = None
+        if comm.is_coordinator:
+            try:
+                writer = SafetensorsStreamWriter(tmp / file, infos)
+            except Exception as exc:
+                error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+        try:
+            for info in infos:
+                name, value = next(stream, (None, None))
+                if name != info.name or value is None:
+                    # the same on every rank (each iterates the same model), so raising here splits no one
+                    raise ShardsafeError(f"save_pretrained_stream: expected tensor {info.name!r} next, the stream gave {name!r}")
+                if writer is not None and error is None:
+                    try:
+                        with torch.no_grad():
+                            writer.write(value.detach().to(info.dtype))
+                    except Exception as exc:
+                        error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+                del value
+                if bar is not None:
+                    bar.update(info.nbytes)
+            if writer is not None and error is None:
+                try:
+                    writer.close(fsync)
+                except Exception as exc:
+                    error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+        finally:
+            if writer is not None:
+                writer.abort()
+        error = comm.broadcast(error)  # stop every rank at the first failed file
+        if error is not None:
+            raise SaveError(f"save_pretrained failed, nothing was published: {error}")
+    extra = next(stream, None)
+    if extra is not None:
+        raise ShardsafeError(f"save_pretrained_stream: the stream gave {extra[0]!r}, which the tensor list does not have")
+
+
+def save_pretrained_sharded(
+    module: nn.Module,
+    out_dir: str | os.PathLike[str],
+    sharded: nn.Module,
+    *,
+    total_parameters: int,
+    dtype: torch.dtype | None = None,
+    process_group: Any = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> Path:
+    """:func:`save_pretrained` with ``gather_16bit=False`` for a model shardsafe cannot describe itself. Collective.
+
+    ``sharded`` holds the model's tensors under its state-dict names, each rank its own part
+    (DTensors; whole tensors are written once): e.g. a stand-in module built from DeepSpeed ZeRO-3
+    partitions. ``module`` is the real model: its config, generation config and declared tied
+    weights (recorded so the export writes them once). The folder gets ``config.json``,
+    ``checkpoint/`` (a shardsafe checkpoint of ``{"model": sharded}``, loadable into the real
+    model on any number of ranks, exportable with ``shardsafe export``) and ``EXPORT.md``; no
+    weights file. ``dtype`` is the export's default dtype (None keeps the stored ones).
+    ``total_parameters`` is the model's parameter count (a partitioned model cannot count its own).
+    """
+    comm = get_comm(process_group)
+    final = Path(out_dir).absolute()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    names = list(get_model_state_dict(sharded))
+    stored = next((p.dtype for p in sharded.parameters() if p.is_floating_point()), None)
+    meta = {
+        "key": "model",
+        "dtype": dtype_name(dtype) if dtype is not None else None,
+        "aliases": tied_aliases(_unwrap(module), names),
+        "total_parameters": total_parameters,
+    }
+    tmp = prepare(comm, final, overwrite)
+    try:
+        save(tmp / CHECKPOINT_DIR, {"model": sharded}, process_group=process_group, metadata={EXPORT_META: meta}, fsync=fsync)
+    except BaseException:
+        if comm.is_coordinator:
+            remove_tree(tmp)
+        raise
+
+    def finish() -> None:
+        _write_config(_unwrap(module), tmp, dtype or stored, fsync)
+        write_small_file(tmp / NOTE_FILE, _note(final, dtype, comm.world_size).encode(), fsync)
+        check_model_folder(tmp / CHECKPOINT_DIR)
+        if fsync:
+            fsync_dir(tmp)
+        publish(tmp, final, fsync)
+
+    _on_coordinator(comm, finish, cleanup=tmp)
+    return final
+
+
 def _check_same_plan(comm: Comm, plan: ShardPlan, aliases: dict[str, str]) -> None:
     """Every rank must gather the same tensors in the same order, or the collectives would cross."""
     digest = hash_bytes(dump_json([plan.describe(), sorted(aliases.items())]))
@@ -139,53 +286,31 @@ def _check_same_plan(comm: Comm, plan: ShardPlan, aliases: dict[str, str]) -> No
 
 def _gather_and_write(comm: Comm, tmp: Path, state: dict[str, Any], plan: ShardPlan, fsync: bool, progress: bool) -> None:
     """All ranks gather each tensor in plan order; the coordinator streams it into its file."""
-    from torch.distributed.tensor import DTensor
-
     bar = None
     if comm.is_coordinator and progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="save_pretrained")
     try:
-        for file, infos in plan.files:
-            error: str | None = None
-            writer = None
-            if comm.is_coordinator:
-                try:
-                    writer = SafetensorsStreamWriter(tmp / file, infos)
-                except Exception as exc:
-                    error = f"{tmp / file}: {type(exc).__name__}: {exc}"
-            try:
-                for info in infos:
-                    value = state[info.name]
-                    with torch.no_grad():
-                        value = value.detach().to(info.dtype)  # cast the shard first: less to send, bit-identical
-                        if isinstance(value, DTensor):
-                            if value.device.type != value.device_mesh.device_type:  # CPU-offloaded shards of a GPU mesh
-                                value = value.to(value.device_mesh.device_type)
-                            value = value.full_tensor()  # collective, same order on every rank
-                    if writer is not None and error is None:
-                        try:
-                            writer.write(value)
-                        except Exception as exc:
-                            error = f"{tmp / file}: {type(exc).__name__}: {exc}"
-                    del value
-                    if bar is not None:
-                        bar.update(info.nbytes)
-                if writer is not None and error is None:
-                    try:
-                        writer.close(fsync)
-                    except Exception as exc:
-                        error = f"{tmp / file}: {type(exc).__name__}: {exc}"
-            finally:
-                if writer is not None:
-                    writer.abort()
-            error = comm.broadcast(error)  # stop every rank at the first failed file
-            if error is not None:
-                raise SaveError(f"save_pretrained failed, nothing was published: {error}")
+        _write_stream(comm, tmp, plan, _gathered(state, plan), fsync, bar)
     finally:
         if bar is not None:
             bar.close()
+
+
+def _gathered(state: dict[str, Any], plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors in plan order; gathering a DTensor is a collective, run in the same order on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    for info in plan.tensors:
+        with torch.no_grad():
+            value = state[info.name].detach().to(info.dtype)  # cast the shard first: less to send, bit-identical
+            if isinstance(value, DTensor):
+                if value.device.type != value.device_mesh.device_type:  # CPU-offloaded shards of a GPU mesh
+                    value = value.to(value.device_mesh.device_type)
+                value = value.full_tensor()
+        yield info.name, value
+        del value  # before gathering the next one: one whole tensor at a time
 
 
 def _on_coordinator(comm: Comm, fn: Any, cleanup: Path) -> None:

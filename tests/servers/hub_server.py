@@ -13,7 +13,8 @@ contents in a folder (content-addressed by sha256). It speaks the endpoints the 
 * ``POST /api/{type}s/{repo}/commit/{rev}`` (NDJSON: ``header``, ``file`` with base64 content,
   ``lfsFile`` for uploaded objects, ``deletedFile`` / ``deletedFolder``), applied atomically
 * ``GET /api/{type}s/{repo}[/revision/{rev}]`` (repo info with ``sha`` and ``siblings``), ``GET
-  /api/{type}s/{repo}/tree/{rev}[/{path}]``, ``GET /api/whoami-v2``
+  /api/{type}s/{repo}/tree/{rev}[/{path}]``, ``GET /api/whoami-v2``, ``POST /api/validate-yaml`` (README
+  metadata, checked before a README is committed)
 * ``HEAD`` / ``GET /{repo}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag`` (git blob sha1,
   or the sha256 for LFS files, with ``X-Linked-Etag`` / ``X-Linked-Size``), ``Content-Length`` and
   ``Range`` support; errors carry ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``,
@@ -397,6 +398,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._require_auth()
             self._send_json(200, {"type": "user", "name": "tester", "fullname": "Test User", "orgs": [], "auth": {"type": "access_token"}})
             return 200
+        if parts == ["validate-yaml"] and method == "POST":
+            return self._validate_yaml()
         if len(parts) >= 3 and parts[0] in _PLURAL:
             repo_type, repo_id, rest = _PLURAL[parts[0]], f"{parts[1]}/{parts[2]}", parts[3:]
             if not rest and method == "GET":
@@ -412,6 +415,27 @@ class _Handler(BaseHTTPRequestHandler):
             if rest[:1] == ["tree"] and len(rest) >= 2 and method == "GET":
                 return self._tree(repo_type, repo_id, rest[1], "/".join(rest[2:]))
         raise HubError(404, f"no API route for {method} /api/{'/'.join(parts)}")
+
+    def _validate_yaml(self) -> int:
+        """A README's metadata block (between ``---`` lines) must be a YAML mapping, as the Hub checks
+        before huggingface_hub commits a README."""
+        import yaml
+
+        content = self._json_body().get("content")
+        if not isinstance(content, str):
+            raise HubError(400, "validate-yaml: 'content' must be a string")
+        errors = []
+        lines = content.splitlines()
+        if lines[:1] == ["---"] and "---" in lines[1:]:
+            block = "\n".join(lines[1 : lines.index("---", 1)])
+            try:
+                meta = yaml.safe_load(block)
+                if meta is not None and not isinstance(meta, dict):
+                    errors.append({"message": "metadata must be a YAML mapping"})
+            except yaml.YAMLError as exc:
+                errors.append({"message": f"invalid YAML: {exc}"})
+        self._send_json(400 if errors else 200, {"errors": errors, "warnings": []})
+        return 400 if errors else 200
 
     # ------------------------------------------------------------------ repos
 

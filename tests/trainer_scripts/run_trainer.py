@@ -1,0 +1,345 @@
+"""Real ``transformers.Trainer`` runs on CPU ranks (gloo), plain and ``ShardsafeTrainer``, for tests/test_trainer.py.
+
+Run with ``python -m torch.distributed.run --nproc_per_node 2 run_trainer.py OUT SCENARIO [SCENARIO ...]``.
+Each scenario trains a tiny GPT-2 (built offline from a config; dropout on, so resuming needs the
+RNG state) on a tiny synthetic dataset and rank 0 writes what the test compares into ``OUT/SCENARIO/``:
+``result.json`` (losses per step, folder listings, best checkpoint, errors) and ``*.safetensors``
+(final weights). Scenarios run in the order given and may use earlier ones' folders.
+
+DDP (``TrainingArguments(use_cpu=True)``): ``plain``, ``main`` (then ``save_model`` into
+``output_dir`` next to the checkpoints, sharded and single-file), ``resume_mid`` (from main's
+checkpoint-2, mid-epoch), ``resume_last`` (``resume_from_checkpoint=True`` on a copy of main's
+checkpoints 2 and 4 whose checkpoint-4 lost its trainer_state.json; an epoch boundary),
+``rotation1`` / ``rotation2`` (``save_total_limit`` 1 / 2, ``load_best_model_at_end``, checkpoint-2
+best), ``push`` (``push_to_hub`` every save and at the end; needs ``HF_ENDPOINT``).
+
+DeepSpeed ZeRO-3 (``use_cpu=True`` plus a DeepSpeed config dict: on CPU it is what selects DeepSpeed;
+bf16): ``z3_plain``, ``z3_main`` (checkpoints when the engine adapter is ready; ``save_model`` with
+``stage3_gather_16bit_weights_on_model_save`` true, and DeepSpeed's own ``save_16bit_model``),
+``z3_resume`` (from z3_main's checkpoint-2), ``z3_nogather`` (the flag false).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from shardsafe.integrations.transformers import ShardsafeTrainer, engine_adapter_ready  # noqa: E402
+
+STEPS = 6  # 4 steps per epoch (16 samples, 2 ranks x 2): 6 steps cross an epoch boundary
+SEQ = 8
+VOCAB = 64
+Z3_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int = 16, seed: int = 7) -> None:
+        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)  # dropout 0.1 (default): the RNG state matters
+
+
+def arguments(output_dir: Path, **overrides: Any) -> TrainingArguments:
+    values: dict[str, Any] = {
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 2,
+        "learning_rate": 1e-2,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 1,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "log_level": "warning",
+    }
+    values.update(overrides)
+    return TrainingArguments(str(output_dir), **values)
+
+
+def losses(trainer: Trainer) -> dict[str, float]:
+    return {str(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def ddp_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in trainer.model.state_dict().items()}  # type: ignore[union-attr]
+
+
+def z3_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The engine's 16-bit weights (DeepSpeed's consolidation) and fp32 master weights, whole (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    engine = trainer.model_wrapped
+    out: dict[str, torch.Tensor] = {}
+    full16 = engine._zero3_consolidated_16bit_state_dict()
+    if full16 is not None:
+        out.update({f"w16/{k}": v.detach().clone().contiguous() for k, v in full16.items()})
+    for name, p in engine.module.named_parameters():
+        out[f"w32/{name}"] = safe_get_full_fp32_param(p).detach().cpu().clone().contiguous()
+    return out
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+class Run:
+    """One scenario's folder and results (written by rank 0)."""
+
+    def __init__(self, out: Path, name: str) -> None:
+        self.dir = out / name
+        self.rank = dist.get_rank()
+        self.result: dict[str, Any] = {}
+        if self.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+
+    def weights(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        if self.rank == 0:
+            save_file(tensors, str(self.dir / f"{name}.safetensors"))
+
+    def finish(self) -> None:
+        if self.rank == 0:
+            (self.dir / "result.json").write_text(json.dumps(self.result, indent=1, default=str))
+        dist.barrier()
+
+
+def make(cls: type[Trainer], args: TrainingArguments, **kwargs: Any) -> Trainer:
+    return cls(model=model(), args=args, train_dataset=Tokens(), **kwargs)
+
+
+# ----------------------------------------------------------------------------- DDP
+
+
+def plain(out: Path) -> None:
+    run = Run(out, "plain")
+    trainer = make(Trainer, arguments(run.dir / "train"))
+    trainer.train()
+    run.result["losses"] = losses(trainer)
+    run.weights("final", ddp_weights(trainer))
+    run.finish()
+
+
+def main_run(out: Path) -> None:
+    run = Run(out, "main")
+    root = run.dir / "train"
+    trainer = make(ShardsafeTrainer, arguments(root))
+    trainer.train()
+    run.result["losses"] = losses(trainer)
+    run.weights("final", ddp_weights(trainer))
+    run.result["after_train"] = listing(root)
+    trainer.max_shard_size = "20KB"  # type: ignore[attr-defined]
+    trainer.save_model()  # into output_dir, next to the checkpoints: sharded
+    run.result["after_sharded_save"] = listing(root)
+    trainer.max_shard_size = "50GB"  # type: ignore[attr-defined]
+    trainer.save_model()  # the single file replaces the index and the shards
+    trainer.save_model(str(run.dir / "saved_again"))  # a new folder
+    run.result["after_single_save"] = listing(root)
+    run.result["checkpoint_2"] = listing(root / "checkpoint-2")
+    run.finish()
+
+
+def resume_mid(out: Path) -> None:
+    run = Run(out, "resume_mid")
+    trainer = make(ShardsafeTrainer, arguments(run.dir / "train"))
+    trainer.train(resume_from_checkpoint=str(out / "main" / "train" / "checkpoint-2"))
+    run.result["losses"] = losses(trainer)
+    run.weights("final", ddp_weights(trainer))
+    run.finish()
+
+
+def resume_last(out: Path) -> None:
+    run = Run(out, "resume_last")
+    root = run.dir / "train"
+    if run.rank == 0:
+        for step in (2, 4):
+            shutil.copytree(out / "main" / "train" / f"checkpoint-{step}", root / f"checkpoint-{step}")
+        (root / "checkpoint-4" / "trainer_state.json").unlink()  # as a crash right after the commit leaves it
+    dist.barrier()
+    trainer = make(ShardsafeTrainer, arguments(root))
+    trainer.train(resume_from_checkpoint=True)
+    run.result["losses"] = losses(trainer)
+    run.result["regenerated"] = (root / "checkpoint-4" / "trainer_state.json").is_file()
+    run.weights("final", ddp_weights(trainer))
+    run.finish()
+
+
+def rotation(out: Path, limit: int) -> None:
+    run = Run(out, f"rotation{limit}")
+    root = run.dir / "train"
+    args = arguments(
+        root,
+        max_steps=STEPS + 2 * (limit - 1),
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=limit,
+        load_best_model_at_end=True,
+        metric_for_best_model="score",
+        greater_is_better=True,
+    )
+    holder: dict[str, Trainer] = {}
+
+    def score(_: Any) -> dict[str, float]:  # checkpoint-2 is the best
+        return {"score": 1.0 if holder["trainer"].state.global_step == 2 else 0.0}
+
+    trainer = make(ShardsafeTrainer, args, eval_dataset=Tokens(8, seed=3), compute_metrics=score)
+    holder["trainer"] = trainer
+    seen: list[list[str]] = []
+
+    from transformers import TrainerCallback
+
+    class Watch(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append(listing(root))
+
+    trainer.add_callback(Watch())
+    trainer.train()
+    run.result["after_each_save"] = seen
+    run.result["final"] = listing(root)
+    run.result["best"] = trainer.state.best_model_checkpoint
+    run.weights("final", ddp_weights(trainer))
+    run.finish()
+
+
+def push_run(out: Path) -> None:
+    run = Run(out, "push")
+    args = arguments(run.dir / "train", max_steps=4, push_to_hub=True, hub_model_id="owner/trained", hub_strategy="every_save")
+    trainer = make(ShardsafeTrainer, args)
+    trainer.train()
+    run.result["url"] = trainer.push_to_hub()
+    run.weights("final", ddp_weights(trainer))
+    run.finish()
+
+
+# ----------------------------------------------------------------------------- DeepSpeed ZeRO-3
+
+
+def z3_arguments(output_dir: Path, gather: bool = True, **overrides: Any) -> TrainingArguments:
+    config = json.loads(json.dumps(Z3_CONFIG))
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
+    values: dict[str, Any] = {"deepspeed": config, "bf16": True}
+    if not engine_adapter_ready():
+        values["save_strategy"] = "no"
+    values.update(overrides)
+    return arguments(output_dir, **values)
+
+
+def z3_plain(out: Path) -> None:
+    run = Run(out, "z3_plain")
+    trainer = make(Trainer, z3_arguments(run.dir / "train", save_strategy="no"))
+    trainer.train()
+    run.result["losses"] = losses(trainer)
+    run.weights("final", z3_weights(trainer))
+    run.finish()
+
+
+def z3_main(out: Path) -> None:
+    run = Run(out, "z3_main")
+    root = run.dir / "train"
+    trainer = make(ShardsafeTrainer, z3_arguments(root))
+    trainer.train()
+    run.result["losses"] = losses(trainer)
+    run.result["adapter"] = engine_adapter_ready()
+    run.weights("final", z3_weights(trainer))
+    trainer.save_model()  # gathered 16-bit weights, into output_dir next to the checkpoints
+    trainer.model_wrapped.save_16bit_model(str(run.dir / "ds16"))  # DeepSpeed's own, for comparison (a pickle)
+    if run.rank == 0:
+        ds16 = torch.load(run.dir / "ds16" / "pytorch_model.bin", weights_only=True)
+        run.weights("ds16", {k: v.clone().contiguous() for k, v in ds16.items()})
+    run.result["after_save"] = listing(root)
+    run.finish()
+
+
+def z3_resume(out: Path) -> None:
+    run = Run(out, "z3_resume")
+    trainer = make(ShardsafeTrainer, z3_arguments(run.dir / "train"))
+    trainer.train(resume_from_checkpoint=str(out / "z3_main" / "train" / "checkpoint-2"))
+    run.result["losses"] = losses(trainer)
+    run.weights("final", z3_weights(trainer))
+    run.finish()
+
+
+def z3_nogather(out: Path) -> None:
+    run = Run(out, "z3_nogather")
+    root = run.dir / "train"
+    trainer = make(ShardsafeTrainer, z3_arguments(root, gather=False, max_steps=2, save_strategy="no"))
+    trainer.train()
+    run.weights("final", z3_weights(trainer))
+    trainer.save_model()
+    run.result["after_save"] = listing(root)
+    run.result["checkpoint_dir"] = listing(root / "checkpoint")
+    run.finish()
+
+
+SCENARIOS = {
+    "plain": plain,
+    "main": main_run,
+    "resume_mid": resume_mid,
+    "resume_last": resume_last,
+    "rotation1": lambda out: rotation(out, 1),
+    "rotation2": lambda out: rotation(out, 2),
+    "push": push_run,
+    "z3_plain": z3_plain,
+    "z3_main": z3_main,
+    "z3_resume": z3_resume,
+    "z3_nogather": z3_nogather,
+}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    names = sys.argv[2:]
+    if any(n.startswith("z3") for n in names):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for name in names:
+        try:
+            SCENARIOS[name](out)
+        except Exception:
+            (out / f"{name}.rank{dist.get_rank()}.error").write_text(traceback.format_exc())
+            raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
