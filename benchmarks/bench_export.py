@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from common import PeakMemory, drop_file_cache, folder_bytes, write_section  # noqa: E402
+from common import PeakMemory, drop_file_cache, folder_bytes, safetensors_index, write_section  # noqa: E402
 
 MAX_SHARD = "500MB"
 SECTION = "## Export"
@@ -163,14 +163,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     """Two model folders hold the same tensors (names, dtypes, values), compared one tensor at a time."""
     from safetensors import safe_open
 
-    def index(folder: Path) -> dict[str, Path]:
-        out = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as s:
-                out.update({k: f for k in s.keys()})  # noqa: SIM118
-        return out
-
-    ia, ib = index(a), index(b)
+    ia, ib = safetensors_index(a), safetensors_index(b)
     if sorted(ia) != sorted(ib):
         return False
     import torch

@@ -700,13 +700,6 @@ def section(s: dict[str, Any], facts: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _load() -> str:
-    try:
-        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: a small model, 1 run, BENCHMARKS.md untouched unless --md")
@@ -734,7 +727,9 @@ def main() -> int:
     import torch
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    load_before = _load()
+    from common import load_average
+
+    load_before = load_average()
     started = time.perf_counter()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     passthrough = ["--dir", str(args.dir), "--runs", str(args.runs), *(["--quick"] if args.quick else [])]
@@ -746,7 +741,7 @@ def main() -> int:
         "when": when,
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
         "load_before": load_before,
-        "load_after": _load(),
+        "load_after": load_average(),
         "elapsed": time.perf_counter() - started,
     }
     text = section(summarize(per_rank), facts)

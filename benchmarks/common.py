@@ -219,3 +219,22 @@ def write_section(md: Path, heading: str, text: str) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + text
     md.write_text(new if new.endswith("\n") else new + "\n")
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, for the record of how busy the shared machine was."""
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def safetensors_index(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the ``*.safetensors`` file of ``folder`` that holds it (headers only)."""
+    from safetensors import safe_open
+
+    out: dict[str, Path] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as s:
+            out.update({k: f for k in s.keys()})  # noqa: SIM118
+    return out

@@ -12,13 +12,13 @@ Tensor keys are ``<state name>/<path>``, e.g. ``model/layer.0.weight`` or
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from .deepspeed_engine import KIND_DEEPSPEED_ENGINE, bind_engine, describe_engine, is_deepspeed_engine
 from .errors import ShardsafeError, StateMismatchError
@@ -36,7 +36,10 @@ KIND_VALUE = "value"
 
 def _placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local data, global shape, global offsets of the local data) of a tensor or DTensor."""
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        assert isinstance(tensor, DTensor)
         if any(not (p.is_shard() or isinstance(p, Replicate)) for p in tensor.placements):
             raise ShardsafeError(f"cannot save a DTensor with placements {tensor.placements}: reduce partial values first")
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -44,6 +47,14 @@ def _placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tup
         _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         return tensor.to_local(), tuple(tensor.shape), tuple(int(o) for o in offsets)
     return tensor, tuple(tensor.shape), (0,) * tensor.dim()
+
+
+def is_dtensor(tensor: object) -> bool:
+    """isinstance(tensor, DTensor) without importing torch.distributed.tensor (over a second of a
+    CLI start): a DTensor can only exist once that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(tensor, cls)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -134,7 +145,7 @@ def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 @dataclass

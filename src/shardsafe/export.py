@@ -46,7 +46,7 @@ from .format import (
     parse_json,
 )
 from .guard import INDEX_FILE, SINGLE_FILE, check_model_folder
-from .storage import fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
+from .storage import WriteBehind, fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
 from .transfer import ChunkReader
 
 log = logging.getLogger(__name__)
@@ -180,15 +180,18 @@ class SafetensorsStreamWriter:
     The header is written first (all shapes are known up front); each :meth:`write` streams one
     tensor's bytes (device tensors through a bounded host buffer). The file is created with
     ``O_EXCL`` and must be completed by :meth:`close`, which checks every tensor was written.
+    ``write_behind`` (for files that will be fsynced) starts writeback while writing, so the final
+    fsync has little left to do (:class:`~shardsafe.storage.WriteBehind`).
     """
 
-    def __init__(self, path: Path, tensors: list[TensorInfo]) -> None:
+    def __init__(self, path: Path, tensors: list[TensorInfo], write_behind: bool = True) -> None:
         self.path = path
         self.tensors = tensors
         prefix, ranges = build_safetensors_header([HeaderEntry(t.name, t.dtype, t.shape) for t in tensors])
         self.size = ranges[-1][1] if ranges else len(prefix)
         self._next = 0
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._behind = WriteBehind(self._fd, write_behind)
         self._pos = 0
         self._write(memoryview(prefix))
 
@@ -198,6 +201,7 @@ class SafetensorsStreamWriter:
             written = os.write(self._fd, view[: 1 << 30])
             view = view[written:]
             self._pos += written
+            self._behind.advance(self._pos)
 
     def write(self, tensor: torch.Tensor) -> None:
         if self._next >= len(self.tensors):
@@ -481,7 +485,7 @@ def stream_weights(
 ) -> None:
     """Write every file of ``plan`` into ``folder``, fetching each tensor only when it is written."""
     for file, infos in plan.files:
-        writer = SafetensorsStreamWriter(folder / file, infos)
+        writer = SafetensorsStreamWriter(folder / file, infos, write_behind=fsync)
         try:
             for info in infos:
                 tensor = fetch(info)
@@ -625,6 +629,7 @@ def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=None, metavar="PATH", help="config.json (or a folder holding one) to write with the weights")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync of the output (faster; a crash soon after may lose the files)")
     p.set_defaults(func=run_export_command)
     return p
 
@@ -640,6 +645,7 @@ def run_export_command(args: argparse.Namespace) -> int:
             config=args.config,
             progress=not args.no_progress,
             overwrite=args.overwrite,
+            fsync=not args.no_fsync,
         )
     except CheckpointExistsError as exc:
         raise CheckpointExistsError(f"{args.out}: exists and is not empty; pass --overwrite to replace it") from exc

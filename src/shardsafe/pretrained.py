@@ -187,7 +187,7 @@ def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple
         writer = None
         if comm.is_coordinator:
             try:
-                writer = SafetensorsStreamWriter(tmp / file, infos)
+                writer = SafetensorsStreamWriter(tmp / file, infos, write_behind=fsync)
             except Exception as exc:
                 error = f"{tmp / file}: {type(exc).__name__}: {exc}"
         try:
