@@ -295,7 +295,7 @@ def zero3(runs: Runs) -> None:
         pytest.skip("DeepSpeed and g++ are needed")
 
 
-def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs) -> None:
+def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_path: Path) -> None:
     zero3(runs)
     from shardsafe.integrations.transformers import engine_adapter_ready
 
@@ -315,6 +315,13 @@ def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs) -> Non
     assert after(resumed["losses"], 2) == after(main["losses"], 2) and len(after(resumed["losses"], 2)) == 4
     assert_same_tensors(runs.weights("z3_resume"), final, "ZeRO-3 resumed at step 2")
     no_leftovers(train)
+    # `shardsafe export checkpoint-6`: the engine's flat fp32 master weights, reshaped, next to its config.json
+    from transformers import AutoModelForCausalLM
+
+    exported = export_hf(train / "checkpoint-6", tmp_path / "exported", progress=False)
+    master = {k.split("/", 1)[1]: v for k, v in final.items() if k.startswith("w32/")}
+    assert_same_tensors(dict(iter_output(exported)), master, "exported ZeRO-3 checkpoint-6 vs the fp32 master weights")
+    assert AutoModelForCausalLM.from_pretrained(exported).dtype == torch.float32
 
 
 def test_zero3_save_model_gathered_equals_deepspeeds_16bit_model(runs: Runs) -> None:
