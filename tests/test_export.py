@@ -225,6 +225,10 @@ def test_export_training_checkpoint_in_one_process(runs: dict[str, Any], tmp_pat
     assert args.func(args) == 0
     assert (tmp_path / "cli" / SINGLE_FILE).is_file() and not (tmp_path / "cli" / INDEX_FILE).exists()
     assert_same(dict(iter_output(tmp_path / "cli")), expected(whole, torch.float16, tie), "export fp16")
+    args = parser.parse_args(["export", str(ckpt), str(tmp_path / "nofsync"), "--config", str(config), "--no-progress", "--no-fsync"])
+    assert args.no_fsync and args.func(args) == 0  # same files, only not fsynced
+    fsynced = shardsafe.export_hf(ckpt, tmp_path / "fsynced", config=config, progress=False)
+    assert_same(dict(iter_output(tmp_path / "nofsync")), dict(iter_output(fsynced)), "export --no-fsync")
     with pytest.raises(CheckpointExistsError):
         shardsafe.export_hf(ckpt, tmp_path / "cli", config=config, progress=False)
 
