@@ -297,15 +297,11 @@ def zero3(runs: Runs) -> None:
 
 def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_path: Path) -> None:
     zero3(runs)
-    from shardsafe.integrations.transformers import engine_adapter_ready
-
     main = runs.result("z3_main")
     assert main["losses"] == runs.result("z3_plain")["losses"] and len(main["losses"]) == 6
     final = runs.weights("z3_main")
     assert {k.split("/")[0] for k in final} == {"w16", "w32"} and final["w16/transformer.wte.weight"].dtype == torch.bfloat16
     assert_same_tensors(final, runs.weights("z3_plain"), "ShardsafeTrainer vs Trainer under ZeRO-3 (16-bit and fp32 master)")
-    if not engine_adapter_ready():
-        pytest.skip("shardsafe.deepspeed_engine is not ready: ZeRO-3 checkpoints are not written")
     train = runs.train_dir("z3_main")
     for step in (2, 4, 6):
         summary = shardsafe.verify(train / f"checkpoint-{step}")

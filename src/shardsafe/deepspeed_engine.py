@@ -43,7 +43,6 @@ from .plan import LocalChunk
 from .transfer import ReadTarget
 
 KIND_DEEPSPEED_ENGINE = "deepspeed_engine"
-ENGINE_ADAPTER_READY = True  # save/load round trips tested at the same and at other world sizes (tests/test_deepspeed_engine.py)
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 SECTIONS = ("fp32", "optim", "frozen", "buffers")
 

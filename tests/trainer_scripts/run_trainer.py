@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
-from shardsafe.integrations.transformers import ShardsafeTrainer, engine_adapter_ready  # noqa: E402
+from shardsafe.integrations.transformers import ShardsafeTrainer  # noqa: E402
 
 STEPS = 6  # 4 steps per epoch (16 samples, 2 ranks x 2): 6 steps cross an epoch boundary
 SEQ = 8
@@ -253,8 +253,6 @@ def z3_arguments(output_dir: Path, gather: bool = True, **overrides: Any) -> Tra
     config = json.loads(json.dumps(Z3_CONFIG))
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
     values: dict[str, Any] = {"deepspeed": config, "bf16": True}
-    if not engine_adapter_ready():
-        values["save_strategy"] = "no"
     values.update(overrides)
     return arguments(output_dir, **values)
 
@@ -274,7 +272,6 @@ def z3_main(out: Path) -> None:
     trainer = make(ShardsafeTrainer, z3_arguments(root))
     trainer.train()
     run.result["losses"] = losses(trainer)
-    run.result["adapter"] = engine_adapter_ready()
     run.weights("final", z3_weights(trainer))
     trainer.save_model()  # gathered 16-bit weights, into output_dir next to the checkpoints
     trainer.model_wrapped.save_16bit_model(str(run.dir / "ds16"))  # DeepSpeed's own, for comparison (a pickle)

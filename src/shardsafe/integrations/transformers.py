@@ -39,7 +39,7 @@ them, so before a resume the coordinator writes any that are missing from ``stat
 then every rank reads them. Nothing else reads them, so they can never disagree with the tensors
 in a way that matters: a present file was written from the same ``state.json``.
 
-DeepSpeed ZeRO-3 checkpoints need ``shardsafe.deepspeed_engine`` (a live engine as a state value);
+DeepSpeed ZeRO-3 checkpoints go through ``shardsafe.deepspeed_engine`` (a live engine as a state value);
 ZeRO-1/2 engines are refused with a clear error. Without a process group everything works on one
 process.
 """
@@ -99,15 +99,6 @@ _UNSUPPORTED_STAGE = (
 
 # Names of the entries of a checkpoint's state.
 MODEL, OPTIMIZER, SCHEDULER, SCALER, RNG, ENGINE, FILES = "model", "optimizer", "scheduler", "scaler", "rng", "engine", "trainer_files"
-
-
-def engine_adapter_ready() -> bool:
-    """Whether ``shardsafe.deepspeed_engine`` can save and load a live ZeRO-3 engine."""
-    try:
-        from .. import deepspeed_engine
-    except ImportError:
-        return False
-    return getattr(deepspeed_engine, "ENGINE_ADAPTER_READY", False) is True
 
 
 class ShardsafeTrainer(Trainer):
@@ -180,7 +171,6 @@ class ShardsafeTrainer(Trainer):
             if model_only:
                 state[MODEL] = zero3_sharded_model(self._module(), engine)
             else:
-                _require_engine_adapter()
                 state[ENGINE] = engine
         else:
             state[MODEL] = self.model_wrapped
@@ -266,7 +256,6 @@ class ShardsafeTrainer(Trainer):
             return
         if plugin.zero_stage != 3:
             raise ShardsafeError(_UNSUPPORTED_STAGE.format(stage=plugin.zero_stage))
-        _require_engine_adapter()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Load only the model weights of a shardsafe checkpoint (collective).
@@ -279,7 +268,6 @@ class ShardsafeTrainer(Trainer):
             return
         engine = self._zero3_engine()
         if engine is not None:  # the weights are the engine's partitions (with the optimizer state, as DeepSpeed loads them)
-            _require_engine_adapter()
             load(resume_from_checkpoint, {ENGINE: engine})
         else:
             load(resume_from_checkpoint, {MODEL: model if model is not None else self.model})
@@ -303,7 +291,6 @@ class ShardsafeTrainer(Trainer):
         if engine is not None:
             if ENGINE not in saved:
                 raise StateMismatchError(f"{path}: holds {saved}, no DeepSpeed engine state; a ZeRO-3 run resumes only from a ZeRO-3 checkpoint")
-            _require_engine_adapter()
             state[ENGINE] = engine
         else:
             if MODEL not in saved:
@@ -830,14 +817,6 @@ def _check_partition_group(param: Any, comm: Comm, name: str) -> None:
             raise ShardsafeError(f"{name}: partitioned over {dist.get_world_size(group)} of {comm.world_size} ranks (ZeRO++ / MiCS); not supported")
 
 
-def _require_engine_adapter() -> None:
-    if not engine_adapter_ready():
-        raise ShardsafeError(
-            "DeepSpeed ZeRO-3 checkpoints need shardsafe.deepspeed_engine (saving a live engine), which this shardsafe lacks; "
-            "save_model works without it (set save_strategy='no' to train without checkpoints)"
-        )
-
-
 # ----------------------------------------------------------------------------- small helpers
 
 
@@ -888,7 +867,6 @@ def _hub_token(token: str | None) -> Iterator[None]:
 __all__ = [
     "ShardsafeTrainer",
     "checkpoint_steps",
-    "engine_adapter_ready",
     "install_model_folder",
     "latest_checkpoint",
     "rotate_checkpoints",
