@@ -7,12 +7,14 @@ parameters that had none) and the next step must equal the one the saved run wou
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import shardsafe
+from shardsafe import adapters
 from shardsafe.errors import StateMismatchError
 
 
@@ -43,7 +45,7 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_fresh_optimizer_gets_exactly_the_saved_state(tmp_path: Path, kind: str, dtype: torch.dtype) -> None:
+def test_fresh_optimizer_gets_exactly_the_saved_state(tmp_path: Path, kind: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(dtype)
     model[3].weight.requires_grad_(False)  # in the optimizer, never gets a gradient: no state saved
     optimizer = OPTIMIZERS[kind](model.parameters())
@@ -54,6 +56,7 @@ def test_fresh_optimizer_gets_exactly_the_saved_state(tmp_path: Path, kind: str,
     fresh_model = _model(dtype)
     fresh_model[3].weight.requires_grad_(False)
     fresh = OPTIMIZERS[kind](fresh_model.parameters())
+    monkeypatch.setattr(adapters, "_create_state_by_stepping", lambda *a: pytest.fail("torch's dummy step ran; the state should be allocated"))
     shardsafe.load(tmp_path / "ckpt", {"model": fresh_model, "optim": fresh})
     saved = torch.load(_reference(tmp_path, model, kind, dtype), weights_only=True)
     assert fresh.state_dict()["state"].keys() == saved["state"].keys()
@@ -92,3 +95,36 @@ def test_failed_load_leaves_a_fresh_optimizer_without_state(tmp_path: Path) -> N
     with pytest.raises(StateMismatchError, match="shape mismatch"):
         shardsafe.load(tmp_path / "ckpt", {"model": other, "optim": fresh})
     assert not fresh.state
+
+
+class _TracingSGD(torch.optim.SGD):
+    """A custom optimizer whose state holds a tensor larger than its parameter (a history of 3 gradients)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    history = self.state[p].setdefault("history", torch.zeros(3, *p.shape, dtype=p.dtype))
+                    history.copy_(torch.cat([history[1:], p.grad.unsqueeze(0)]))
+        return super().step(closure)
+
+
+def test_state_larger_than_its_parameter_is_created_the_optimizers_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes from a checkpoint are not trusted for allocation beyond the parameter's own: such state is
+    created by the optimizer (torch's zero-gradient step) and the load then fills it, or reports a mismatch."""
+    model = _model(torch.float32)
+    optimizer = _TracingSGD(model.parameters(), lr=0.01, momentum=0.9)
+    _train(model, optimizer, 3, seed=1)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optim": optimizer})
+    expected = _train(model, optimizer, 2, seed=2)
+
+    stepped = []
+    create = adapters._create_state_by_stepping
+    monkeypatch.setattr(adapters, "_create_state_by_stepping", lambda *a: (stepped.append(1), create(*a)))
+    fresh_model = _model(torch.float32)
+    fresh = _TracingSGD(fresh_model.parameters(), lr=0.01, momentum=0.9)
+    shardsafe.load(tmp_path / "ckpt", {"model": fresh_model, "optim": fresh})
+    assert stepped == [1], "the oversized state was not allocated from the checkpoint's sizes"
+    assert fresh.state[fresh_model[0].weight]["history"].shape == (3, 5, 6)
+    assert _train(fresh_model, fresh, 2, seed=2) == expected

@@ -12,6 +12,7 @@ Tensor keys are ``<state name>/<path>``, e.g. ``model/layer.0.weight`` or
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ SavedLayout = Callable[[str], "tuple[tuple[int, ...], torch.dtype] | None"]
 """Global shape and dtype of a stored tensor key (None when the checkpoint lacks it)."""
 
 
-def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, saved_state: Any, layout: SavedLayout) -> None:
+def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, saved_state: Any, layout: SavedLayout) -> bool:
     """Give a fresh optimizer empty state tensors shaped like the checkpoint's, to be read into.
 
     torch's get_optimizer_state_dict creates missing state with a dummy optimizer step, which on
@@ -121,27 +122,43 @@ def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
     optimizer itself would make it); any other tensor (``step``) gets the stored shape and dtype,
     on the parameter's device only for ``fused``/``capturable`` groups, as torch places it.
     Every element is then overwritten by the load (the manifest's chunks tile each tensor).
+
+    Sizes come from the checkpoint, so nothing is allocated unless every non-parameter-shaped
+    entry is at most as large as its parameter (true of torch's optimizers); otherwise this
+    returns False and allocates nothing, and the caller creates the state the optimizer's own way.
     """
     by_name = {n: p for n, p in _unwrap(module).named_parameters(remove_duplicate=False)}
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     entries = decode_value(saved_state, lambda key: key).get("state", {})
+    planned: list[tuple[torch.Tensor, str, tuple[int, ...], torch.dtype]] = []
+    for fqn, saved in entries.items():
+        param = by_name.get(fqn)
+        if param is None or id(param) not in group_of or not isinstance(saved, dict):
+            continue  # reported by the key comparison
+        for k, key in saved.items():
+            found = layout(key) if isinstance(key, str) else None
+            if found is None:
+                continue
+            shape, dtype = found
+            if not (param.dim() and shape == tuple(param.shape)) and math.prod(shape) > max(param.numel(), 1):
+                return False
+            planned.append((param, k, shape, dtype))
     with torch.no_grad():
-        for fqn, saved in entries.items():
-            param = by_name.get(fqn)
-            if param is None or id(param) not in group_of or not isinstance(saved, dict):
-                continue  # reported by the key comparison
-            on_device = bool(group_of[id(param)].get("fused") or group_of[id(param)].get("capturable"))
-            slot = optimizer.state[param]
-            for k, key in saved.items():
-                found = layout(key) if isinstance(key, str) else None
-                if found is None:
-                    continue
-                shape, dtype = found
-                if param.dim() and shape == tuple(param.shape):
-                    slot[k] = torch.empty_like(param)
-                else:
-                    device = _local(param).device if on_device else torch.device("cpu")
-                    slot[k] = torch.empty(shape, dtype=dtype, device=device)
+        for owner, k, shape, dtype in planned:
+            if owner.dim() and shape == tuple(owner.shape):
+                optimizer.state[owner][k] = torch.empty_like(owner)
+            else:
+                group = group_of[id(owner)]
+                device = _local(owner).device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+                optimizer.state[owner][k] = torch.empty(shape, dtype=dtype, device=device)
+    return True
+
+
+def _create_state_by_stepping(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """torch's way to give a fresh optimizer its state: a step with zero gradients (get_optimizer_state_dict)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    get_optimizer_state_dict(module, optimizer)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -250,8 +267,10 @@ def bind_for_load(state: dict[str, Any], rank: int, saved_tree: dict[str, Any] |
         elif isinstance(value, torch.optim.Optimizer):
             binding.names[name] = KIND_OPTIMIZER
             module = _owner_module(state, value, name)
-            if not value.state and saved_tree is not None and layout is not None and isinstance(saved_tree.get(name), dict):
-                allocate_optimizer_state(module, value, saved_tree[name].get("state"), layout)
+            if not value.state:
+                saved = saved_tree.get(name) if saved_tree is not None else None
+                if not (layout is not None and isinstance(saved, dict) and allocate_optimizer_state(module, value, saved.get("state"), layout)):
+                    _create_state_by_stepping(module, value)
             osd = _optimizer_state(module, value)
             _bind_tensors(binding, osd["state"], f"{name}/state")
             binding.finalizers.append(_optimizer_finalizer(name, module, value))
