@@ -39,7 +39,7 @@ pytest_plugins = ["servers.fixtures"]  # hub_server, hub
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
 
 SCRIPT = Path(__file__).resolve().parent / "trainer_scripts" / "run_trainer.py"
-DDP_SCENARIOS = ["plain", "main", "resume_mid", "resume_last", "rotation1", "rotation2", "push"]
+DDP_SCENARIOS = ["plain", "main", "resume_mid", "resume_last", "rotation1", "rotation2", "push", "model_only"]
 Z3_SCENARIOS = ["z3_plain", "z3_main", "z3_resume", "z3_nogather"]
 LAUNCH_TIMEOUT_S = 600  # DeepSpeed's first start on a machine compiles an op (minutes on 2 cores)
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and shutil.which(os.environ.get("CXX", "g++")) is not None
@@ -250,6 +250,14 @@ def test_save_model_ddp_writes_the_full_model_next_to_the_checkpoints(runs: Runs
     exported = export_hf(runs.train_dir("main") / "checkpoint-6", tmp_path / "exported", progress=False)
     loaded = AutoModelForCausalLM.from_pretrained(exported)
     assert_same_tensors({k: v.detach() for k, v in loaded.state_dict().items()}, final, "exported checkpoint-6")
+
+
+def test_save_only_model_checkpoints_hold_the_model_and_trainer_files(runs: Runs) -> None:
+    folder = runs.train_dir("model_only") / "checkpoint-2"
+    summary = shardsafe.verify(folder)
+    assert summary["state_entries"] == ["model", "trainer_files"], "no optimizer, scheduler or RNG state"
+    assert "trainer_state.json" in runs.result("model_only")["checkpoint_2"]
+    assert_same_model(checkpoint_model(folder), runs.weights("model_only"), "save_only_model checkpoint-2")
 
 
 def test_push_to_hub_pushes_the_trained_model(runs: Runs) -> None:

@@ -236,6 +236,16 @@ def rotation(out: Path, limit: int) -> None:
     run.finish()
 
 
+def model_only(out: Path) -> None:
+    run = Run(out, "model_only")
+    root = run.dir / "train"
+    trainer = make(ShardsafeTrainer, arguments(root, max_steps=2, save_only_model=True))
+    trainer.train()
+    run.weights("final", ddp_weights(trainer))
+    run.result["checkpoint_2"] = listing(root / "checkpoint-2")
+    run.finish()
+
+
 def push_run(out: Path) -> None:
     run = Run(out, "push")
     args = arguments(run.dir / "train", max_steps=4, push_to_hub=True, hub_model_id="owner/trained", hub_strategy="every_save")
@@ -311,6 +321,7 @@ SCENARIOS = {
     "rotation1": lambda out: rotation(out, 1),
     "rotation2": lambda out: rotation(out, 2),
     "push": push_run,
+    "model_only": model_only,
     "z3_plain": z3_plain,
     "z3_main": z3_main,
     "z3_resume": z3_resume,
