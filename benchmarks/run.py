@@ -36,6 +36,22 @@ sys.path.insert(0, str(HERE))
 
 from common import FULL, NOTES_MARK, QUICK, param_bytes  # noqa: E402
 
+INTRO = [
+    "Every number below comes from a script run on this repository's machine (2 shared CPU cores), each",
+    "comparing shardsafe with the named peer in the same run (medians of alternating runs, ratios reported).",
+    "`make bench` runs them all (~40 min); each section names its own command and is rewritten by it, so",
+    "rerun rather than edit the numbers by hand:",
+    "",
+    "| section | command | peer |",
+    "|---|---|---|",
+    "| Results ... analysis | `make bench-core` (`benchmarks/run.py`) | `torch.distributed.checkpoint`, `dd` |",
+    "| Export | `make bench-export` (`benchmarks/bench_export.py`) | transformers `save_pretrained`, torch's safetensors consolidation |",
+    "| CheckpointManager | `make bench-manager` (`benchmarks/bench_manager.py`) | DCP async save |",
+    "| DeepSpeed export | `make bench-deepspeed` (`benchmarks/bench_deepspeed.py`) | DeepSpeed `zero_to_fp32` script and lazy mode |",
+    "",
+    "The first part (down to the notes) is shardsafe vs DCP on the same model.",
+]
+
 TARGETS = {"save_vs_dcp": 1.1, "save_vs_dd": 0.85, "load_vs_dcp": 1.5, "extra_mem_mib": 64.0}
 
 
@@ -248,8 +264,7 @@ def write_markdown(path: Path, facts: dict[str, Any], r: dict[str, Any], table: 
     out = [
         "# Benchmarks",
         "",
-        "shardsafe vs `torch.distributed.checkpoint` (DCP) on the same model in the same run. The part above the notes is",
-        "written by `benchmarks/run.py`; rerun it rather than editing the numbers by hand.",
+        *INTRO,
         "",
         "## Results",
         "",
