@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ from safetensors.torch import load_file
 import shardsafe
 from dist_utils import free_port, full_model_state, full_optimizer_state, run_ranks
 from ds_scripts.train_zero import VOCAB, Tiny, param_groups
+from shardsafe.commit import open_checkpoint
 from shardsafe.deepspeed_zero import (
     STAND_INS,
     DeepSpeedCheckpoint,
@@ -41,6 +43,7 @@ from shardsafe.deepspeed_zero import (
 )
 from shardsafe.errors import CheckpointNotFoundError, FormatError
 from shardsafe.export import CheckpointSource, export_hf, iter_output
+from shardsafe.transfer import ChunkReader
 
 SCRIPT = Path(__file__).resolve().parent / "ds_scripts" / "train_zero.py"
 LAUNCHES = {  # world size -> variants trained in one launch
@@ -430,6 +433,39 @@ def test_convert_command(ds_runs: dict[str, Run], tmp_path: Path, capsys: pytest
     args = parser.parse_args(["convert", str(run.folder), str(out), "--overwrite", "--no-progress"])
     assert args.func(args) == 0
     assert shardsafe.verify(out)["tensors"] == 15 + 10 * 3  # 15 model entries (tied alias included), 10 trained parameters x 3
+    args = parser.parse_args(["convert", str(run.folder), str(tmp_path / "engine"), "--for-engine", "--dtype", "keep"])
+    with pytest.raises(shardsafe.ShardsafeError, match="--dtype does not apply with --for-engine"):
+        args.func(args)
+    args = parser.parse_args(["convert", str(run.folder), str(tmp_path / "engine"), "--for-engine", "--no-progress"])
+    assert args.func(args) == 0
+    assert "engine tensors" in capsys.readouterr().out
+    assert shardsafe.verify(tmp_path / "engine")["state_entries"] == ["engine", "sched", "step"]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("name", ["tiny_fp32_z2-w2", "tiny_bf16_z1-w3"])
+def test_convert_for_engine_from_zero12(ds_runs: dict[str, Run], tmp_path: Path, name: str) -> None:
+    """A ZeRO-1/2 source converts to the ZeRO-3 engine layout too: whole 1-D parameters and moments (bit for
+    bit what DeepSpeed's safe_get_full_* report), frozen parameters as stored, the step count of every
+    trained parameter, param groups. (Loading such a conversion into a live engine is tested from ZeRO-3
+    sources in tests/test_deepspeed_engine.py; the layout is the same.)"""
+    run = ds_runs[name]
+    out = convert_deepspeed(run.folder, tmp_path / "engine", for_engine=True)
+    assert shardsafe.verify(out)["state_entries"] == ["engine", "sched", "step"]
+    manifest, tree = open_checkpoint(out)
+    meta = tree["engine"]["meta"]
+    assert meta["zero_stage"] == 3 and meta["aliases"] == run.tied
+    assert [g["params"] for g in meta["param_groups"]] == [g["params"] for g in run.meta["param_groups"]]
+    trained = [n for g in meta["param_groups"] for n in g["params"]]
+    assert sorted(n for e in meta["optimizer_scalars"] for n in e["params"]) == sorted(trained)
+    assert {e["state"]["step"]["tensor"]["value"] for e in meta["optimizer_scalars"]} == {2.0}
+    with ChunkReader(out, manifest) as reader:
+        for param in trained:
+            for key, stored in ((f"{param}/fp32", "fp32"), (f"{param}/exp_avg", "optim/exp_avg"), (f"{param}/exp_avg_sq", "optim/exp_avg_sq")):
+                got = reader.read_tensor(f"engine/{stored}/{param}", manifest.tensors[f"engine/{stored}/{param}"])
+                assert_same(got, run.optim[key].reshape(-1), f"{name}: {key}")
+        frozen = reader.read_tensor("engine/frozen/frozen.weight", manifest.tensors["engine/frozen/frozen.weight"])
+    assert meta["params"]["frozen.weight"]["group"] is None and frozen.numel() == math.prod(meta["params"]["frozen.weight"]["shape"])
 
 
 # ----------------------------------------------------------------------------- without DeepSpeed

@@ -2,7 +2,8 @@
 
 Real DeepSpeed on CPU ranks (gloo): one module fixture runs ``tests/ds_scripts/engine_state.py``
 under ``torch.distributed.run`` three times: ``save`` on 2 ranks, then ``reshard`` on 3 ranks and
-on 1 rank concurrently (they load what the 2 ranks saved). The model (``train_zero.Tiny``) has odd
+on 1 rank concurrently (they load what the 2 ranks saved, and DeepSpeed's own checkpoint of the same
+step after ``shardsafe convert --for-engine``, which runs here in between). The model (``train_zero.Tiny``) has odd
 sizes, a 1-element parameter, a frozen layer, a tied weight, float and integer persistent buffers,
 a non-persistent buffer and two param groups; bf16 (every parameter persistent), fp32 (every
 parameter partitioned) and bf16 with optimizer and parameters offloaded to the CPU; several
@@ -70,6 +71,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("ds_engine")
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     _wait([_launch(root, 2, "save")], deadline)
+    from shardsafe.cli import main as shardsafe_cli
+
+    for precision in PRECISIONS:  # DeepSpeed's own checkpoints (engine.save_checkpoint), for the reshard launches
+        assert shardsafe_cli(["convert", str(root / f"ds_{precision}"), str(root / f"conv_{precision}"), "--for-engine", "--no-progress"]) == 0
     _wait([_launch(root, w, "reshard") for w in OTHER_WORLDS], deadline)
     out: dict[Any, Any] = {"root": root, "save": [torch.load(root / f"save-w2.rank{r}.pt", weights_only=False) for r in range(2)]}
     for w in OTHER_WORLDS:
@@ -187,6 +192,49 @@ def test_resave_at_other_world_size_is_identical(runs: dict[str, Any], precision
     assert {k: v for k, v in meta.items() if k not in ("world_size", "optimizer_scalars")} == {
         k: v for k, v in meta2.items() if k not in ("world_size", "optimizer_scalars")
     }
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's checkpoint, converted for an engine
+
+
+@pytest.mark.parametrize("world", OTHER_WORLDS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_converted_deepspeed_checkpoint_resumes_engine_at_other_world_size(runs: dict[str, Any], precision: str, world: int) -> None:
+    """``engine.save_checkpoint`` at 2 ranks, ``shardsafe convert --for-engine``, a fresh engine at 1 or 3
+    ranks loads it: fp32 master, moments, 16-bit weights, buffers, step counts, lr and the other
+    hyper-parameters, the LR scheduler and DeepSpeed's counters are the saving run's, bit for bit;
+    then a training step runs. DeepSpeed does not save ``micro_steps``: it stays 0."""
+    at_save = runs["save"][0][precision]["at_save"]
+    for rank, result in enumerate(runs[world]):
+        r = result[precision]
+        assert r["conv_step_value"] == 2
+        what = f"converted, W={world} rank {rank} {precision}"
+        assert_same_snapshot(r["conv_after_load"], at_save, what, same_sub_groups=False, skip=("counters",))
+        assert r["conv_after_load"]["counters"] == dict(at_save["counters"], micro_steps=0)
+        assert r["conv_after_load"]["groups"][1]["lr"] == pytest.approx(3e-3 * 0.7**2)
+        assert len(r["conv_losses"]) == 1 and math.isfinite(r["conv_losses"][0])
+        assert r["conv_after_step"]["counters"]["global_steps"] == 3 and {s.item() for s in r["conv_after_step"]["steps"]} == {3.0}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_converted_deepspeed_checkpoint_is_the_engine_layout(runs: dict[str, Any], precision: str) -> None:
+    """The converted checkpoint (one file, every tensor one chunk) holds, tensor for tensor and bit for bit,
+    what ``shardsafe.save`` of the live engine wrote at the same step, and the same meta (sub-groups and
+    step counts of the 2-rank run; no micro_steps, which DeepSpeed does not save)."""
+    root = runs["root"]
+    path = root / f"conv_{precision}"
+    summary = shardsafe.verify(path)
+    assert summary["world_size"] == 1 and summary["state_entries"] == ["engine", "sched", "step"]
+    manifest, tree, tensors = read_all(path)
+    _, tree_ss, tensors_ss = read_all(root / f"ss_{precision}")
+    assert sorted(tensors) == sorted(tensors_ss)
+    assert [k for k in tensors if not same_bits(tensors[k], tensors_ss[k])] == []
+    assert all(len(entry.chunks) == 1 for entry in manifest.tensors.values())
+    meta, meta_ss = tree["engine"]["meta"], tree_ss["engine"]["meta"]
+    assert meta["counters"] == {k: v for k, v in meta_ss["counters"].items() if k != "micro_steps"}
+    assert {k: v for k, v in meta.items() if k != "counters"} == {k: v for k, v in meta_ss.items() if k != "counters"}
+    assert tree["engine"]["state"] == tree_ss["engine"]["state"] and tree["step"] == tree_ss["step"] == {"kind": "value", "state": 2}
+    assert manifest.metadata["converted_from"]["zero_stage"] == 3 and manifest.metadata["converted_from"]["dp_world_size"] == 2
 
 
 # ----------------------------------------------------------------------------- refusals, scaler, layout

@@ -223,7 +223,8 @@ class _Zero3:
         return groups
 
 
-def _key(name: str, section: str, *rest: str) -> str:
+def tensor_key(name: str, section: str, *rest: str) -> str:
+    """The stored key of an engine tensor: ``<name>/<section>/[<state key>/]<fqn>``."""
     return "/".join((name, section, *rest))
 
 
@@ -279,8 +280,8 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
         return {TENSOR_REF: key}
 
     _sync(z)
-    params_meta: dict[str, Any] = {}
-    scalars_meta: list[dict[str, Any]] = []
+    params_meta: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]] = {}
+    scalars_meta: list[tuple[list[str], dict[str, Any]]] = []
     by_sub: dict[int, list[_Param]] = {}
     for p in z.trainable:
         by_sub.setdefault(p.sub_group, []).append(p)
@@ -290,49 +291,88 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
         for p in members:
             for key, tensor in elementwise.items():
                 view = tensor.narrow(0, p.flat_offset, p.count)
-                state["optim"].setdefault(key, {})[p.name] = add(_key(name, "optim", key, p.name), view, p)
+                state["optim"].setdefault(key, {})[p.name] = add(tensor_key(name, "optim", key, p.name), view, p)
         if scalars:
-            scalars_meta.append({"params": [p.name for p in members], "state": {k: _encode_scalar(v) for k, v in scalars.items()}})
+            scalars_meta.append(([p.name for p in members], scalars))
     groups = z.group_params()
     group_index = {n: g for g, members in enumerate(groups) for n in members}
     for p in z.trainable:
-        state["fp32"][p.name] = add(_key(name, "fp32", p.name), z.fp32_view(p), p)
-        params_meta[p.name] = {"shape": list(p.shape), "dtype": dtype_name(p.param.ds_tensor.dtype), "group": group_index[p.name]}
+        state["fp32"][p.name] = add(tensor_key(name, "fp32", p.name), z.fp32_view(p), p)
+        params_meta[p.name] = (p.shape, p.param.ds_tensor.dtype, group_index[p.name])
     for p in z.frozen:
-        state["frozen"][p.name] = add(_key(name, "frozen", p.name), z.frozen_view(p), p)
-        params_meta[p.name] = {"shape": list(p.shape), "dtype": dtype_name(p.param.ds_tensor.dtype), "group": None}
+        state["frozen"][p.name] = add(tensor_key(name, "frozen", p.name), z.frozen_view(p), p)
+        params_meta[p.name] = (p.shape, p.param.ds_tensor.dtype, None)
     for bname, buf in z.buffers.items():
-        key = _key(name, "buffers", bname)
+        key = tensor_key(name, "buffers", bname)
         tensor = buf.detach()
         chunks.append(LocalChunk(key, tensor if tensor.is_contiguous() else tensor.contiguous(), tuple(tensor.shape), (0,) * tensor.dim()))
         state["buffers"][bname] = {TENSOR_REF: key}
 
-    hyper = []
-    for g, group in enumerate(z.inner.param_groups):
-        values = {k: v for k, v in group.items() if k != "params"}
-        encoded = encode_value(values, f"{name}/param_groups/{g}", _no_tensors(f"state[{name!r}]: optimizer param group {g}"))
-        hyper.append({"params": groups[g], "hyper": encoded})
     scaler = getattr(z.opt, "loss_scaler", None)
-    scaler_meta = None
-    if scaler is not None:
-        scaler_state = encode_value(dict(vars(scaler)), f"{name}/loss_scaler", _no_tensors(f"state[{name!r}] loss scaler"))
-        scaler_meta = {"class": type(scaler).__name__, "state": scaler_state}
     import deepspeed
 
-    meta = {
-        "zero_stage": 3,
-        "world_size": z.world_size,
-        "deepspeed_version": str(getattr(deepspeed, "__version__", "unknown")),
-        "params": params_meta,
-        "aliases": z.aliases,
-        "param_groups": hyper,
-        "optimizer_scalars": scalars_meta,
-        "loss_scaler": scaler_meta,
-        "dynamic_loss_scale": bool(getattr(z.opt, "dynamic_loss_scale", False)),
-        "overflow": bool(getattr(z.opt, "overflow", False)),
-        "counters": {c: int(getattr(engine, c)) for c in COUNTERS if hasattr(engine, c)},
-    }
+    meta = engine_meta(
+        name,
+        world_size=z.world_size,
+        deepspeed_version=str(getattr(deepspeed, "__version__", "unknown")),
+        params=params_meta,
+        aliases=z.aliases,
+        param_groups=[(groups[g], {k: v for k, v in group.items() if k != "params"}) for g, group in enumerate(z.inner.param_groups)],
+        optimizer_scalars=scalars_meta,
+        loss_scaler=None if scaler is None else (type(scaler).__name__, dict(vars(scaler))),
+        dynamic_loss_scale=bool(getattr(z.opt, "dynamic_loss_scale", False)),
+        overflow=bool(getattr(z.opt, "overflow", False)),
+        counters={c: int(getattr(engine, c)) for c in COUNTERS if hasattr(engine, c)},
+    )
     return {"kind": KIND_DEEPSPEED_ENGINE, "state": state, "meta": meta}, chunks
+
+
+def engine_meta(
+    name: str,
+    *,
+    world_size: int,
+    deepspeed_version: str,
+    params: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]],
+    aliases: dict[str, str],
+    param_groups: list[tuple[list[str], dict[str, Any]]],
+    optimizer_scalars: list[tuple[list[str], dict[str, Any]]],
+    loss_scaler: tuple[str, dict[str, Any]] | None,
+    dynamic_loss_scale: bool,
+    overflow: bool,
+    counters: dict[str, int],
+) -> dict[str, Any]:
+    """The JSON ``meta`` of an engine entry, from plain values.
+
+    One builder for both writers, :func:`describe_engine` (a live engine) and
+    ``convert_deepspeed(for_engine=True)`` (a DeepSpeed checkpoint), so that what :func:`check_engine`
+    and the load's finalizer read has a single format. ``params``: name -> (original shape, 16-bit
+    dtype, param group or None when frozen); ``param_groups``: (trainable names in flat order,
+    hyper-parameters); ``optimizer_scalars``: (names, scalar state) per optimizer sub-group;
+    ``loss_scaler``: (class name, attributes). Hyper-parameters and scaler state must be JSON values
+    (tensors are refused).
+    """
+
+    def encoded(value: dict[str, Any], path: str, what: str) -> Any:
+        return encode_value(value, f"{name}/{path}", _no_tensors(f"state[{name!r}]: {what}"))
+
+    return {
+        "zero_stage": 3,
+        "world_size": world_size,
+        "deepspeed_version": deepspeed_version,
+        "params": {n: {"shape": list(shape), "dtype": dtype_name(dtype), "group": group} for n, (shape, dtype, group) in params.items()},
+        "aliases": dict(aliases),
+        "param_groups": [
+            {"params": list(names), "hyper": encoded(hyper, f"param_groups/{g}", f"optimizer param group {g}")}
+            for g, (names, hyper) in enumerate(param_groups)
+        ],
+        "optimizer_scalars": [
+            {"params": list(names), "state": {k: _encode_scalar(v) for k, v in state.items()}} for names, state in optimizer_scalars
+        ],
+        "loss_scaler": None if loss_scaler is None else {"class": loss_scaler[0], "state": encoded(loss_scaler[1], "loss_scaler", "loss scaler")},
+        "dynamic_loss_scale": dynamic_loss_scale,
+        "overflow": overflow,
+        "counters": dict(counters),
+    }
 
 
 def engine_model_tensors(entry: Any, where: str) -> dict[str, tuple[str, tuple[int, ...] | None]]:
@@ -409,17 +449,17 @@ def bind_engine(engine: Any, name: str, saved_entry: Any = None) -> tuple[dict[s
         targets[key] = ReadTarget(key, view, (p.numel,), (p.start,))
 
     for p in z.trainable:
-        target(_key(name, "fp32", p.name), z.fp32_view(p), p)
+        target(tensor_key(name, "fp32", p.name), z.fp32_view(p), p)
     for sub_group in range(len(z.flats)):
         elementwise, _ = z.sub_group_state(sub_group)
         for p in (p for p in z.trainable if p.sub_group == sub_group):
             for key, tensor in elementwise.items():
-                target(_key(name, "optim", key, p.name), tensor.narrow(0, p.flat_offset, p.count), p)
+                target(tensor_key(name, "optim", key, p.name), tensor.narrow(0, p.flat_offset, p.count), p)
     for p in z.frozen:
-        target(_key(name, "frozen", p.name), z.frozen_view(p), p)
+        target(tensor_key(name, "frozen", p.name), z.frozen_view(p), p)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for bname, buf in z.buffers.items():
-        key = _key(name, "buffers", bname)
+        key = tensor_key(name, "buffers", bname)
         dest = buf.data
         if not dest.is_contiguous():
             dest = torch.empty_like(dest, memory_format=torch.contiguous_format)

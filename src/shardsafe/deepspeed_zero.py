@@ -21,6 +21,8 @@ none), they are taken whole from the model file. ``optimizer_state(name, key)`` 
 ``param_groups()`` give the optimizer state per parameter, which :func:`convert_deepspeed` writes
 as a shardsafe checkpoint that ``shardsafe.load({"model": model, "optim": AdamW(...)})`` restores on
 any world size.
+With ``for_engine=True`` it writes the layout of :mod:`shardsafe.deepspeed_engine` instead, which
+``shardsafe.load({"engine": engine})`` restores into a fresh ZeRO-3 engine on any world size.
 
 Layout facts: docs/DEEPSPEED.md. Not supported (refused with a message): tensor or pipeline
 parallel checkpoints (``mp_rank_01``, ``layer_*``), MoE / AutoEP expert partitions, elastic
@@ -49,10 +51,12 @@ import torch
 from . import __version__
 from .comm import Comm
 from .commit import agree_and_publish, new_manifest, prepare_save
+from .deepspeed_engine import KIND_DEEPSPEED_ENGINE, SECTIONS, engine_meta, tensor_key
 from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, ShardsafeError
 from .export import DTYPE_CHOICES, CheckpointSource, TensorInfo, find_config_files
 from .format import (
     MANIFEST_NAME,
+    TENSOR_REF,
     ChunkEntry,
     FileEntry,
     HeaderEntry,
@@ -275,6 +279,11 @@ def _flat(value: Any, where: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dim() != 1:
         raise FormatError(f"{where}: expected a 1-D tensor, got {type(value).__name__} {list(getattr(value, 'shape', []))}")
     return value
+
+
+def _is_scalar(value: Any) -> bool:
+    """A plain value or a one-element tensor: optimizer state shared by a flat group's parameters (``step``)."""
+    return value is None or isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1)
 
 
 @dataclass(frozen=True)
@@ -724,6 +733,45 @@ class DeepSpeedCheckpoint:
             out.append(hyper)
         return out
 
+    @property
+    def buffers(self) -> list[str]:
+        """Names of the persistent buffers."""
+        return list(self._buffer_names)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype the model file gives ``name``: the engine's (16-bit) parameter dtype, a buffer's own (not upcast)."""
+        value = self._module.get(self.aliases.get(name, name))
+        return value.dtype if isinstance(value, torch.Tensor) else self.dtype(name)
+
+    def flat_groups(self) -> list[tuple[list[str], dict[str, Any], list[str]]]:
+        """The optimizer's flat groups (ZeRO-3 sub-groups, ZeRO-1/2 param groups) as saved: their parameter
+        names in flat order, their scalar state exactly as the inner optimizer held it (a 0-dim ``step``
+        tensor; a fused Adam's step stays in its param group), and their per-element state keys."""
+        out = []
+        state = self._inner(0)["state"]
+        for flat in range(len(self._owner)):
+            names = [p.name for p in self._params.values() if p.flat == flat]
+            saved = state.get(flat)
+            scalars: dict[str, Any] = {}
+            elementwise: list[str] = []
+            for key, value in saved.items() if isinstance(saved, dict) else ():
+                if self._is_elementwise(0, flat, value):
+                    elementwise.append(key)
+                elif _is_scalar(value):
+                    scalars[key] = value
+                else:
+                    raise FormatError(f"{self._where(0)}: optimizer state {key!r} of flat group {flat} is a {type(value).__name__}")
+            out.append((names, scalars, elementwise))
+        return out
+
+    def loss_scaling(self) -> tuple[tuple[str, dict[str, Any]] | None, bool, bool]:
+        """(loss scaler as (DeepSpeed class name, attributes) or None, ``dynamic_loss_scale``, ``overflow``) as saved."""
+        opt = self._optim_state(0)
+        scaler = opt.get("loss_scaler")
+        names = {stand_in: qualified.rsplit(".", 1)[1] for stand_in, qualified in STAND_INS}
+        saved = (names[type(scaler)], dict(vars(scaler))) if isinstance(scaler, LossScalerState) else None
+        return saved, bool(opt.get("dynamic_loss_scale", False)), bool(opt.get("overflow", False))
+
     def describe(self) -> dict[str, Any]:
         """Facts about the run, recorded by :func:`convert_deepspeed`."""
         model = self._model_state(0)
@@ -795,6 +843,8 @@ def convert_deepspeed(
     overwrite: bool = False,
     fsync: bool = True,
     progress: bool = False,
+    for_engine: bool = False,
+    engine_key: str = "engine",
 ) -> Path:
     """Turn a DeepSpeed ZeRO checkpoint into a shardsafe checkpoint at ``out``, in this process.
 
@@ -807,6 +857,11 @@ def convert_deepspeed(
     state). So ``shardsafe.load(out, {"model": model, "optim": AdamW(groups)})`` resumes on any
     world size (plain, DDP or FSDP2) when ``groups`` hold the same parameters in the same order as
     the DeepSpeed run's. One tensor is in memory at a time. Returns ``out``.
+
+    ``for_engine=True`` writes instead what ``shardsafe.save({engine_key: engine})`` writes for a live
+    ZeRO-3 engine (see :mod:`shardsafe.deepspeed_engine`; ``dtype`` does not apply), so that
+    ``shardsafe.load(out, {"engine": engine})`` resumes in a fresh ZeRO-3 engine of the same model on any
+    number of ranks, which ``engine.load_checkpoint`` refuses; ``step`` and ``sched`` as above.
     """
     from .api import location
 
@@ -816,32 +871,10 @@ def convert_deepspeed(
     with DeepSpeedCheckpoint(src, tag) as ckpt:
         if isinstance(final, Path) and final in (ckpt.model_folder, ckpt.folder):
             raise ShardsafeError(f"{final}: the output folder must not be the source")
-        planned: list[_Planned] = []
-
-        def ref(path: str, tensor: torch.Tensor) -> str:
-            return path
-
-        model_tree: dict[str, Any] = {}
-        for name in [*ckpt.names(), *ckpt.aliases]:
-            stored = ckpt.dtype(name)
-            target = _cast(dtype, stored)
-            planned.append(_Planned(f"{model_key}/{name}", target, ckpt.shape(name), functools.partial(_read_as, ckpt, name, target)))
-            model_tree[name] = torch.empty(0)
-        order = {name: i for i, name in enumerate(ckpt._module)}
-        model_tree = dict(sorted(model_tree.items(), key=lambda kv: order.get(kv[0], len(order))))
-
-        optim_tree: dict[str, Any] = {"state": {}, "param_groups": ckpt.param_groups()}
-        for name in ckpt.trainable:
-            entries: dict[str, Any] = {}
-            for key, (state_dtype, shape) in ckpt.optimizer_state_spec(name).items():
-                planned.append(_Planned(f"{optim_key}/state/{name}/{key}", state_dtype, shape, functools.partial(ckpt.optimizer_state, name, key)))
-                entries[key] = torch.empty(0)
-            if entries:
-                optim_tree["state"][name] = entries
-        tree: dict[str, Any] = {
-            model_key: {"kind": "module", "state": encode_value(model_tree, model_key, ref)},
-            optim_key: {"kind": "optimizer", "state": encode_value(optim_tree, optim_key, ref)},
-        }
+        if for_engine:
+            planned, tree = _plan_engine(ckpt, engine_key)
+        else:
+            planned, tree = _plan_module(ckpt, dtype, model_key, optim_key)
         info = ckpt.describe()
         if isinstance(info["global_steps"], int):
             tree["step"] = {"kind": "value", "state": info["global_steps"]}
@@ -854,6 +887,97 @@ def convert_deepspeed(
         planned.sort(key=lambda p: p.key)  # the manifest lists tensors by key; files follow the same order
         _write(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)
     return Path(final) if isinstance(final, Path) else Path(str(out))
+
+
+def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key: str, optim_key: str) -> tuple[list[_Planned], dict[str, Any]]:
+    """The tensors and state entries of a module + torch optimizer (``convert_deepspeed`` without ``for_engine``)."""
+    planned: list[_Planned] = []
+
+    def ref(path: str, tensor: torch.Tensor) -> str:
+        return path
+
+    model_tree: dict[str, Any] = {}
+    for name in [*ckpt.names(), *ckpt.aliases]:
+        stored = ckpt.dtype(name)
+        target = _cast(dtype, stored)
+        planned.append(_Planned(f"{model_key}/{name}", target, ckpt.shape(name), functools.partial(_read_as, ckpt, name, target)))
+        model_tree[name] = torch.empty(0)
+    order = {name: i for i, name in enumerate(ckpt._module)}
+    model_tree = dict(sorted(model_tree.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+    optim_tree: dict[str, Any] = {"state": {}, "param_groups": ckpt.param_groups()}
+    for name in ckpt.trainable:
+        entries: dict[str, Any] = {}
+        for key, (state_dtype, shape) in ckpt.optimizer_state_spec(name).items():
+            planned.append(_Planned(f"{optim_key}/state/{name}/{key}", state_dtype, shape, functools.partial(ckpt.optimizer_state, name, key)))
+            entries[key] = torch.empty(0)
+        if entries:
+            optim_tree["state"][name] = entries
+    return planned, {
+        model_key: {"kind": "module", "state": encode_value(model_tree, model_key, ref)},
+        optim_key: {"kind": "optimizer", "state": encode_value(optim_tree, optim_key, ref)},
+    }
+
+
+def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[_Planned], dict[str, Any]]:
+    """The tensors and state entry a live ZeRO-3 engine's ``shardsafe.save`` would write, from the checkpoint.
+
+    Each tensor is the whole 1-D parameter (one chunk), so any world size reads its partition from it;
+    the meta comes from :func:`~shardsafe.deepspeed_engine.engine_meta`, the live save's own builder.
+    Sub-groups and their step counts are the DeepSpeed run's (the load re-cuts them at its world size).
+    """
+    planned: list[_Planned] = []
+    state: dict[str, Any] = {section: {} for section in SECTIONS}
+
+    def plan(section: str, pname: str, dtype: torch.dtype, produce: Callable[[], torch.Tensor], sub: str | None = None) -> None:
+        key = tensor_key(name, section, *([sub] if sub else []), pname)
+        shape = ckpt.shape(pname) if section == "buffers" else (numel(ckpt.shape(pname)),)
+        planned.append(_Planned(key, dtype, shape, produce))
+        node = state[section].setdefault(sub, {}) if sub else state[section]
+        node[pname] = {TENSOR_REF: key}
+
+    groups = ckpt.param_groups()
+    group_of = {pname: g for g, group in enumerate(groups) for pname in group["params"]}
+    params: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]] = {}
+    scalars: list[tuple[list[str], dict[str, Any]]] = []
+    for names, flat_scalars, elementwise in ckpt.flat_groups():
+        for pname in names:
+            plan("fp32", pname, ckpt.dtype(pname), functools.partial(_read_flat, ckpt.read, pname))
+            params[pname] = (ckpt.shape(pname), ckpt.stored_dtype(pname), group_of[pname])
+            spec = ckpt.optimizer_state_spec(pname)
+            for key in elementwise:
+                plan("optim", pname, spec[key][0], functools.partial(_read_flat, functools.partial(ckpt.optimizer_state, key=key), pname), key)
+        if flat_scalars:
+            scalars.append((names, flat_scalars))
+    for pname in ckpt.names():
+        if pname in group_of:
+            continue
+        if pname in ckpt.buffers:
+            dtype = ckpt.stored_dtype(pname)
+            plan("buffers", pname, dtype, functools.partial(_read_as, ckpt, pname, dtype))
+        else:  # frozen: as stored (the 16-bit partitions a ZeRO-3 engine keeps)
+            plan("frozen", pname, ckpt.dtype(pname), functools.partial(_read_flat, ckpt.read, pname))
+            params[pname] = (ckpt.shape(pname), ckpt.dtype(pname), None)
+    scaler, dynamic, overflow = ckpt.loss_scaling()
+    info = ckpt.describe()
+    meta = engine_meta(
+        name,
+        world_size=ckpt.world_size,
+        deepspeed_version=ckpt.ds_version,
+        params=params,
+        aliases={a: s for a, s in ckpt.aliases.items() if s in params},
+        param_groups=[(group.pop("params"), group) for group in groups],
+        optimizer_scalars=scalars,
+        loss_scaler=scaler,
+        dynamic_loss_scale=dynamic,
+        overflow=overflow,
+        counters={c: info[c] for c in ("global_steps", "global_samples", "skipped_steps") if isinstance(info[c], int)},
+    )
+    return planned, {name: {"kind": KIND_DEEPSPEED_ENGINE, "state": state, "meta": meta}}
+
+
+def _read_flat(read: Callable[[str], torch.Tensor], name: str) -> torch.Tensor:
+    return read(name).reshape(-1)
 
 
 def _read_as(ckpt: DeepSpeedCheckpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -898,14 +1022,15 @@ def _write(
 
 
 def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``convert SRC OUT [--tag T] [--dtype D] [--overwrite] [--no-progress]`` to a ``shardsafe`` parser."""
+    """Add ``convert SRC OUT [--tag T] [--dtype D] [--for-engine] [--overwrite] [--no-progress]`` to a ``shardsafe`` parser."""
     p = subparsers.add_parser(
         "convert",
         help="turn a DeepSpeed ZeRO checkpoint into a shardsafe checkpoint (model + optimizer, any world size)",
         description="Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint without DeepSpeed and without running pickled code, and write "
         "it as a shardsafe checkpoint: model/<name> (fp32 master weights), optim/state/<name>/{exp_avg,exp_avg_sq,step} and the "
         "param groups, keyed as shardsafe.save keys a module and a torch optimizer, so shardsafe.load({'model': model, 'optim': "
-        "AdamW(...)}) resumes on any number of ranks. One process, one tensor in memory at a time.",
+        "AdamW(...)}) resumes on any number of ranks; with --for-engine, in the layout shardsafe.save gives a live ZeRO-3 engine, so "
+        "shardsafe.load({'engine': engine}) resumes a fresh DeepSpeed engine on any number of ranks. One process, one tensor in memory at a time.",
     )
     p.add_argument("src", type=Path, metavar="SRC", help="the folder engine.save_checkpoint wrote (holding `latest`), or a tag folder")
     p.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to create")
@@ -913,8 +1038,14 @@ def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         choices=[*sorted(DTYPE_CHOICES), "keep"],
-        default="float32",
-        help="dtype of the floating model tensors (default: %(default)s; keep: DeepSpeed's, frozen parameters in the model dtype)",
+        default=None,
+        help="dtype of the floating model tensors (default: float32; keep: DeepSpeed's, frozen parameters in the model dtype); not with --for-engine",
+    )
+    p.add_argument(
+        "--for-engine",
+        action="store_true",
+        help="write the layout of a live ZeRO-3 engine (entry 'engine': fp32 master, optimizer state, frozen parameters, buffers, "
+        "step counts, hyper-parameters, loss scaler, counters) for shardsafe.load(OUT, {'engine': engine}) at any world size",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -923,20 +1054,33 @@ def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_convert_command(args: argparse.Namespace) -> int:
+    if args.for_engine and args.dtype is not None:
+        raise ShardsafeError("--dtype does not apply with --for-engine (the engine layout keeps fp32 master weights and the engine's dtypes)")
     try:
-        out = convert_deepspeed(args.src, args.out, tag=args.tag, dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress)
+        out = convert_deepspeed(
+            args.src,
+            args.out,
+            tag=args.tag,
+            dtype=args.dtype or "float32",
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            for_engine=args.for_engine,
+        )
     except CheckpointExistsError as exc:
         raise CheckpointExistsError(f"{args.out}: exists; pass --overwrite to replace it") from exc
     from .commit import open_checkpoint
 
     manifest, _ = open_checkpoint(out)
     meta = manifest.metadata.get("converted_from", {})
-    model = sum(1 for k in manifest.tensors if k.startswith("model/"))
-    optim = sum(1 for k in manifest.tensors if k.startswith("optim/"))
+    if args.for_engine:
+        what = f"{sum(1 for k in manifest.tensors if k.startswith('engine/'))} engine tensors (for shardsafe.load into a ZeRO-3 engine)"
+    else:
+        model = sum(1 for k in manifest.tensors if k.startswith("model/"))
+        optim = sum(1 for k in manifest.tensors if k.startswith("optim/"))
+        what = f"{model} model tensors, {optim} optimizer tensors"
     print(
         f"converted DeepSpeed ZeRO-{meta.get('zero_stage')} checkpoint {meta.get('tag')} ({meta.get('dp_world_size')} ranks, "
-        f"step {meta.get('global_steps')}) into {out}: {model} model tensors, {optim} optimizer tensors, "
-        f"{sum(f.size for f in manifest.files.values())} bytes"
+        f"step {meta.get('global_steps')}) into {out}: {what}, {sum(f.size for f in manifest.files.values())} bytes"
     )
     return 0
 

@@ -13,7 +13,9 @@ Run with ``python -m torch.distributed.run --nproc_per_node W engine_state.py OU
   (fp16's, which DeepSpeed's CPU accelerator cannot train with) survives a save/load.
 * ``reshard`` (W=1 or W=3): a fresh engine loads each ``ss_<precision>`` saved by 2 ranks, is
   snapshotted, saved again (``OUT/ss_<precision>_w<W>``) and trains one step. The 3-rank launch then
-  also loads ``ss_bf16_w1``, which the concurrent 1-rank launch saved (1 -> 3).
+  also loads ``ss_bf16_w1``, which the concurrent 1-rank launch saved (1 -> 3). A fresh engine also loads
+  ``conv_<precision>`` (the test converted DeepSpeed's own 2-rank ``ds_<precision>`` with
+  ``shardsafe convert --for-engine`` between the launches), is snapshotted and trains one step.
 
 bf16 runs keep DeepSpeed's default persistence threshold (every parameter of this tiny model is
 persistent: gathered once and kept); fp32 runs partition every parameter (threshold 0). Both use
@@ -207,6 +209,12 @@ def phase_reshard(out: Path) -> dict[str, Any]:
         shardsafe.save(out / f"ss_{precision}_w{world}", {"engine": e})
         r["losses"] = train(e, range(SAVE_AT, SAVE_AT + 1))
         r["after_step"] = snapshot(e)
+        e = build(precision, seed=31)  # from DeepSpeed's own checkpoint, converted for an engine
+        state = state_of(e, -1)
+        shardsafe.load(out / f"conv_{precision}", state)
+        r["conv_step_value"], r["conv_after_load"] = state["step"], snapshot(e)
+        r["conv_losses"] = train(e, range(SAVE_AT, SAVE_AT + 1))
+        r["conv_after_step"] = snapshot(e)
         result[precision] = r
     if world == 3:  # 1 -> 3 as well: what the concurrent 1-rank launch saved right after its own load
         ready = out / "ss_bf16_w1" / "manifest.json"  # shardsafe publishes a checkpoint whole (rename) or not at all
