@@ -310,6 +310,15 @@ def test_verify_files_and_layout(runs: dict[str, Any], precision: str) -> None:
     assert meta["counters"] == {"global_steps": 2, "global_samples": 8, "skipped_steps": 0, "micro_steps": 2}
     assert tree["sched"]["kind"] == "stateful" and tree["step"] == {"kind": "value", "state": 2}
 
+    # `shardsafe inspect` shows each flat tensor's parameter shape
+    from shardsafe.cli import describe_checkpoint, format_inspection
+
+    info = describe_checkpoint(path)
+    shown = {t["key"]: t.get("param_shape") for t in info["tensors"]}
+    assert shown["engine/fp32/l2.weight"] == shown["engine/optim/exp_avg/l2.weight"] == [17, 29]
+    assert shown["engine/buffers/scale"] is None
+    assert "[493] of [17, 29]" in format_inspection(info)
+
 
 @pytest.mark.parametrize("precision", ("bf16", "fp32"))
 def test_export_of_an_engine_checkpoint(runs: dict[str, Any], precision: str, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from . import __version__
 from .adapters import KIND_DEEPSPEED_ENGINE, KIND_MODULE, KIND_OPTIMIZER, KIND_PER_RANK, KIND_STATEFUL, KIND_TENSOR, KIND_VALUE, tensor_keys_of
 from .commit import open_checkpoint
+from .deepspeed_engine import flat_tensor_shapes
 from .deepspeed_zero import add_convert_command
 from .errors import ShardsafeError
 from .export import add_export_command
@@ -39,8 +40,15 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     files = [{"name": name, "rank": f.rank, "size": f.size} for name, f in sorted(manifest.files.items())]
     files.append({"name": STATE_NAME, "rank": None, "size": manifest.state_size})
     files.append({"name": MANIFEST_NAME, "rank": None, "size": (folder / MANIFEST_NAME).stat().st_size})
+    real_shapes = {
+        key: shape
+        for name, entry in tree.items()
+        if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE
+        for key, shape in flat_tensor_shapes(entry, name).items()
+    }
     tensors = [
         {"key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes}
+        | ({"param_shape": list(real_shapes[key])} if key in real_shapes else {})
         for key, t in manifest.tensors.items()
     ]
     external = sorted({c.checkpoint for t in manifest.tensors.values() for c in t.chunks if c.checkpoint is not None})
@@ -117,8 +125,10 @@ def _entry_detail(e: dict[str, Any]) -> str:
     return ""
 
 
-def _shape(shape: list[int]) -> str:
-    return f"[{', '.join(map(str, shape))}]" if shape else "scalar"
+def _shape(shape: list[int], param_shape: list[int] | None = None) -> str:
+    """``[3072]``, or ``[3072] of [32, 96]`` for a DeepSpeed engine's flattened parameter."""
+    text = f"[{', '.join(map(str, shape))}]" if shape else "scalar"
+    return f"{text} of {_shape(param_shape)}" if param_shape is not None and param_shape != shape else text
 
 
 def _block_size(n: int) -> str:
@@ -142,7 +152,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"tensors ({len(info['tensors'])})",
         *_table(
             ["key", "dtype", "shape", "chunks", "bytes"],
-            [[t["key"], t["dtype"], _shape(t["shape"]), str(t["chunks"]), format_bytes(t["bytes"])] for t in info["tensors"]],
+            [[t["key"], t["dtype"], _shape(t["shape"], t.get("param_shape")), str(t["chunks"]), format_bytes(t["bytes"])] for t in info["tensors"]],
             right={3, 4},
         ),
         "",

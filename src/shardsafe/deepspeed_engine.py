@@ -375,6 +375,24 @@ def engine_meta(
     }
 
 
+def flat_tensor_shapes(entry: Any, name: str) -> dict[str, tuple[int, ...]]:
+    """Stored key -> the parameter's real shape, for every flat tensor of a saved engine entry
+    (fp32 master, moments, frozen); for display. Empty for an entry without a parameter table."""
+    meta = entry.get("meta") if isinstance(entry, dict) else None
+    params = meta.get("params") if isinstance(meta, dict) else None
+    state = entry.get("state") if isinstance(entry, dict) else None
+    if not isinstance(params, dict) or not isinstance(state, dict):
+        return {}
+    moments = [k for k in (state.get("optim") or {}) if isinstance(k, str)]
+    out: dict[str, tuple[int, ...]] = {}
+    for pname, info in params.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            for key in (tensor_key(name, "fp32", pname), tensor_key(name, "frozen", pname), *(tensor_key(name, "optim", m, pname) for m in moments)):
+                out[key] = tuple(shape)
+    return out
+
+
 def engine_model_tensors(entry: Any, where: str) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     """For export: model tensor name -> (stored key, original shape) of a saved engine entry.
 
