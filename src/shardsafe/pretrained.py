@@ -180,7 +180,7 @@ def save_pretrained_stream(
     return final
 
 
-def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple[str, torch.Tensor]], fsync: bool, bar: Any = None) -> None:
+def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple[str, torch.Tensor | None]], fsync: bool, bar: Any = None) -> None:
     """Every rank consumes ``stream`` in plan order; the coordinator writes each tensor into its file."""
     for file, infos in plan.files:
         error: str | None = None
@@ -193,10 +193,10 @@ def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple
         try:
             for info in infos:
                 name, value = next(stream, (None, None))
-                if name != info.name or value is None:
+                if name != info.name or (value is None and writer is not None):
                     # the same on every rank (each iterates the same model), so raising here splits no one
                     raise ShardsafeError(f"save_pretrained_stream: expected tensor {info.name!r} next, the stream gave {name!r}")
-                if writer is not None and error is None:
+                if writer is not None and value is not None and error is None:
                     try:
                         with torch.no_grad():
                             writer.write(value.detach().to(info.dtype))
@@ -292,25 +292,62 @@ def _gather_and_write(comm: Comm, tmp: Path, state: dict[str, Any], plan: ShardP
 
         bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="save_pretrained")
     try:
-        _write_stream(comm, tmp, plan, _gathered(state, plan), fsync, bar)
+        _write_stream(comm, tmp, plan, _gathered(comm, state, plan), fsync, bar)
     finally:
         if bar is not None:
             bar.close()
 
 
-def _gathered(state: dict[str, Any], plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """Whole tensors in plan order; gathering a DTensor is a collective, run in the same order on every rank."""
+def _gathered(comm: Comm, state: dict[str, Any], plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Whole tensors in plan order (None on ranks that do not write); gathering a DTensor is a
+    collective, run in the same order on every rank."""
     from torch.distributed.tensor import DTensor
 
     for info in plan.tensors:
         with torch.no_grad():
-            value = state[info.name].detach().to(info.dtype)  # cast the shard first: less to send, bit-identical
+            value: torch.Tensor | None = state[info.name].detach().to(info.dtype)  # cast the shard first: less to send
             if isinstance(value, DTensor):
                 if value.device.type != value.device_mesh.device_type:  # CPU-offloaded shards of a GPU mesh
                     value = value.to(value.device_mesh.device_type)
-                value = value.full_tensor()
+                value = _gather_to_coordinator(comm, value)
         yield info.name, value
         del value  # before gathering the next one: one whole tensor at a time
+
+
+def _gather_to_coordinator(comm: Comm, value: Any) -> torch.Tensor | None:
+    """The whole tensor on the coordinator, None elsewhere.
+
+    An FSDP2 parameter (``Shard(0)`` on a 1-D mesh of the same ranks) is gathered to the
+    coordinator alone, so the other ranks never hold more than their own shard (``full_tensor``,
+    an all-gather, would give every rank the whole tensor). Each shard is padded to the
+    ``torch.chunk`` size FSDP2 uses and received straight into its rows of one buffer. Any other
+    layout falls back to ``full_tensor``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    mesh = value.device_mesh
+    group = mesh.get_group() if mesh.ndim == 1 else None
+    if group is None or tuple(value.placements) != (Shard(0),) or value.dim() == 0 or comm.group is None:
+        whole = value.full_tensor()
+        return whole if comm.is_coordinator else None
+    ranks = dist.get_process_group_ranks(group)
+    coordinator = dist.get_global_rank(comm.group, 0)
+    in_mesh_order = mesh.mesh.flatten().tolist() == ranks  # shard i lives on mesh position i = group rank i
+    if not in_mesh_order or coordinator not in ranks or sorted(ranks) != sorted(dist.get_process_group_ranks(comm.group)):
+        whole = value.full_tensor()
+        return whole if comm.is_coordinator else None
+    local = value.to_local()
+    rows, world = value.shape[0], len(ranks)
+    per_rank = -(-rows // world)
+    padded = torch.zeros((per_rank, *value.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    buffer, pieces = None, None
+    if comm.is_coordinator:
+        buffer = torch.empty((per_rank * world, *value.shape[1:]), dtype=local.dtype, device=local.device)
+        pieces = list(buffer.split(per_rank))
+    dist.gather(padded, pieces, dst=coordinator, group=group)
+    return buffer[:rows] if buffer is not None else None
 
 
 def _on_coordinator(comm: Comm, fn: Any, cleanup: Path) -> None:
