@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,36 +92,21 @@ def save_pretrained(
     _check_same_plan(comm, plan, aliases)
     total_parameters = sum(p.numel() for p in module.parameters())
 
-    tmp = prepare(comm, final, overwrite)
-    try:
+    def write(tmp: Path) -> None:
         if gather_16bit:
             _gather_and_write(comm, tmp, state, plan, fsync, progress)
         else:
-            meta = {
-                "key": "model",
-                "dtype": dtype_name(dtype) if dtype is not None else None,
-                "aliases": aliases,
-                "total_parameters": total_parameters,
-            }
-            save(tmp / CHECKPOINT_DIR, {"model": model}, process_group=process_group, metadata={EXPORT_META: meta}, fsync=fsync)
-    except BaseException:
-        if comm.is_coordinator:
-            remove_tree(tmp)
-        raise
+            _save_checkpoint_dir(tmp, model, _export_meta(dtype, aliases, total_parameters), process_group, fsync)
 
-    def finish() -> None:
+    def complete(tmp: Path) -> None:
         _write_config(module, tmp, dtype, fsync)
         if gather_16bit:
             write_index(tmp, plan, total_parameters, fsync)
             check_model_folder(tmp)
         else:
-            write_small_file(tmp / NOTE_FILE, _note(final, dtype, comm.world_size).encode(), fsync)
-            check_model_folder(tmp / CHECKPOINT_DIR)
-        if fsync:
-            fsync_dir(tmp)
-        publish(tmp, final, fsync)
+            _complete_sharded(tmp, final, dtype, comm.world_size, fsync)
 
-    _on_coordinator(comm, finish, cleanup=tmp)
+    _build_model_folder(comm, final, overwrite, fsync, write, complete)
     if push_to is not None:
         from .hub import push  # type: ignore[import-not-found, unused-ignore]
 
@@ -159,24 +144,14 @@ def save_pretrained_stream(
     final = Path(out_dir).absolute()
     plan = plan_shards(tensors, max_shard_size)
     _check_same_plan(comm, plan, {})
-    tmp = prepare(comm, final, overwrite)
-    try:
-        _write_stream(comm, tmp, plan, iter(stream), fsync)
-    except BaseException:
-        if comm.is_coordinator:
-            remove_tree(tmp)
-        raise
 
-    def finish() -> None:
+    def complete(tmp: Path) -> None:
         floating = {t.dtype for t in plan.tensors if t.dtype.is_floating_point}
         _write_config(module, tmp, floating.pop() if len(floating) == 1 else None, fsync)  # None: the model's own dtype
         write_index(tmp, plan, total_parameters, fsync)
         check_model_folder(tmp)
-        if fsync:
-            fsync_dir(tmp)
-        publish(tmp, final, fsync)
 
-    _on_coordinator(comm, finish, cleanup=tmp)
+    _build_model_folder(comm, final, overwrite, fsync, lambda tmp: _write_stream(comm, tmp, plan, iter(stream), fsync), complete)
     return final
 
 
@@ -249,30 +224,52 @@ def save_pretrained_sharded(
 
     names = list(get_model_state_dict(sharded))
     stored = next((p.dtype for p in sharded.parameters() if p.is_floating_point()), None)
-    meta = {
-        "key": "model",
-        "dtype": dtype_name(dtype) if dtype is not None else None,
-        "aliases": tied_aliases(_unwrap(module), names),
-        "total_parameters": total_parameters,
-    }
+    meta = _export_meta(dtype, tied_aliases(_unwrap(module), names), total_parameters)
+
+    def complete(tmp: Path) -> None:
+        _write_config(_unwrap(module), tmp, dtype or stored, fsync)
+        _complete_sharded(tmp, final, dtype, comm.world_size, fsync)
+
+    _build_model_folder(comm, final, overwrite, fsync, lambda tmp: _save_checkpoint_dir(tmp, sharded, meta, process_group, fsync), complete)
+    return final
+
+
+def _build_model_folder(
+    comm: Comm, final: Path, overwrite: bool, fsync: bool, write: Callable[[Path], None], complete: Callable[[Path], None]
+) -> None:
+    """The steps every model-folder writer shares: a hidden folder next to ``final``; ``write``
+    (collective) fills it, ``complete`` (coordinator) adds the small files and runs the guard; then
+    it is fsynced and renamed into place. Any failure removes the hidden folder on every path."""
     tmp = prepare(comm, final, overwrite)
     try:
-        save(tmp / CHECKPOINT_DIR, {"model": sharded}, process_group=process_group, metadata={EXPORT_META: meta}, fsync=fsync)
+        write(tmp)
     except BaseException:
         if comm.is_coordinator:
             remove_tree(tmp)
         raise
 
     def finish() -> None:
-        _write_config(_unwrap(module), tmp, dtype or stored, fsync)
-        write_small_file(tmp / NOTE_FILE, _note(final, dtype, comm.world_size).encode(), fsync)
-        check_model_folder(tmp / CHECKPOINT_DIR)
+        complete(tmp)
         if fsync:
             fsync_dir(tmp)
         publish(tmp, final, fsync)
 
     _on_coordinator(comm, finish, cleanup=tmp)
-    return final
+
+
+def _export_meta(dtype: torch.dtype | None, aliases: dict[str, str], total_parameters: int) -> dict[str, Any]:
+    """What ``export_hf`` needs to know about a ``gather_16bit=False`` folder's checkpoint."""
+    return {"key": "model", "dtype": dtype_name(dtype) if dtype is not None else None, "aliases": aliases, "total_parameters": total_parameters}
+
+
+def _save_checkpoint_dir(tmp: Path, model: nn.Module, meta: dict[str, Any], process_group: Any, fsync: bool) -> None:
+    save(tmp / CHECKPOINT_DIR, {"model": model}, process_group=process_group, metadata={EXPORT_META: meta}, fsync=fsync)
+
+
+def _complete_sharded(tmp: Path, final: Path, dtype: torch.dtype | None, world_size: int, fsync: bool) -> None:
+    """A ``gather_16bit=False`` folder's note on how to export it, then the guard over its checkpoint."""
+    write_small_file(tmp / NOTE_FILE, _note(final, dtype, world_size).encode(), fsync)
+    check_model_folder(tmp / CHECKPOINT_DIR)
 
 
 def _check_same_plan(comm: Comm, plan: ShardPlan, aliases: dict[str, str]) -> None:
@@ -327,16 +324,14 @@ def _gather_to_coordinator(comm: Comm, value: Any) -> torch.Tensor | None:
     from torch.distributed.tensor import Shard
 
     mesh = value.device_mesh
-    group = mesh.get_group() if mesh.ndim == 1 else None
-    if group is None or tuple(value.placements) != (Shard(0),) or value.dim() == 0 or comm.group is None:
+    fsdp_layout = mesh.ndim == 1 and tuple(value.placements) == (Shard(0),) and value.dim() > 0 and comm.group is not None
+    group = mesh.get_group() if fsdp_layout else None
+    ranks = dist.get_process_group_ranks(group) if group is not None else []
+    # shard i must live on mesh position i = group rank i, and the group be the save's ranks
+    if not ranks or mesh.mesh.flatten().tolist() != ranks or sorted(ranks) != sorted(dist.get_process_group_ranks(comm.group)):
         whole = value.full_tensor()
         return whole if comm.is_coordinator else None
-    ranks = dist.get_process_group_ranks(group)
     coordinator = dist.get_global_rank(comm.group, 0)
-    in_mesh_order = mesh.mesh.flatten().tolist() == ranks  # shard i lives on mesh position i = group rank i
-    if not in_mesh_order or coordinator not in ranks or sorted(ranks) != sorted(dist.get_process_group_ranks(comm.group)):
-        whole = value.full_tensor()
-        return whole if comm.is_coordinator else None
     local = value.to_local()
     rows, world = value.shape[0], len(ranks)
     per_rank = -(-rows // world)
