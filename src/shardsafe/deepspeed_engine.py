@@ -377,19 +377,17 @@ def engine_meta(
 
 def flat_tensor_shapes(entry: Any, name: str) -> dict[str, tuple[int, ...]]:
     """Stored key -> the parameter's real shape, for every flat tensor of a saved engine entry
-    (fp32 master, moments, frozen); for display. Empty for an entry without a parameter table."""
-    meta = entry.get("meta") if isinstance(entry, dict) else None
-    params = meta.get("params") if isinstance(meta, dict) else None
-    state = entry.get("state") if isinstance(entry, dict) else None
-    if not isinstance(params, dict) or not isinstance(state, dict):
+    (fp32 master or frozen weights, and the moments); for display, so empty for a malformed entry."""
+    try:
+        layout = engine_model_tensors(entry, name)
+    except FormatError:
         return {}
-    moments = [k for k in (state.get("optim") or {}) if isinstance(k, str)]
+    optim = entry["state"].get("optim") or {}
     out: dict[str, tuple[int, ...]] = {}
-    for pname, info in params.items():
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
-            for key in (tensor_key(name, "fp32", pname), tensor_key(name, "frozen", pname), *(tensor_key(name, "optim", m, pname) for m in moments)):
-                out[key] = tuple(shape)
+    for pname, (key, shape) in layout.items():
+        if shape is not None:  # None: a buffer, stored in its own shape
+            out[key] = shape
+            out.update({tensor_key(name, "optim", moment, pname): shape for moment in optim})
     return out
 
 

@@ -321,8 +321,7 @@ class CheckpointSource:
         total = self.export_meta.get("total_parameters")
         self.total_parameters: int | None = total if isinstance(total, int) and not isinstance(total, bool) else None
         self._stored = self._stored_layout()
-        self._order = [self.prefix + name for name in self._stored]
-        if not self._order:
+        if not self._stored:
             names = sorted({k.split("/", 1)[0] for k in self.manifest.tensors})
             raise FormatError(f"{self.folder}: no tensors under {key!r} (the checkpoint holds {names}); pick one with key=/--key")
         recorded = self.export_meta.get("aliases")
@@ -365,7 +364,7 @@ class CheckpointSource:
 
     def tie(self, aliases: dict[str, str]) -> None:
         """Leave out each ``alias`` (name -> the name it is tied to) that holds the same values as its target."""
-        names = {k[len(self.prefix) :] for k in self._order}
+        names = set(self._stored)
         self.aliases = {}
         for alias, target in aliases.items():
             if alias in names and target in names and alias != target and target not in self.aliases:
@@ -376,13 +375,10 @@ class CheckpointSource:
 
     def tensors(self) -> list[TensorInfo]:
         out = []
-        for key in self._order:
-            name = key[len(self.prefix) :]
-            if name in self.aliases:
-                continue
-            stored, shape = self._stored[name]
-            entry = self.manifest.tensors[stored]
-            out.append(TensorInfo(name, entry.dtype, shape if shape is not None else entry.shape))
+        for name, (stored, shape) in self._stored.items():
+            if name not in self.aliases:
+                entry = self.manifest.tensors[stored]
+                out.append(TensorInfo(name, entry.dtype, shape if shape is not None else entry.shape))
         return out
 
     def read(self, name: str) -> torch.Tensor:
