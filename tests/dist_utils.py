@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -187,6 +189,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, work_dir: str
     if not result.ok:
         raise AssertionError(f"a rank failed\n{result.describe()}")
     return result.results
+
+
+# DeepSpeed tests need the package (DS_BUILD_OPS=0 pip install deepspeed) and g++ (it compiles an op at first start)
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and shutil.which(os.environ.get("CXX", "g++")) is not None
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ builds a small op with g++ on its first start, cached in ~/.cache/torch_extensio
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -29,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardsafe
-from dist_utils import free_port, full_model_state, full_optimizer_state, run_ranks
+from dist_utils import HAVE_DEEPSPEED, free_port, full_model_state, full_optimizer_state, run_ranks
 from ds_scripts.train_zero import VOCAB, Tiny, param_groups
 from shardsafe.commit import open_checkpoint
 from shardsafe.deepspeed_zero import (
@@ -54,7 +53,6 @@ RUNS = [f"{v}-w{w}" for w, variants in LAUNCHES.items() for v in variants]
 TINY_RUNS = [r for r in RUNS if r.startswith("tiny")]
 LAUNCH_TIMEOUT_S = 600  # the first DeepSpeed start on a machine compiles an op (minutes on 2 cores)
 
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and shutil.which(os.environ.get("CXX", "g++")) is not None
 needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed")
 
 

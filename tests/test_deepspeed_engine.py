@@ -14,10 +14,8 @@ The ranks return whole tensors gathered by DeepSpeed's own ``safe_get_full_fp32_
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +26,7 @@ import pytest
 import torch
 
 import shardsafe
-from dist_utils import free_port
+from dist_utils import HAVE_DEEPSPEED, free_port
 from shardsafe.commit import open_checkpoint
 from shardsafe.transfer import ChunkReader
 
@@ -37,7 +35,6 @@ PRECISIONS = ("bf16", "fp32", "bf16-offload")
 OTHER_WORLDS = (1, 3)
 LAUNCH_TIMEOUT_S = 600  # the first DeepSpeed start on a machine compiles an op (minutes on 2 cores)
 
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and shutil.which(os.environ.get("CXX", "g++")) is not None
 pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed")
 
 

@@ -11,10 +11,8 @@ Skipped without transformers/accelerate; the ZeRO-3 part also without DeepSpeed 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +30,7 @@ pytest.importorskip("accelerate")
 from safetensors.torch import load_file  # noqa: E402
 
 import shardsafe  # noqa: E402
+from dist_utils import HAVE_DEEPSPEED  # noqa: E402
 from shardsafe.errors import CheckpointNotFoundError, ModelFolderError  # noqa: E402
 from shardsafe.export import CheckpointSource, export_hf, iter_output  # noqa: E402
 
@@ -42,7 +41,6 @@ SCRIPT = Path(__file__).resolve().parent / "trainer_scripts" / "run_trainer.py"
 DDP_SCENARIOS = ["plain", "main", "resume_mid", "resume_last", "rotation1", "rotation2", "push", "model_only"]
 Z3_SCENARIOS = ["z3_plain", "z3_main", "z3_resume", "z3_nogather"]
 LAUNCH_TIMEOUT_S = 600  # DeepSpeed's first start on a machine compiles an op (minutes on 2 cores)
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and shutil.which(os.environ.get("CXX", "g++")) is not None
 REPO = "owner/trained"
 
 
