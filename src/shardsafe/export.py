@@ -621,7 +621,11 @@ def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
         metavar="SIZE",
         help="largest weights file, e.g. 5GB, 500MB (decimal units, as Hugging Face; default: 5GB)",
     )
-    p.add_argument("--key", default="model", help="state entry holding the model (default: %(default)s, else the one DeepSpeed engine entry); its prefix is stripped from names")
+    p.add_argument(
+        "--key",
+        default="model",
+        help="state entry holding the model (default: %(default)s, else the one DeepSpeed engine entry); its prefix is stripped from names",
+    )
     p.add_argument("--config", type=Path, default=None, metavar="PATH", help="config.json (or a folder holding one) to write with the weights")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
