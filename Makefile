@@ -20,6 +20,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -q

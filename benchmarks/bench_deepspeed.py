@@ -75,7 +75,7 @@ LABELS = {
     "lazy": "DeepSpeed `get_fp32_state_dict_from_zero_checkpoint(CKPT, lazy_mode=True)`, one tensor at a time into `model.safetensors`",
     "lazy+fsync": "the same lazy mode, then `os.fsync` of its file (control: durable like shardsafe's output)",
     "shardsafe-nofsync": "`shardsafe export ... --no-fsync` (control: not durable, like DeepSpeed's writers)",
-    "import-shardsafe": "`import shardsafe.cli` only (control)",
+    "import-shardsafe": "`import shardsafe.cli.main` only (control)",
     "import-deepspeed": "`import deepspeed.utils.zero_to_fp32` only (control)",
 }
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32", "bool": "BOOL"}
@@ -195,7 +195,7 @@ def command(name: str, ckpt: Path, out: Path) -> list[str]:
     exe = sys.executable
     if name in ("shardsafe", "shardsafe-nofsync"):
         cli = Path(exe).parent / "shardsafe"
-        prefix = [str(cli)] if cli.is_file() else [exe, "-c", "import sys; from shardsafe.cli import main; sys.exit(main())"]
+        prefix = [str(cli)] if cli.is_file() else [exe, "-c", "import sys; from shardsafe.cli.main import main; sys.exit(main())"]
         flags = ["--no-fsync"] if name == "shardsafe-nofsync" else []
         return [*prefix, "export", str(ckpt), str(out), "--dtype", "float32", "--no-progress", *flags]
     if name == "script":
@@ -203,7 +203,7 @@ def command(name: str, ckpt: Path, out: Path) -> list[str]:
     if name in ("lazy", "lazy+fsync"):
         return [exe, __file__, "--worker", name, "--ckpt", str(ckpt), "--out", str(out)]
     if name == "import-shardsafe":
-        return [exe, "-c", "import shardsafe.cli"]
+        return [exe, "-c", "import shardsafe.cli.main"]
     if name == "import-deepspeed":
         return [exe, "-c", "import deepspeed.utils.zero_to_fp32"]
     raise ValueError(name)

@@ -80,7 +80,8 @@ def worker_save(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     import shardsafe
-    from shardsafe.export import TensorInfo, plan_shards
+    from shardsafe.api.source import TensorInfo
+    from shardsafe.hf.export import plan_shards
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -286,7 +287,7 @@ def main() -> int:
 
     import torch
 
-    from shardsafe.commit import open_checkpoint
+    from shardsafe.protocol.commit import open_checkpoint
 
     manifest, _ = open_checkpoint(root / "ckpt")
     params = sum(math.prod(t.shape) for t in manifest.tensors.values())

@@ -121,7 +121,7 @@ def train_step(model: Any, optim: Any, batch: int, width: int, gen: Any) -> None
 
 def local_tensors(state: dict[str, Any]) -> list[Any]:
     """Exactly the local tensors a shardsafe save of ``state`` copies (its chunks)."""
-    from shardsafe.adapters import describe_for_save
+    from shardsafe.state.adapters import describe_for_save
 
     return [c.tensor.detach() for c in describe_for_save(state, 0).chunks]
 
@@ -382,8 +382,8 @@ def measure_every_step(r: Rank, mesh: Any, root: Path, blocks: int, steps: int) 
     machine hits them alike. A block ends by waiting for its last save to commit (counted).
     """
     import shardsafe
-    from shardsafe.demo import _build_state, _train_step
-    from shardsafe.demo_model import split_corpus
+    from shardsafe.cli.demo import _build_state, _train_step
+    from shardsafe.cli.demo_model import split_corpus
 
     state = _build_state(0, 10_000, mesh)
     data, _ = split_corpus()
@@ -463,7 +463,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardsafe.demo import warm_imports
+    from shardsafe.cli.demo import warm_imports
 
     warm_imports()
     dist.init_process_group("gloo")

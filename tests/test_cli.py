@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 import shardsafe
-from shardsafe import cli
-from shardsafe.commit import open_checkpoint
-from shardsafe.format import dtype_name
+from shardsafe.cli import main as cli
+from shardsafe.core.format import dtype_name
+from shardsafe.protocol.commit import open_checkpoint
 
 SHARD = "shard-00000.safetensors"
 
@@ -200,8 +200,8 @@ def test_demo_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     The orchestrator runs in this process (its three torchrun launches are real subprocesses), which saves
     an interpreter importing torch; capfd also catches what the workers write.
     """
-    from shardsafe.demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
-    from shardsafe.manager import committed_steps, step_name
+    from shardsafe.cli.demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
+    from shardsafe.manager.manager import committed_steps, step_name
 
     out = tmp_path / "demo"
     code = cli.main(["demo", "--steps", "12", "--save-every", "3", "--out", str(out)])

@@ -37,9 +37,9 @@ from dist_utils import (
     worker_pids,
 )
 from reliability import record
+from shardsafe.core.faults import POINTS
+from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import CheckpointNotFoundError
-from shardsafe.faults import POINTS
-from shardsafe.format import MANIFEST_NAME
 
 WORLD = 2
 COORDINATOR_ONLY = {"save:before-manifest", "save:before-publish", "save:after-publish"}

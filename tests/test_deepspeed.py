@@ -30,19 +30,20 @@ from safetensors.torch import load_file
 import shardsafe
 from dist_utils import HAVE_DEEPSPEED, free_port, full_model_state, full_optimizer_state, run_ranks
 from ds_scripts.train_zero import VOCAB, Tiny, param_groups
-from shardsafe.commit import open_checkpoint
-from shardsafe.deepspeed_zero import (
+from shardsafe.api.source import CheckpointSource
+from shardsafe.cli.convert import add_parser as add_convert_command
+from shardsafe.errors import CheckpointNotFoundError, FormatError
+from shardsafe.hf.export import export_hf, iter_output
+from shardsafe.interop.deepspeed import (
     STAND_INS,
     DeepSpeedCheckpoint,
-    add_convert_command,
     convert_deepspeed,
     is_deepspeed_checkpoint,
     load_pt,
     open_source,
 )
-from shardsafe.errors import CheckpointNotFoundError, FormatError
-from shardsafe.export import CheckpointSource, export_hf, iter_output
-from shardsafe.transfer import ChunkReader
+from shardsafe.protocol.commit import open_checkpoint
+from shardsafe.protocol.transfer import ChunkReader
 
 SCRIPT = Path(__file__).resolve().parent / "ds_scripts" / "train_zero.py"
 LAUNCHES = {  # world size -> variants trained in one launch
@@ -281,7 +282,7 @@ def test_checkpoint_with_malicious_pickle_is_refused(ds_runs: dict[str, Run], tm
 
 @needs_deepspeed
 def test_export_cli_llama_loads_in_transformers(ds_runs: dict[str, Run], tmp_path: Path) -> None:
-    from shardsafe.cli import main
+    from shardsafe.cli.main import main
 
     run = ds_runs["llama_bf16_z3-w2"]
     out = tmp_path / "hf"

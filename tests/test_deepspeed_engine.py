@@ -27,8 +27,8 @@ import torch
 
 import shardsafe
 from dist_utils import HAVE_DEEPSPEED, free_port
-from shardsafe.commit import open_checkpoint
-from shardsafe.transfer import ChunkReader
+from shardsafe.protocol.commit import open_checkpoint
+from shardsafe.protocol.transfer import ChunkReader
 
 SCRIPT = Path(__file__).resolve().parent / "ds_scripts" / "engine_state.py"
 PRECISIONS = ("bf16", "fp32", "bf16-offload")
@@ -68,7 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("ds_engine")
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     _wait([_launch(root, 2, "save")], deadline)
-    from shardsafe.cli import main as shardsafe_cli
+    from shardsafe.cli.main import main as shardsafe_cli
 
     for precision in PRECISIONS:  # DeepSpeed's own checkpoints (engine.save_checkpoint), for the reshard launches
         assert shardsafe_cli(["convert", str(root / f"ds_{precision}"), str(root / f"conv_{precision}"), "--for-engine", "--no-progress"]) == 0
@@ -308,7 +308,7 @@ def test_verify_files_and_layout(runs: dict[str, Any], precision: str) -> None:
     assert tree["sched"]["kind"] == "stateful" and tree["step"] == {"kind": "value", "state": 2}
 
     # `shardsafe inspect` shows each flat tensor's parameter shape
-    from shardsafe.cli import describe_checkpoint, format_inspection
+    from shardsafe.cli.inspect import describe_checkpoint, format_inspection
 
     info = describe_checkpoint(path)
     shown = {t["key"]: t.get("param_shape") for t in info["tensors"]}
@@ -322,7 +322,7 @@ def test_export_of_an_engine_checkpoint(runs: dict[str, Any], precision: str, tm
     """`shardsafe export` of a checkpoint saved from an engine: the default key finds the engine entry,
     parameters get their shapes back (fp32 master weights, as zero_to_fp32 gives; frozen ones in their
     own dtype), buffers come as stored and the tied alias is written once."""
-    from shardsafe.export import iter_output
+    from shardsafe.hf.export import iter_output
 
     out = shardsafe.export_hf(runs["root"] / f"ss_{precision}", tmp_path / "hf", progress=False)
     got = dict(iter_output(out))

@@ -25,9 +25,11 @@ import torch
 
 import shardsafe
 from dist_utils import run_ranks
+from shardsafe.api.source import TensorInfo
+from shardsafe.cli.export import add_parser as add_export_command
 from shardsafe.errors import CheckpointExistsError, IntegrityError, ModelFolderError
-from shardsafe.export import SINGLE_FILE, TensorInfo, add_export_command, iter_output, parse_size, plan_shards
-from shardsafe.guard import INDEX_FILE, check_model_folder
+from shardsafe.hf.export import SINGLE_FILE, iter_output, parse_size, plan_shards
+from shardsafe.hf.guard import INDEX_FILE, check_model_folder
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"

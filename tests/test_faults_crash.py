@@ -28,8 +28,8 @@ import shardsafe
 from dist_utils import launch, make_model, seeded_values, set_model_values, shard
 from fault_utils import check_root_after_fault, manager_job, resume_and_save
 from reliability import record
+from shardsafe.core.faults import POINTS
 from shardsafe.errors import CheckpointNotFoundError
-from shardsafe.faults import POINTS
 from test_crash import assert_checkpoint_is
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
@@ -152,9 +152,9 @@ def test_sigkill_during_s3_manager_save_sweep(s3_bucket: str, tmp_path: Path, ca
 
 def _no_exchange() -> None:
     """Make this process behave as on a filesystem without renameat2(RENAME_EXCHANGE)."""
-    import shardsafe.commit
+    import shardsafe.protocol.temppath
 
-    shardsafe.commit.exchange_paths = lambda a, b: False  # type: ignore[assignment]
+    shardsafe.protocol.temppath.exchange_paths = lambda a, b: False  # type: ignore[assignment]
 
 
 def _ab_state(model: Any, version: str) -> dict[str, Any]:
@@ -209,6 +209,6 @@ def test_failure_between_the_renames_puts_the_old_checkpoint_back(tmp_path: Path
 
 
 def _no_exchange_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardsafe.commit
+    import shardsafe.protocol.temppath
 
-    monkeypatch.setattr(shardsafe.commit, "exchange_paths", lambda a, b: False)
+    monkeypatch.setattr(shardsafe.protocol.temppath, "exchange_paths", lambda a, b: False)

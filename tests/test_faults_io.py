@@ -27,8 +27,8 @@ from fault_utils import assert_step, check_root_after_fault, manager_job, step_s
 from reliability import record
 from servers.flaky_proxy import FlakyProxy
 from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError
-from shardsafe.manager import committed_steps, step_name
-from shardsafe.objectstore import RemoteDir
+from shardsafe.manager.manager import committed_steps, step_name
+from shardsafe.storage.remote import RemoteDir
 from test_crash import assert_checkpoint_is
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from torch import nn
 
 import shardsafe
+from shardsafe.core.format import HeaderEntry, build_safetensors_header, parse_manifest, parse_safetensors_header
+from shardsafe.core.plan import contiguous_span
 from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError
-from shardsafe.format import HeaderEntry, build_safetensors_header, parse_manifest, parse_safetensors_header
-from shardsafe.plan import contiguous_span
 
 
 def _saved(tmp_path: Path) -> tuple[Path, nn.Module]:

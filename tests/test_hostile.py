@@ -34,8 +34,8 @@ import torch
 import shardsafe
 from dist_utils import assert_tensors_equal, make_model, seeded_values, set_model_values
 from reliability import record
+from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, ShardsafeError, StateMismatchError
-from shardsafe.integrity import hash_bytes
 
 SHARD = "shard-00000.safetensors"
 KEY = "model/layers.1.weight"  # [13, 7]
@@ -380,7 +380,7 @@ def test_hostile_checkpoint_is_refused(ckpt: Path, name: str) -> None:
 def _absurd_tensor(path: Path, elements: int) -> None:
     """Add a uint8 tensor of ``elements`` elements, referenced from state.json as a plain value, whose
     chunk claims bytes the shard file does not have (the manifest's file size lies to match)."""
-    from shardsafe.integrity import num_blocks
+    from shardsafe.core.integrity import num_blocks
 
     manifest = _manifest(path)
     size = manifest["files"][SHARD]["size"]

@@ -15,7 +15,7 @@ from torch import nn
 import shardsafe
 from dist_utils import full_model_state, launch, make_model, make_optimizer, rank_batch, run_ranks, shard, train_step
 from shardsafe.errors import SaveError
-from shardsafe.manager import choose_kept, committed_steps, step_name
+from shardsafe.manager.manager import choose_kept, committed_steps, step_name
 
 # ----------------------------------------------------------------------------- retention rules
 
@@ -254,7 +254,7 @@ def test_unchanged_tensors_are_stored_once(tmp_path: Path) -> None:
 
 
 def test_list_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from shardsafe.cli import main
+    from shardsafe.cli.main import main
 
     root = tmp_path / "ckpt"
     model = nn.Linear(3, 2)
@@ -281,7 +281,7 @@ def test_list_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_retention_parses_each_manifest_once_and_rereads_a_resaved_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Retention after every save reuses parsed manifests (no re-parsing in the background thread each save),
     but a checkpoint saved again under the same step is read again: its new metrics decide what is kept."""
-    import shardsafe.manager as manager_module
+    import shardsafe.manager.manager as manager_module
 
     parsed: list[str] = []
     real = manager_module._read_manifest

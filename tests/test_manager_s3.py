@@ -11,8 +11,8 @@ import torch
 
 import shardsafe
 from dist_utils import full_model_state, make_model, make_optimizer, rank_batch, run_ranks, shard, train_step
-from shardsafe.manager import committed_steps, step_name
-from shardsafe.objectstore import RemoteDir
+from shardsafe.manager.manager import committed_steps, step_name
+from shardsafe.storage.remote import RemoteDir
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import shardsafe
-from shardsafe import adapters
 from shardsafe.errors import StateMismatchError
+from shardsafe.state import adapters
 
 
 def _model(dtype: torch.dtype) -> nn.Module:

@@ -24,8 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reliability import record
-from shardsafe.errors import FormatError
-from shardsafe.format import (
+from shardsafe.core.format import (
     ChunkEntry,
     FileEntry,
     HeaderEntry,
@@ -40,7 +39,8 @@ from shardsafe.format import (
     parse_manifest,
     parse_safetensors_header,
 )
-from shardsafe.integrity import hash_blocks, num_blocks
+from shardsafe.core.integrity import hash_blocks, num_blocks
+from shardsafe.errors import FormatError
 
 EXAMPLES = 200
 STRESS_EXAMPLES = 2000

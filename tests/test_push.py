@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 import shardsafe
-from shardsafe import hub as hubmod
+from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import ModelFolderError, PushError, ShardsafeError
-from shardsafe.format import MANIFEST_NAME
-from shardsafe.guard import INDEX_FILE, SINGLE_FILE
+from shardsafe.hf import push as hubmod
+from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket, hub_server, hub
 # huggingface_hub 2.4 hands LFS files to httpx2 as `data=`, which httpx2 deprecates; not ours to fix
@@ -85,7 +85,7 @@ def bucket_files(bucket: str, prefix: str = "") -> dict[str, bytes]:
 
 
 def uploaded_order(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.args[0] for r in caplog.records if r.name == "shardsafe.hub" and r.msg.startswith("uploaded ")]  # type: ignore[index]
+    return [r.args[0] for r in caplog.records if r.name == "shardsafe.hf.push" and r.msg.startswith("uploaded ")]  # type: ignore[index]
 
 
 # ----------------------------------------------------------------------------- no server
@@ -139,7 +139,7 @@ def test_push_to_a_local_folder_url(models: dict[str, Path], tmp_path: Path) -> 
 
 
 def test_push_to_s3_round_trip(s3_bucket: str, models: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="shardsafe.hub")
+    caplog.set_level(logging.DEBUG, logger="shardsafe.hf.push")
     for name, marker in (("single", SINGLE_FILE), ("sharded", INDEX_FILE), ("ckpt", MANIFEST_NAME)):
         caplog.clear()
         url = shardsafe.push(models[name], f"s3://{s3_bucket}/models/{name}", progress=False)
@@ -202,7 +202,7 @@ def test_s3_push_retries_transient_errors(
     shardsafe.push(models["single"], f"s3://{s3_bucket}/flaky", progress=False)
     assert bucket_files(s3_bucket, "flaky") == local_files(models["single"])
     assert sorted(failures) == sorted(local_files(models["single"]))
-    assert any("retrying" in r.getMessage() for r in caplog.records if r.name == "shardsafe.hub")
+    assert any("retrying" in r.getMessage() for r in caplog.records if r.name == "shardsafe.hf.push")
 
     # bounded: a file that never goes up fails after MAX_ATTEMPTS tries
     monkeypatch.setattr(hubmod, "_put_one", lambda *a: (_ for _ in ()).throw(TimeoutError("injected: timed out")))
@@ -234,7 +234,7 @@ def dummy_models(models: dict[str, Path], root: Path) -> dict[str, Path]:
 def test_push_refuses_empty_or_dummy_models(
     s3_bucket: str, hub: Any, models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from shardsafe import cli
+    from shardsafe.cli import main as cli
 
     for what, folder in dummy_models(models, tmp_path).items():
         for dest in (f"s3://{s3_bucket}/dummy", "hf://owner/dummy"):
@@ -264,7 +264,7 @@ print("RESULT " + json.dumps(out))
 def test_push_to_hub_then_from_pretrained(
     hub: Any, models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from shardsafe import cli
+    from shardsafe.cli import main as cli
 
     single, sharded = local_files(models["single"]), local_files(models["sharded"])
     url = shardsafe.push(models["single"], "hf://owner/tiny", private=True, message="first upload", progress=False)

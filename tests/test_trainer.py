@@ -31,8 +31,9 @@ from safetensors.torch import load_file  # noqa: E402
 
 import shardsafe  # noqa: E402
 from dist_utils import HAVE_DEEPSPEED  # noqa: E402
+from shardsafe.api.source import CheckpointSource  # noqa: E402
 from shardsafe.errors import CheckpointNotFoundError, ModelFolderError  # noqa: E402
-from shardsafe.export import CheckpointSource, export_hf, iter_output  # noqa: E402
+from shardsafe.hf.export import export_hf, iter_output  # noqa: E402
 
 pytest_plugins = ["servers.fixtures"]  # hub_server, hub
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")

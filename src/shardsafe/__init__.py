@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .api import load, save, verify  # noqa: E402
-from .deepspeed_zero import convert_deepspeed  # noqa: E402
-from .errors import (  # noqa: E402
+from shardsafe._version import __version__
+from shardsafe.api.checkpoint import load, save, verify  # noqa: E402
+from shardsafe.errors import (  # noqa: E402
     CheckpointExistsError,
     CheckpointNotFoundError,
     DistributedError,
@@ -17,11 +15,12 @@ from .errors import (  # noqa: E402
     ShardsafeError,
     StateMismatchError,
 )
-from .export import export_hf  # noqa: E402
-from .hub import push  # noqa: E402
-from .manager import CheckpointManager, collect_garbage, list_checkpoints  # noqa: E402
-from .pretrained import save_pretrained  # noqa: E402
-from .rng import RNGState  # noqa: E402
+from shardsafe.hf.export import export_hf  # noqa: E402
+from shardsafe.hf.pretrained import save_pretrained  # noqa: E402
+from shardsafe.hf.push import push  # noqa: E402
+from shardsafe.interop.deepspeed import convert_deepspeed  # noqa: E402
+from shardsafe.manager.manager import CheckpointManager, collect_garbage, list_checkpoints  # noqa: E402
+from shardsafe.state.rng import RNGState  # noqa: E402
 
 __all__ = [
     "CheckpointExistsError",

@@ -24,8 +24,7 @@ except ImportError:  # pragma: no cover - atheris is a dev dependency that may n
 import torch  # not instrumented: only shardsafe's own code is
 
 with atheris.instrument_imports(include=["shardsafe"]):
-    from shardsafe.errors import FormatError
-    from shardsafe.format import (
+    from shardsafe.core.format import (
         ChunkEntry,
         FileEntry,
         HeaderEntry,
@@ -37,6 +36,7 @@ with atheris.instrument_imports(include=["shardsafe"]):
         parse_manifest,
         parse_safetensors_header,
     )
+    from shardsafe.errors import FormatError
 
 
 def _seed_manifest() -> bytes:

@@ -56,7 +56,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,20 +66,22 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 
-from ..adapters import _unwrap
-from ..api import load, save
-from ..comm import Comm, get_comm
-from ..commit import TMP_MARK, _error_outcome, _raise_shared, is_committed, open_checkpoint
-from ..errors import CheckpointNotFoundError, ShardsafeError, StateMismatchError
-from ..export import CHECKPOINT_DIR, TensorInfo, output_dtype
-from ..faults import crash_point
-from ..format import MANIFEST_NAME, decode_value
-from ..guard import INDEX_FILE, SINGLE_FILE
-from ..hub import push
-from ..manager import DELETING_MARK, CheckpointInfo, choose_kept
-from ..pretrained import NOTE_FILE, save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
-from ..rng import RNGState
-from ..storage import fsync_dir, remove_tree, safe_child, write_small_file
+from shardsafe.api.checkpoint import load, save
+from shardsafe.api.source import CHECKPOINT_DIR, TensorInfo
+from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.faults import crash_point
+from shardsafe.core.format import MANIFEST_NAME, decode_value
+from shardsafe.errors import CheckpointNotFoundError, ShardsafeError, StateMismatchError
+from shardsafe.hf.export import output_dtype
+from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE
+from shardsafe.hf.pretrained import NOTE_FILE, save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
+from shardsafe.hf.push import push
+from shardsafe.manager.manager import CheckpointInfo, choose_kept
+from shardsafe.protocol.commit import is_committed, open_checkpoint
+from shardsafe.protocol.temppath import DELETING_MARK, TMP_MARK
+from shardsafe.state.adapters import unwrap_module
+from shardsafe.state.rng import RNGState
+from shardsafe.storage.local import fsync_dir, remove_tree, safe_child, write_small_file
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class ShardsafeTrainer(Trainer):
         return files
 
     def _checkpoint_metadata(self) -> dict[str, Any]:
-        from ..export import EXPORT_META
+        from shardsafe.api.source import EXPORT_META
 
         step = self.state.global_step
         metrics = {
@@ -242,7 +244,7 @@ class ShardsafeTrainer(Trainer):
         elif resume_from_checkpoint not in (None, False):
             path = str(resume_from_checkpoint)
         if path is not None:
-            _coordinated(comm, lambda: write_trainer_files(Path(path), only_missing=True))
+            comm.on_coordinator(lambda: write_trainer_files(Path(path), only_missing=True))
         self._resuming_from = path
         try:
             return super().train(resume_from_checkpoint=path, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
@@ -285,7 +287,7 @@ class ShardsafeTrainer(Trainer):
 
     def _restore_training_state(self, path: str) -> None:
         comm = get_comm()
-        saved = _coordinated(comm, lambda: sorted(open_checkpoint(Path(path))[1]))
+        saved = comm.on_coordinator(lambda: sorted(open_checkpoint(Path(path))[1]))
         engine = self._zero3_engine()
         state: dict[str, Any] = {}
         if engine is not None:
@@ -312,7 +314,7 @@ class ShardsafeTrainer(Trainer):
         if checkpoint is None:
             return
         comm = get_comm()
-        if RNG not in _coordinated(comm, lambda: sorted(open_checkpoint(Path(checkpoint))[1])):
+        if RNG not in comm.on_coordinator(lambda: sorted(open_checkpoint(Path(checkpoint))[1])):
             log.info("%s holds no RNG state; reproducibility of the resumed run is not guaranteed", checkpoint)
             return
         load(checkpoint, {RNG: RNGState()})
@@ -356,10 +358,10 @@ class ShardsafeTrainer(Trainer):
         """
         out = Path(output_dir).absolute() if output_dir is not None else self._output_dir()
         comm = get_comm()
-        staging = Path(_coordinated(comm, lambda: str(_new_hidden(out, "model"))))
+        staging = Path(comm.on_coordinator(lambda: str(_new_hidden(out, "model"))))
         try:
             self._write_model_folder(staging)
-            _coordinated(comm, lambda: self._finish_model_folder(staging, out))
+            comm.on_coordinator(lambda: self._finish_model_folder(staging, out))
         finally:
             if comm.is_coordinator:
                 remove_tree(staging)
@@ -400,7 +402,7 @@ class ShardsafeTrainer(Trainer):
         """The model itself (not its DDP / DeepSpeed wrapper)."""
         if self.model is None:
             raise ShardsafeError("the Trainer has no model")
-        return _unwrap(self.model)
+        return unwrap_module(self.model)
 
     def _output_dir(self) -> Path:
         if self.args.output_dir is None:
@@ -461,7 +463,7 @@ class ShardsafeTrainer(Trainer):
             self.create_model_card(model_name=model_name, **kwargs)
             return str(stage_upload(out))
 
-        stage = Path(_coordinated(comm, card_and_stage))
+        stage = Path(comm.on_coordinator(card_and_stage))
         private = private if private is not None else self.args.hub_private_repo
         try:
             with _hub_token(token if comm.is_coordinator else None):
@@ -492,7 +494,7 @@ class ShardsafeTrainer(Trainer):
             log.warning("ShardsafeTrainer pushes the model at each save; the checkpoint folder %s is not uploaded", checkpoint_folder)
         comm = get_comm()
         repo_id = comm.broadcast(getattr(self, "hub_model_id", None))
-        staging = Path(_coordinated(comm, lambda: str(_new_hidden(self._output_dir(), "push"))))
+        staging = Path(comm.on_coordinator(lambda: str(_new_hidden(self._output_dir(), "push"))))
         if self.args.save_strategy == SaveStrategy.STEPS:
             message = f"Training in progress, step {self.state.global_step}"
         else:
@@ -505,7 +507,7 @@ class ShardsafeTrainer(Trainer):
                     self.processing_class.save_pretrained(str(staging))
                 write_small_file(staging / TRAINING_ARGS_NAME, self.args.to_json_string().encode())
 
-            _coordinated(comm, extras)
+            comm.on_coordinator(extras)
             with _hub_token(self.args.hub_token if comm.is_coordinator else None):
                 push(staging, f"hf://{repo_id}", revision=self.args.hub_revision, message=message, progress=False)
         finally:
@@ -826,25 +828,6 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(inner, torch.optim.Optimizer):
         raise ShardsafeError(f"the Trainer's optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it")
     return inner
-
-
-def _coordinated(comm: Comm, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on the coordinator; every rank returns its result or raises the same shardsafe error."""
-    outcome: tuple[Any, ...] = ("ok", None)
-    failure: BaseException | None = None
-    if comm.is_coordinator:
-        try:
-            outcome = ("ok", fn())
-        except Exception as exc:
-            failure, outcome = exc, _error_outcome(exc)
-    outcome = comm.broadcast(outcome)
-    try:
-        _raise_shared(outcome)
-    except ShardsafeError as shared:
-        if failure is not None:
-            raise shared from failure
-        raise
-    return outcome[1]  # type: ignore[no-any-return]
 
 
 @contextmanager

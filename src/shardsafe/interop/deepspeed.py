@@ -31,7 +31,6 @@ ZeRO-1/2 optimizer state (weights are still read). Untested: CPU/NVMe optimizer 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import functools
@@ -48,13 +47,10 @@ from typing import Any, cast
 
 import torch
 
-from . import __version__
-from .comm import Comm
-from .commit import agree_and_publish, new_manifest, prepare_save
-from .deepspeed_engine import KIND_DEEPSPEED_ENGINE, SECTIONS, engine_meta, tensor_key
-from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, ShardsafeError
-from .export import DTYPE_CHOICES, CheckpointSource, TensorInfo, find_config_files
-from .format import (
+from shardsafe._version import __version__
+from shardsafe.api.source import DTYPE_CHOICES, CheckpointSource, TensorInfo, find_config_files
+from shardsafe.core.comm import Comm
+from shardsafe.core.format import (
     MANIFEST_NAME,
     TENSOR_REF,
     ChunkEntry,
@@ -66,8 +62,11 @@ from .format import (
     encode_value,
     numel,
 )
-from .integrity import HASH_BLOCK_SIZE
-from .storage import safe_child
+from shardsafe.core.integrity import HASH_BLOCK_SIZE
+from shardsafe.errors import CheckpointNotFoundError, FormatError, ShardsafeError
+from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
+from shardsafe.state.deepspeed_engine import KIND_DEEPSPEED_ENGINE, SECTIONS, engine_meta, tensor_key
+from shardsafe.storage.local import safe_child
 
 log = logging.getLogger(__name__)
 
@@ -863,7 +862,7 @@ def convert_deepspeed(
     ``shardsafe.load(out, {"engine": engine})`` resumes in a fresh ZeRO-3 engine of the same model on any
     number of ranks, which ``engine.load_checkpoint`` refuses; ``step`` and ``sched`` as above.
     """
-    from .api import location
+    from shardsafe.api.checkpoint import location
 
     if isinstance(dtype, str):
         dtype = None if dtype in ("keep", "none") else DTYPE_CHOICES[dtype]
@@ -1021,73 +1020,8 @@ def _write(
 # ----------------------------------------------------------------------------- command line
 
 
-def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``convert SRC OUT [--tag T] [--dtype D] [--for-engine] [--overwrite] [--no-progress]`` to a ``shardsafe`` parser."""
-    p = subparsers.add_parser(
-        "convert",
-        help="turn a DeepSpeed ZeRO checkpoint into a shardsafe checkpoint (model + optimizer, any world size)",
-        description="Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint without DeepSpeed and without running pickled code, and write "
-        "it as a shardsafe checkpoint: model/<name> (fp32 master weights), optim/state/<name>/{exp_avg,exp_avg_sq,step} and the "
-        "param groups, keyed as shardsafe.save keys a module and a torch optimizer, so shardsafe.load({'model': model, 'optim': "
-        "AdamW(...)}) resumes on any number of ranks; with --for-engine, in the layout shardsafe.save gives a live ZeRO-3 engine, so "
-        "shardsafe.load({'engine': engine}) resumes a fresh DeepSpeed engine on any number of ranks. One process, one tensor in memory at a time.",
-    )
-    p.add_argument("src", type=Path, metavar="SRC", help="the folder engine.save_checkpoint wrote (holding `latest`), or a tag folder")
-    p.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to create")
-    p.add_argument("--tag", default=None, help="tag folder to read (default: the one `latest` names)")
-    p.add_argument(
-        "--dtype",
-        choices=[*sorted(DTYPE_CHOICES), "keep"],
-        default=None,
-        help="dtype of the floating model tensors (default: float32; keep: DeepSpeed's, frozen parameters in the model dtype); not with --for-engine",
-    )
-    p.add_argument(
-        "--for-engine",
-        action="store_true",
-        help="write the layout of a live ZeRO-3 engine (entry 'engine': fp32 master, optimizer state, frozen parameters, buffers, "
-        "step counts, hyper-parameters, loss scaler, counters) for shardsafe.load(OUT, {'engine': engine}) at any world size",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_convert_command)
-    return p
-
-
-def run_convert_command(args: argparse.Namespace) -> int:
-    if args.for_engine and args.dtype is not None:
-        raise ShardsafeError("--dtype does not apply with --for-engine (the engine layout keeps fp32 master weights and the engine's dtypes)")
-    try:
-        out = convert_deepspeed(
-            args.src,
-            args.out,
-            tag=args.tag,
-            dtype=args.dtype or "float32",
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-            for_engine=args.for_engine,
-        )
-    except CheckpointExistsError as exc:
-        raise CheckpointExistsError(f"{args.out}: exists; pass --overwrite to replace it") from exc
-    from .commit import open_checkpoint
-
-    manifest, _ = open_checkpoint(out)
-    meta = manifest.metadata.get("converted_from", {})
-    if args.for_engine:
-        what = f"{sum(1 for k in manifest.tensors if k.startswith('engine/'))} engine tensors (for shardsafe.load into a ZeRO-3 engine)"
-    else:
-        model = sum(1 for k in manifest.tensors if k.startswith("model/"))
-        optim = sum(1 for k in manifest.tensors if k.startswith("optim/"))
-        what = f"{model} model tensors, {optim} optimizer tensors"
-    print(
-        f"converted DeepSpeed ZeRO-{meta.get('zero_stage')} checkpoint {meta.get('tag')} ({meta.get('dp_world_size')} ranks, "
-        f"step {meta.get('global_steps')}) into {out}: {what}, {sum(f.size for f in manifest.files.values())} bytes"
-    )
-    return 0
-
-
 __all__ = [
     "DeepSpeedCheckpoint",
-    "add_convert_command",
     "convert_deepspeed",
     "find_deepspeed_checkpoint",
     "is_deepspeed_checkpoint",

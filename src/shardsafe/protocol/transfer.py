@@ -15,12 +15,12 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import FormatError, IntegrityError
-from .format import ChunkEntry, HeaderEntry, Manifest, TensorEntry, build_safetensors_header, element_size, numel
-from .integrity import BlockHasher, hash_blocks
-from .objectstore import RemoteDir
-from .plan import LocalChunk, ReadOp, contiguous_span, plan_reads
-from .storage import open_regular, pread_into, safe_child, tensor_bytes, tensor_pieces
+from shardsafe.core.format import ChunkEntry, HeaderEntry, Manifest, TensorEntry, build_safetensors_header, element_size, numel
+from shardsafe.core.integrity import BlockHasher, hash_blocks
+from shardsafe.core.plan import LocalChunk, ReadOp, contiguous_span, plan_reads
+from shardsafe.errors import FormatError, IntegrityError
+from shardsafe.storage.local import open_regular, pread_into, safe_child, tensor_bytes, tensor_pieces
+from shardsafe.storage.remote import RemoteDir
 
 
 def chunk_name(chunk: LocalChunk) -> str:

@@ -10,50 +10,41 @@ tensor, not the model.
 :func:`export_hf` consolidates a sharded shardsafe checkpoint (or a model folder written by
 ``save_pretrained(..., gather_16bit=False)``) into such a folder in one process. What it reads
 from is a :class:`TensorSource` (names, dtypes, shapes, ``read(name)``), so other checkpoint
-formats can plug in. ``shardsafe export`` is its command line (:func:`add_export_command`).
+formats can plug in. ``shardsafe export`` is its command line (:mod:`shardsafe.cli.export`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from .adapters import tensor_keys_of
-from .comm import Comm
-from .commit import open_checkpoint, prepare, publish
-from .deepspeed_engine import KIND_DEEPSPEED_ENGINE, engine_model_tensors
-from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, ShardsafeError
-from .format import (
-    MANIFEST_NAME,
+from shardsafe.api.source import DTYPE_CHOICES, TensorInfo, TensorSource
+from shardsafe.core.comm import Comm
+from shardsafe.core.format import (
     MAX_JSON_BYTES,
     HeaderEntry,
-    TensorEntry,
     build_safetensors_header,
     dtype_from_name,
     dtype_name,
-    element_size,
     numel,
     parse_json,
 )
-from .guard import INDEX_FILE, SINGLE_FILE, check_model_folder
-from .storage import WriteBehind, fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
-from .transfer import ChunkReader
+from shardsafe.errors import ShardsafeError
+from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
+from shardsafe.protocol.commit import prepare
+from shardsafe.protocol.temppath import publish
+from shardsafe.storage.local import WriteBehind, fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILES = ("config.json", "generation_config.json")
-CHECKPOINT_DIR = "checkpoint"  # where save_pretrained(gather_16bit=False) puts the sharded checkpoint
-EXPORT_META = "shardsafe_export"  # checkpoint metadata key save_pretrained records for export
 SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -70,8 +61,6 @@ _UNITS = {
     "TIB": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
-
-DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_size(size: int | str) -> int:
@@ -92,19 +81,6 @@ def parse_size(size: int | str) -> int:
 
 
 # ----------------------------------------------------------------------------- planning
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of the output: its name in the model folder, dtype and shape as written."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return numel(self.shape) * element_size(self.dtype)
 
 
 @dataclass
@@ -247,167 +223,6 @@ def write_index(folder: Path, plan: ShardPlan, total_parameters: int | None = No
         write_small_file(folder / INDEX_FILE, index_bytes(plan, total_parameters), fsync)
 
 
-# ----------------------------------------------------------------------------- sources
-
-
-@runtime_checkable
-class TensorSource(Protocol):
-    """What an export reads from: named whole tensors, fetched one at a time.
-
-    ``tensors()`` lists what to write, in state-dict order, with names as they appear in the model
-    folder and the *stored* dtype (tied aliases already left out). ``read(name)`` returns that
-    whole tensor (CPU, stored dtype). ``config_files()`` names files to copy next to the
-    weights (``config.json``, ``generation_config.json``); ``default_dtype`` is the dtype to
-    export in when the caller gives none (None: keep the stored dtypes).
-    """
-
-    default_dtype: torch.dtype | None
-
-    def tensors(self) -> list[TensorInfo]: ...
-
-    def read(self, name: str) -> torch.Tensor: ...
-
-    def config_files(self) -> dict[str, Path]: ...
-
-    def close(self) -> None: ...
-
-
-def find_config_files(*folders: Path) -> dict[str, Path]:
-    """config.json / generation_config.json, from the first of ``folders`` that has each."""
-    found = {}
-    for name in CONFIG_FILES:
-        for folder in folders:
-            if (folder / name).is_file():
-                found[name] = safe_child(folder, name)
-                break
-    return found
-
-
-def find_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """(model folder, checkpoint folder) for a checkpoint or a ``gather_16bit=False`` model folder."""
-    folder = Path(path).absolute()
-    if (folder / MANIFEST_NAME).is_file():
-        return folder, folder
-    inner = folder / CHECKPOINT_DIR
-    if (inner / MANIFEST_NAME).is_file():
-        safe_child(folder, CHECKPOINT_DIR)
-        return folder, inner
-    if not folder.is_dir():
-        raise CheckpointNotFoundError(f"{folder}: no such folder")
-    raise CheckpointNotFoundError(
-        f"{folder}: neither a shardsafe checkpoint ({MANIFEST_NAME}) nor a model folder holding one in {CHECKPOINT_DIR}/{MANIFEST_NAME}"
-    )
-
-
-class CheckpointSource:
-    """The tensors of one state entry (``key``, e.g. ``model``) of a committed shardsafe checkpoint.
-
-    Each :meth:`read` allocates the whole tensor and fills it with verified positional reads of
-    only the chunks it needs (``plan_reads`` + ``ChunkReader``), whatever the saving world size.
-    ``aliases`` (name -> the name it is tied to) are left out when both hold the same values;
-    save_pretrained records them in the checkpoint metadata, and ``export_hf`` derives them from a
-    transformers config.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], key: str = "model", *, verify: bool = True, aliases: dict[str, str] | None = None) -> None:
-        self.model_folder, self.folder = find_checkpoint(path)
-        self.manifest, self.tree = open_checkpoint(self.folder)
-        self.key = key = self._engine_key_for(key)
-        self.prefix = f"{key}/" if key else ""
-        meta = self.manifest.metadata.get(EXPORT_META)
-        self.export_meta: dict[str, Any] = meta if isinstance(meta, dict) and meta.get("key", key) == key else {}
-        stored = self.export_meta.get("dtype")
-        self.default_dtype: torch.dtype | None = dtype_from_name(stored, "checkpoint metadata") if stored is not None else None
-        total = self.export_meta.get("total_parameters")
-        self.total_parameters: int | None = total if isinstance(total, int) and not isinstance(total, bool) else None
-        self._stored = self._stored_layout()
-        if not self._stored:
-            names = sorted({k.split("/", 1)[0] for k in self.manifest.tensors})
-            raise FormatError(f"{self.folder}: no tensors under {key!r} (the checkpoint holds {names}); pick one with key=/--key")
-        recorded = self.export_meta.get("aliases")
-        self.aliases_recorded = isinstance(recorded, dict)
-        self.aliases: dict[str, str] = {}
-        self.tie(recorded if isinstance(recorded, dict) else aliases or {})
-        self._reader = ChunkReader(self.folder, self.manifest, verify)
-
-    def _engine_key_for(self, key: str) -> str:
-        """The default key ``model`` finds the model of a checkpoint saved from a DeepSpeed engine
-        (ShardsafeTrainer under ZeRO-3 saves it as ``engine``) when there is no ``model`` entry."""
-        if key != "model" or key in self.tree:
-            return key
-        engines = [name for name, entry in self.tree.items() if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE]
-        return engines[0] if len(engines) == 1 else key
-
-    def _stored_layout(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
-        """Output tensor name -> (stored key, shape to give it; None keeps the stored one), in the
-        state-dict order recorded in state.json. A DeepSpeed engine entry stores parameters flat
-        (one 1-D tensor each); its recorded shapes restore them."""
-        entry = self.tree.get(self.key) if self.key else None
-        if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE:
-            layout = engine_model_tensors(entry, f"{self.folder}/state.json: {self.key!r}")
-            for name, (stored, shape) in layout.items():
-                entry_ = self.manifest.tensors.get(stored)
-                if entry_ is None:
-                    raise FormatError(f"{self.folder}: state.json refers to tensor {stored!r}, which the manifest does not list")
-                if shape is not None and math.prod(shape) != math.prod(entry_.shape):
-                    raise FormatError(f"{self.folder}: {stored!r} holds {math.prod(entry_.shape)} elements, {name!r} needs {list(shape)}")
-            return layout
-        keys = [k for k in self.manifest.tensors if k.startswith(self.prefix)]
-        recorded = tensor_keys_of(entry.get("state")) if isinstance(entry, dict) else []
-        present = set(keys)
-        ordered = [k for k in recorded if k in present]
-        listed = set(ordered)
-        return {k[len(self.prefix) :]: (k, None) for k in ordered + sorted(k for k in keys if k not in listed)}
-
-    def _entry(self, name: str) -> TensorEntry:
-        return self.manifest.tensors[self._stored[name][0]]
-
-    def tie(self, aliases: dict[str, str]) -> None:
-        """Leave out each ``alias`` (name -> the name it is tied to) that holds the same values as its target."""
-        names = set(self._stored)
-        self.aliases = {}
-        for alias, target in aliases.items():
-            if alias in names and target in names and alias != target and target not in self.aliases:
-                if _same_stored_content(self._entry(alias), self._entry(target)):
-                    self.aliases[alias] = target
-                else:
-                    log.warning("%s and %s are declared tied but hold different values; both are exported", alias, target)
-
-    def tensors(self) -> list[TensorInfo]:
-        out = []
-        for name, (stored, shape) in self._stored.items():
-            if name not in self.aliases:
-                entry = self.manifest.tensors[stored]
-                out.append(TensorInfo(name, entry.dtype, shape if shape is not None else entry.shape))
-        return out
-
-    def read(self, name: str) -> torch.Tensor:
-        stored, shape = self._stored[name]
-        tensor = self._reader.read_tensor(stored, self.manifest.tensors[stored])
-        return tensor.view(shape) if shape is not None else tensor
-
-    def config_files(self) -> dict[str, Path]:
-        return find_config_files(self.model_folder, self.folder)
-
-    def close(self) -> None:
-        self._reader.close()
-
-    def __enter__(self) -> CheckpointSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _same_stored_content(a: TensorEntry, b: TensorEntry) -> bool:
-    """Whether two stored tensors hold the same bytes, judged from their chunk layouts and block hashes."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    layout_a = sorted((c.offsets, c.shape, c.hashes) for c in a.chunks)
-    layout_b = sorted((c.offsets, c.shape, c.hashes) for c in b.chunks)
-    return layout_a == layout_b
-
-
 def hf_tied_aliases(config: Any) -> dict[str, str]:
     """{alias: source} of the weights a transformers model built from ``config`` ties (e.g. lm_head.weight).
 
@@ -527,7 +342,7 @@ def export_hf(
     source: Any = src
     if own:
         assert isinstance(src, (str, os.PathLike))
-        from .deepspeed_zero import open_source  # a DeepSpeed ZeRO folder (`latest` + tag folders), else a shardsafe checkpoint
+        from shardsafe.interop.deepspeed import open_source  # a DeepSpeed ZeRO folder (`latest` + tag folders), else a shardsafe checkpoint
 
         source = open_source(src, key, verify=verify)
     try:
@@ -583,72 +398,3 @@ def iter_output(folder: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Ten
         with safe_open(str(safe_child(folder, file)), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``export SRC OUT [--dtype D] [--max-shard-size S] [--key K]`` to a ``shardsafe`` parser."""
-    p = subparsers.add_parser(
-        "export",
-        help="consolidate a sharded checkpoint into a Hugging Face model folder (safetensors)",
-        description="Write the tensors under KEY of a shardsafe checkpoint (or of a folder saved with "
-        "save_pretrained(gather_16bit=False)) as a Hugging Face model folder: model.safetensors, or "
-        "model-0000k-of-0000N.safetensors + model.safetensors.index.json, plus config.json / generation_config.json when "
-        "the source has them. One process, one tensor in memory at a time, reading only the chunks it needs. OUT is built "
-        "hidden next to itself and renamed into place; an existing non-empty OUT is refused unless --overwrite.",
-    )
-    p.add_argument("src", type=Path, metavar="SRC", help="checkpoint folder (holding manifest.json) or a save_pretrained(gather_16bit=False) folder")
-    p.add_argument("out", type=Path, metavar="OUT", help="model folder to create")
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPE_CHOICES),
-        default=None,
-        help="cast floating-point tensors to this dtype (default: the dtype save_pretrained recorded, else as stored)",
-    )
-    p.add_argument(
-        "--max-shard-size",
-        type=_size_arg,
-        default=parse_size(DEFAULT_MAX_SHARD_SIZE),
-        metavar="SIZE",
-        help="largest weights file, e.g. 5GB, 500MB (decimal units, as Hugging Face; default: 5GB)",
-    )
-    p.add_argument(
-        "--key",
-        default="model",
-        help="state entry holding the model (default: %(default)s, else the one DeepSpeed engine entry); its prefix is stripped from names",
-    )
-    p.add_argument("--config", type=Path, default=None, metavar="PATH", help="config.json (or a folder holding one) to write with the weights")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-fsync", action="store_true", help="skip fsync of the output (faster; a crash soon after may lose the files)")
-    p.set_defaults(func=run_export_command)
-    return p
-
-
-def run_export_command(args: argparse.Namespace) -> int:
-    try:
-        out = export_hf(
-            args.src,
-            args.out,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            key=args.key,
-            config=args.config,
-            progress=not args.no_progress,
-            overwrite=args.overwrite,
-            fsync=not args.no_fsync,
-        )
-    except CheckpointExistsError as exc:
-        raise CheckpointExistsError(f"{args.out}: exists and is not empty; pass --overwrite to replace it") from exc
-    summary = check_model_folder(out)
-    print(f"exported {summary.tensors} tensors ({summary.tensor_bytes} bytes) into {len(summary.files)} file(s) in {out}")
-    return 0

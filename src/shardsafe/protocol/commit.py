@@ -18,7 +18,6 @@ never a mix: a folder without a manifest is never loaded (and hidden temporaries
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
@@ -26,40 +25,21 @@ from typing import Any
 
 import torch
 
-from . import errors
-from .comm import Comm
-from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError, ShardsafeError
-from .faults import crash_point
-from .format import MANIFEST_NAME, MAX_JSON_BYTES, SHARD_PATTERN, STATE_NAME, FileEntry, Manifest, parse_json, parse_manifest
-from .integrity import hash_bytes
-from .objectstore import RemoteDir
-from .storage import exchange_paths, fsync_dir, read_small_file, remove_tree, safe_child, write_small_file, write_tensor_file
+from shardsafe import errors
+from shardsafe.core.comm import Comm
+from shardsafe.core.faults import crash_point
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, SHARD_PATTERN, STATE_NAME, FileEntry, Manifest, parse_json, parse_manifest
+from shardsafe.core.integrity import hash_bytes
+from shardsafe.errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError
+from shardsafe.protocol.temppath import TemporaryPath, publish
+from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, safe_child, write_small_file, write_tensor_file
+from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
-
-TMP_MARK = ".shardsafe-tmp-"
-OLD_MARK = ".shardsafe-old-"
 
 
 def is_committed(folder: Path) -> bool:
     return (folder / MANIFEST_NAME).is_file()
-
-
-def _raise_shared(outcome: tuple[Any, ...]) -> None:
-    """Re-raise on every rank the error one rank reported (same class, same message)."""
-    if outcome[0] == "ok":
-        return
-    _, cls_name, message = outcome
-    cls = getattr(errors, cls_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, ShardsafeError)):
-        cls = SaveError
-    raise cls(message)
-
-
-def _error_outcome(exc: BaseException) -> tuple[str, str, str]:
-    name = type(exc).__name__ if isinstance(exc, ShardsafeError) else "SaveError"
-    message = str(exc) if isinstance(exc, ShardsafeError) else f"{type(exc).__name__}: {exc}"
-    return ("error", name, message)
 
 
 class LocalCommit:
@@ -177,20 +157,14 @@ def prepare(comm: Comm, final: Path, overwrite: bool) -> Path:
 
 def prepare_save(comm: Comm, final: Path | RemoteDir, overwrite: bool, fsync: bool = True) -> CommitTarget:
     """Coordinator: check the destination and set up the save; every rank: learn where to write."""
-    outcome: tuple[Any, ...] = ("ok", "")
-    if comm.is_coordinator:
-        try:
-            token = _check_remote(final, overwrite) if isinstance(final, RemoteDir) else str(_make_tmp(final, overwrite))
-            outcome = ("ok", token)
-        except Exception as exc:  # reported to every rank below
-            outcome = _error_outcome(exc)
-            if not isinstance(exc, ShardsafeError):
-                outcome = (outcome[0], outcome[1], f"coordinator (rank {comm.rank}): {outcome[2]}")
-    outcome = comm.broadcast(outcome)
-    _raise_shared(outcome)
+
+    def setup() -> str:
+        return _check_remote(final, overwrite) if isinstance(final, RemoteDir) else str(_make_tmp(final, overwrite))
+
+    token = comm.on_coordinator(setup, default=SaveError)
     if isinstance(final, RemoteDir):
-        return RemoteCommit(final, outcome[1])
-    return LocalCommit(Path(outcome[1]), final, fsync)
+        return RemoteCommit(final, token)
+    return LocalCommit(Path(token), final, fsync)
 
 
 def _check_remote(final: RemoteDir, overwrite: bool) -> str:
@@ -207,62 +181,25 @@ def _make_tmp(final: Path, overwrite: bool) -> Path:
     if final.is_dir() and not is_committed(final) and any(final.iterdir()) and not overwrite:
         raise CheckpointExistsError(f"{final}: folder exists, is not empty and holds no checkpoint; pass overwrite=True to replace it")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    return tmp
+    return TemporaryPath(final).path
 
 
 def agree_and_publish(comm: Comm, target: CommitTarget, rank_result: tuple[Any, ...], build: Any) -> Manifest | None:
     """Agreement + commit. ``build(results)`` runs on the coordinator and returns (manifest, state bytes)."""
     results = comm.gather(rank_result)
-    outcome: tuple[Any, ...] = ("ok",)
-    manifest = None
-    if comm.is_coordinator:
+
+    def commit() -> Manifest:
         assert results is not None
-        try:
-            failures = [r[1] for r in results if r[0] != "ok"]
-            if failures:
-                raise SaveError("save failed, nothing was published:\n  " + "\n  ".join(failures))
-            manifest, state_bytes = build(results)
-            manifest.state_file = target.state_name()
-            target.commit(state_bytes, manifest, comm.rank)
-        except Exception as exc:
-            target.abort()
-            outcome = _error_outcome(exc)
-            if not isinstance(exc, ShardsafeError):  # name who failed, as the ranks' reports do
-                outcome = (outcome[0], outcome[1], f"coordinator (rank {comm.rank}): {outcome[2]}")
-    outcome = comm.broadcast(outcome)
-    _raise_shared(outcome)
-    return manifest
+        failures = [r[1] for r in results if r[0] != "ok"]
+        if failures:
+            raise SaveError("save failed, nothing was published:\n  " + "\n  ".join(failures))
+        manifest, state_bytes = build(results)
+        manifest.state_file = target.state_name()
+        target.commit(state_bytes, manifest, comm.rank)
+        return manifest
 
-
-def publish(tmp: Path, final: Path, fsync: bool = True) -> None:
-    """Move a complete folder into place atomically, replacing whatever is there."""
-    if not final.exists():
-        os.rename(tmp, final)
-    elif exchange_paths(tmp, final):
-        if fsync:
-            fsync_dir(final.parent)
-        crash_point("save:after-publish", 0)
-        remove_tree(tmp)  # now holds the old checkpoint
-        return
-    else:  # no atomic swap on this filesystem: move the old one aside first
-        old = final.parent / f".{final.name}{OLD_MARK}{uuid.uuid4().hex[:12]}"
-        os.rename(final, old)
-        try:
-            crash_point("save:between-renames", 0)
-            os.rename(tmp, final)
-        except BaseException:
-            os.rename(old, final)  # put the old checkpoint back (after a crash here, collect_garbage does)
-            raise
-        if fsync:
-            fsync_dir(final.parent)
-        crash_point("save:after-publish", 0)
-        remove_tree(old)
-        return
-    if fsync:
-        fsync_dir(final.parent)
-    crash_point("save:after-publish", 0)
+    manifest = comm.on_coordinator(commit, default=SaveError, on_error=target.abort)
+    return manifest if comm.is_coordinator else None
 
 
 def new_manifest(world_size: int, files: dict[str, FileEntry], state_bytes: bytes, metadata: dict[str, Any] | None, version: str) -> Manifest:

@@ -25,26 +25,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import _unwrap
-from .api import save
-from .comm import Comm, get_comm
-from .commit import _error_outcome, _raise_shared, prepare, publish
-from .errors import DistributedError, SaveError, ShardsafeError
-from .export import (
-    CHECKPOINT_DIR,
-    DEFAULT_MAX_SHARD_SIZE,
-    EXPORT_META,
-    SafetensorsStreamWriter,
-    ShardPlan,
-    TensorInfo,
-    output_dtype,
-    plan_shards,
-    write_index,
-)
-from .format import dtype_name, dump_json
-from .guard import check_model_folder
-from .integrity import hash_bytes
-from .storage import fsync_dir, remove_tree, write_small_file
+from shardsafe.api.checkpoint import save
+from shardsafe.api.source import CHECKPOINT_DIR, EXPORT_META, TensorInfo
+from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.format import dtype_name, dump_json
+from shardsafe.core.integrity import hash_bytes
+from shardsafe.errors import DistributedError, SaveError, ShardsafeError
+from shardsafe.hf.export import DEFAULT_MAX_SHARD_SIZE, SafetensorsStreamWriter, ShardPlan, output_dtype, plan_shards, write_index
+from shardsafe.hf.guard import check_model_folder
+from shardsafe.protocol.commit import prepare
+from shardsafe.protocol.temppath import publish
+from shardsafe.state.adapters import unwrap_module
+from shardsafe.storage.local import fsync_dir, remove_tree, write_small_file
 
 NOTE_FILE = "EXPORT.md"
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -84,7 +76,7 @@ def save_pretrained(
     final = Path(out_dir).absolute()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    module = _unwrap(model)
+    module = unwrap_module(model)
     state: dict[str, Any] = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
     aliases = tied_aliases(module, list(state))
     infos = [TensorInfo(name, output_dtype(t.dtype, dtype), tuple(t.shape)) for name, t in state.items() if name not in aliases]
@@ -108,7 +100,7 @@ def save_pretrained(
 
     _build_model_folder(comm, final, overwrite, fsync, write, complete)
     if push_to is not None:
-        from .hub import push  # type: ignore[import-not-found, unused-ignore]
+        from shardsafe.hf.push import push  # type: ignore[import-not-found, unused-ignore]
 
         push(final, push_to, revision=revision, private=private, message=commit_message, process_group=process_group)
     return final
@@ -224,10 +216,10 @@ def save_pretrained_sharded(
 
     names = list(get_model_state_dict(sharded))
     stored = next((p.dtype for p in sharded.parameters() if p.is_floating_point()), None)
-    meta = _export_meta(dtype, tied_aliases(_unwrap(module), names), total_parameters)
+    meta = _export_meta(dtype, tied_aliases(unwrap_module(module), names), total_parameters)
 
     def complete(tmp: Path) -> None:
-        _write_config(_unwrap(module), tmp, dtype or stored, fsync)
+        _write_config(unwrap_module(module), tmp, dtype or stored, fsync)
         _complete_sharded(tmp, final, dtype, comm.world_size, fsync)
 
     _build_model_folder(comm, final, overwrite, fsync, lambda tmp: _save_checkpoint_dir(tmp, sharded, meta, process_group, fsync), complete)
@@ -254,7 +246,7 @@ def _build_model_folder(
             fsync_dir(tmp)
         publish(tmp, final, fsync)
 
-    _on_coordinator(comm, finish, cleanup=tmp)
+    comm.on_coordinator(finish, default=SaveError, on_error=lambda: remove_tree(tmp))
 
 
 def _export_meta(dtype: torch.dtype | None, aliases: dict[str, str], total_parameters: int) -> dict[str, Any]:
@@ -343,19 +335,6 @@ def _gather_to_coordinator(comm: Comm, value: Any) -> torch.Tensor | None:
         pieces = list(buffer.split(per_rank))
     dist.gather(padded, pieces, dst=coordinator, group=group)
     return buffer[:rows] if buffer is not None else None
-
-
-def _on_coordinator(comm: Comm, fn: Any, cleanup: Path) -> None:
-    """Run ``fn`` on the coordinator; every rank returns, or raises the same error."""
-    outcome: tuple[Any, ...] = ("ok",)
-    if comm.is_coordinator:
-        try:
-            fn()
-        except Exception as exc:
-            remove_tree(cleanup)
-            outcome = _error_outcome(exc)
-    outcome = comm.broadcast(outcome)
-    _raise_shared(outcome)
 
 
 def _clean_name(name: str) -> str:

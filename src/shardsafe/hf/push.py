@@ -25,7 +25,6 @@ only when a push needs them.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 import os
@@ -39,12 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import errors
-from .comm import get_comm
-from .errors import PushError, ShardsafeError
-from .faults import crash_point
-from .format import MANIFEST_NAME
-from .guard import INDEX_FILE, SINGLE_FILE, check_model_folder
+from shardsafe.core.comm import get_comm
+from shardsafe.core.faults import crash_point
+from shardsafe.core.format import MANIFEST_NAME
+from shardsafe.errors import PushError, ShardsafeError
+from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -201,25 +199,9 @@ def push(
     comm = get_comm(process_group)
     if not comm.distributed:
         return _push_here(src, dest, revision=revision, private=private, message=message, progress=progress)
-    outcome: tuple[Any, ...] = ("waiting",)
-    failure: ShardsafeError | None = None
-    if comm.is_coordinator:
-        try:
-            outcome = ("ok", _push_here(src, dest, revision=revision, private=private, message=message, progress=progress))
-        except ShardsafeError as exc:
-            failure, outcome = exc, ("error", type(exc).__name__, str(exc))
-        except Exception as exc:  # _push_here wraps everything; this is a last resort so no rank is left waiting
-            failure = PushError(f"{dest}: {type(exc).__name__}: {exc}")
-            outcome = ("error", "PushError", str(failure))
-    outcome = comm.broadcast(outcome)
-    if outcome[0] == "ok":
-        return str(outcome[1])
-    if failure is not None:
-        raise failure
-    cls = getattr(errors, outcome[1], None)
-    if not (isinstance(cls, type) and issubclass(cls, ShardsafeError)):
-        cls = PushError
-    raise cls(outcome[2])
+    return comm.on_coordinator(
+        lambda: _push_here(src, dest, revision=revision, private=private, message=message, progress=progress), default=PushError
+    )
 
 
 def _push_here(src: str | os.PathLike[str], dest: str, *, revision: str | None, private: bool, message: str | None, progress: bool) -> str:
@@ -528,30 +510,3 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------- CLI
-
-
-def add_push_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``shardsafe push SRC DEST [--revision R] [--private] [--message M]`` to an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "push",
-        help="upload a model folder or checkpoint to the Hugging Face Hub or an object store",
-        description="Check SRC with the model-folder guard (an empty, dummy or incomplete model is refused and nothing is "
-        "uploaded), then upload it. To the Hub (hf://owner/name or owner/name): create the repo if needed and upload every "
-        "file in one commit. To an fsspec URL (s3://bucket/prefix, file:///path): upload the data files first and the commit "
-        "marker (manifest.json, model.safetensors.index.json or model.safetensors) last, so a half upload is never a model. "
-        "Prints the commit URL (Hub) or the destination URL.",
-    )
-    p.add_argument("src", type=Path, metavar="SRC", help="model folder (safetensors weights) or shardsafe checkpoint folder")
-    p.add_argument("dest", metavar="DEST", help="hf://owner/name, owner/name, s3://bucket/prefix or another fsspec URL")
-    p.add_argument("--revision", metavar="R", default=None, help="Hub branch to commit to, created if missing (default: main)")
-    p.add_argument("--private", action="store_true", help="create the Hub repo private (no effect on an existing repo)")
-    p.add_argument("--message", "-m", metavar="M", default=None, help=f"Hub commit message (default: {DEFAULT_MESSAGE!r})")
-    p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
-    p.set_defaults(func=_cmd_push)
-    return p
-
-
-def _cmd_push(args: argparse.Namespace) -> int:
-    url = push(args.src, args.dest, revision=args.revision, private=args.private, message=args.message, progress=not args.no_progress)
-    print(f"ok: pushed {Path(args.src).absolute()} to {url}")
-    return 0

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .deepspeed_engine import KIND_DEEPSPEED_ENGINE, bind_engine, describe_engine, is_deepspeed_engine
-from .errors import ShardsafeError, StateMismatchError
-from .format import decode_value, encode_value
-from .plan import LocalChunk
-from .transfer import ReadTarget
+from shardsafe.core.format import decode_value, encode_value
+from shardsafe.core.plan import LocalChunk
+from shardsafe.errors import ShardsafeError, StateMismatchError
+from shardsafe.protocol.transfer import ReadTarget
+from shardsafe.state.deepspeed_engine import KIND_DEEPSPEED_ENGINE, bind_engine, describe_engine, is_deepspeed_engine
 
 KIND_MODULE = "module"
 KIND_OPTIMIZER = "optimizer"
@@ -58,7 +58,7 @@ def is_dtensor(tensor: object) -> bool:
     return cls is not None and isinstance(tensor, cls)
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap_module(module: nn.Module) -> nn.Module:
     inner = getattr(module, "module", None)
     if isinstance(module, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
         return inner
@@ -68,12 +68,12 @@ def _unwrap(module: nn.Module) -> nn.Module:
 def _param_names(module: nn.Module) -> dict[int, str]:
     """Parameter id -> FQN; a tied parameter gets its first name, as torch's get_optimizer_state_dict keys it."""
     names: dict[int, str] = {}
-    for name, p in _unwrap(module).named_parameters(remove_duplicate=False):
+    for name, p in unwrap_module(module).named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
 
 
-def _owner_module(state: dict[str, Any], optimizer: torch.optim.Optimizer, name: str) -> nn.Module:
+def owner_module(state: dict[str, Any], optimizer: torch.optim.Optimizer, name: str) -> nn.Module:
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for value in state.values():
         if isinstance(value, nn.Module) and params <= set(_param_names(value)):
@@ -127,7 +127,7 @@ def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
     entry is at most as large as its parameter (true of torch's optimizers); otherwise this
     returns False and allocates nothing, and the caller creates the state the optimizer's own way.
     """
-    by_name = {n: p for n, p in _unwrap(module).named_parameters(remove_duplicate=False)}
+    by_name = {n: p for n, p in unwrap_module(module).named_parameters(remove_duplicate=False)}
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     entries = decode_value(saved_state, lambda key: key).get("state", {})
     planned: list[tuple[torch.Tensor, str, tuple[int, ...], torch.dtype]] = []
@@ -211,7 +211,7 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
         elif isinstance(value, nn.Module):
             view.tree[name] = {"kind": KIND_MODULE, "state": encode_value(_model_state(value), name, ref)}
         elif isinstance(value, torch.optim.Optimizer):
-            osd = _optimizer_state(_owner_module(state, value, name), value)
+            osd = _optimizer_state(owner_module(state, value, name), value)
             view.tree[name] = {"kind": KIND_OPTIMIZER, "state": encode_value(osd, name, ref)}
         elif getattr(value, "per_rank", False) and hasattr(value, "state_dict"):
             view.per_rank[name] = encode_value(value.state_dict(), f"{name}/rank{rank}", ref)
@@ -266,7 +266,7 @@ def bind_for_load(state: dict[str, Any], rank: int, saved_tree: dict[str, Any] |
             _bind_tensors(binding, _model_state(value), name)
         elif isinstance(value, torch.optim.Optimizer):
             binding.names[name] = KIND_OPTIMIZER
-            module = _owner_module(state, value, name)
+            module = owner_module(state, value, name)
             if not value.state:
                 saved = saved_tree.get(name) if saved_tree is not None else None
                 if not (layout is not None and isinstance(saved, dict) and allocate_optimizer_state(module, value, saved.get("state"), layout)):

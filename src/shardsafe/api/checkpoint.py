@@ -10,8 +10,16 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from .adapters import (
+from shardsafe._version import __version__
+from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.faults import crash_point
+from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_name, dump_json
+from shardsafe.core.integrity import HASH_BLOCK_SIZE, BlockHasher
+from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers, plan_reads
+from shardsafe.errors import FormatError, IntegrityError, SaveError, ShardsafeError
+from shardsafe.protocol.commit import agree_and_publish, new_manifest, open_checkpoint, prepare_save
+from shardsafe.protocol.transfer import ChunkReader, ReuseMap, write_rank_file
+from shardsafe.state.adapters import (
     KIND_DEEPSPEED_ENGINE,
     KIND_MODULE,
     KIND_OPTIMIZER,
@@ -19,24 +27,16 @@ from .adapters import (
     KIND_TENSOR,
     LoadBinding,
     SaveView,
-    _owner_module,
     bind_for_load,
     check_optimizer_groups,
     describe_for_save,
     describe_mismatch,
+    owner_module,
     tensor_keys_of,
 )
-from .comm import Comm, get_comm
-from .commit import agree_and_publish, new_manifest, open_checkpoint, prepare_save
-from .deepspeed_engine import check_engine, fresh_engine_optimizers
-from .errors import FormatError, IntegrityError, SaveError, ShardsafeError
-from .faults import crash_point
-from .format import ChunkEntry, FileEntry, Manifest, TensorEntry, dtype_from_name, dump_json
-from .integrity import HASH_BLOCK_SIZE, BlockHasher
-from .objectstore import RemoteDir, is_url, local_path_of
-from .plan import ChunkSpec, LocalChunk, assign_writers, plan_reads
-from .storage import safe_child
-from .transfer import ChunkReader, ReuseMap, write_rank_file
+from shardsafe.state.deepspeed_engine import check_engine, fresh_engine_optimizers
+from shardsafe.storage.local import safe_child
+from shardsafe.storage.remote import RemoteDir, is_url, local_path_of
 
 
 def save(
@@ -65,22 +65,15 @@ def save(
 
 def describe_collectively(state: dict[str, Any], comm: Comm) -> SaveView:
     """Describe this rank's state; if any rank cannot, every rank raises (rather than some waiting forever)."""
-    problem = None
+    problem: Exception | None = None
     view = None
     try:
         view = describe_for_save(state, comm.rank)
     except Exception as exc:
-        problem = _problem(exc, comm.rank)
-    _agree(comm, problem)
+        problem = exc
+    comm.agree(problem)
     assert view is not None
     return view
-
-
-def _problem(exc: Exception, rank: int) -> str:
-    """An error as '<class>|<message>' for :func:`_agree`; unexpected errors become ShardsafeError."""
-    if isinstance(exc, ShardsafeError):
-        return f"{type(exc).__name__}|{exc}"
-    return f"ShardsafeError|rank {rank}: {type(exc).__name__}: {exc}"
 
 
 def location(path: str | os.PathLike[str] | RemoteDir) -> Path | RemoteDir:
@@ -145,18 +138,10 @@ def _specs_of(chunks: list[LocalChunk]) -> list[ChunkSpec]:
 
 
 def _plan(comm: Comm, specs: list[ChunkSpec]) -> list[int]:
+    """Every rank's chunk specs to the coordinator, which picks one writer per chunk; each rank learns its own."""
     gathered = comm.gather(specs)
-    plan: tuple[Any, ...] = ("ok", None)
-    if comm.is_coordinator:
-        assert gathered is not None
-        try:
-            plan = ("ok", assign_writers(gathered))
-        except ShardsafeError as exc:
-            plan = ("error", str(exc))
-    plan = comm.broadcast(plan)
-    if plan[0] != "ok":
-        raise SaveError(plan[1])
-    return list(plan[1][comm.rank])
+    plan = comm.on_coordinator(lambda: assign_writers(gathered or []), default=SaveError)
+    return list(plan[comm.rank])
 
 
 def _tensor_entries(results: list[tuple[Any, ...]]) -> dict[str, TensorEntry]:
@@ -212,7 +197,7 @@ def load(
     comm = get_comm(process_group)
     folder = location(path)
     loaded: _Loaded | None = None
-    problem: str | None = None
+    problem: Exception | None = None
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
     fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
@@ -225,7 +210,7 @@ def load(
             raise describe_mismatch(problems)
         loaded = _Loaded(manifest, tree, binding)
     except Exception as exc:  # shared with every rank below, so none waits alone
-        problem = _problem(exc, comm.rank)
+        problem = exc
     _agree(comm, problem, reset=fresh)
     assert loaded is not None
     problem = None
@@ -234,7 +219,7 @@ def load(
             try:
                 _check_sources(reader, loaded, comm.rank)
             except Exception as exc:
-                problem = _problem(exc, comm.rank)
+                problem = exc
             _agree(comm, problem, reset=fresh)
             # The blocks are verified; local re-reads go through the same open files (page cache).
             reader.verify = verify and reader.remote
@@ -244,7 +229,7 @@ def load(
             for finish in loaded.binding.finalizers:
                 finish(loaded.tree, lookup)
         except Exception as exc:
-            problem = _problem(exc, comm.rank)
+            problem = exc
     _agree(comm, problem)
     return loaded.manifest.metadata
 
@@ -257,28 +242,15 @@ def _layout_of(manifest: Manifest) -> Any:
     return layout
 
 
-def _agree(comm: Comm, problem: str | None, reset: Sequence[torch.optim.Optimizer] = ()) -> None:
-    """Raise the same error on every rank if any rank had one.
-
-    ``reset``: optimizers whose state the load created; emptied again before raising, so a failed
-    load leaves a fresh optimizer fresh.
-    """
-    reports = comm.all_gather(problem)
-    failed = [(rank, p) for rank, p in enumerate(reports) if p is not None]
-    if not failed:
-        return
-    from . import errors
-
-    cls_name, message = failed[0][1].split("|", 1)
-    if comm.world_size > 1:
-        distinct = sorted({p.split("|", 1)[1] for _, p in failed})
-        message = "\n".join(distinct) if len(distinct) > 1 else message
-        if failed[0][0] != comm.rank:
-            message = f"(reported by rank {failed[0][0]}) {message}"
-    cls = getattr(errors, cls_name, ShardsafeError)
-    for optimizer in reset:
-        optimizer.state.clear()
-    raise cls(message)
+def _agree(comm: Comm, problem: Exception | None, reset: Sequence[torch.optim.Optimizer] = ()) -> None:
+    """:meth:`Comm.agree`, and on failure empty ``reset`` (optimizers whose state the load created),
+    so a failed load leaves a fresh optimizer fresh."""
+    try:
+        comm.agree(problem)
+    except ShardsafeError:
+        for optimizer in reset:
+            optimizer.state.clear()
+        raise
 
 
 def _compare(manifest: Manifest, tree: dict[str, Any], binding: LoadBinding, state: dict[str, Any], strict: bool) -> list[str]:
@@ -302,7 +274,7 @@ def _compare(manifest: Manifest, tree: dict[str, Any], binding: LoadBinding, sta
                 problems += _compare_tensor(key, manifest, binding, strict)
         if kind == KIND_OPTIMIZER:
             optimizer = state[name]
-            problems += check_optimizer_groups(name, _owner_module(state, optimizer, name), optimizer, tree[name]["state"])
+            problems += check_optimizer_groups(name, owner_module(state, optimizer, name), optimizer, tree[name]["state"])
         if kind == KIND_DEEPSPEED_ENGINE:
             problems += check_engine(name, state[name], tree[name])
     for key in (k for entry in tree.values() if isinstance(entry, dict) for k in tensor_keys_of(entry.get("state", entry.get("ranks")))):
@@ -426,7 +398,7 @@ def _check_tree(manifest: Manifest, tree: dict[str, Any], where: str) -> None:
 
 
 def _check_headers(folder: Path | RemoteDir, manifest: Manifest) -> None:
-    from .format import parse_safetensors_header
+    from shardsafe.core.format import parse_safetensors_header
 
     if isinstance(folder, RemoteDir):
         for name, entry in manifest.files.items():

@@ -3,8 +3,8 @@ crashed, resumed twice, its checkpoint resharded and checked.
 
 Two halves live here:
 
-* the *worker* (``python -m shardsafe.demo worker ...``), started by ``torch.distributed.run`` on
-  N CPU ranks with gloo: it trains :class:`~shardsafe.demo_model.TinyGPT` under FSDP2 and saves
+* the *worker* (``python -m shardsafe.cli.demo worker ...``), started by ``torch.distributed.run`` on
+  N CPU ranks with gloo: it trains :class:`~shardsafe.cli.demo_model.TinyGPT` under FSDP2 and saves
   through a ``CheckpointManager`` (async saves every K steps, ``keep_last=3``, ``keep_best=1`` by
   held-out loss, ``handle_preemption=True``), resuming with ``manager.restore``. When told to, it
   simulates a preemption (rank 0 sends SIGTERM to every rank's process after a given step, as a
@@ -40,7 +40,11 @@ from typing import Any, TextIO
 
 import torch
 
-from .cli import format_bytes
+from shardsafe.api.checkpoint import load, save, verify
+from shardsafe.cli.formatting import format_bytes
+from shardsafe.errors import ShardsafeError
+from shardsafe.manager.manager import CheckpointManager, list_checkpoints
+from shardsafe.state.rng import RNGState
 
 DEFAULT_OUT = Path("demo-run")
 MARKER = ".shardsafe-demo"  # marks a folder this demo made, so only such a folder is ever wiped
@@ -107,7 +111,7 @@ def warm_imports() -> None:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shardsafe.demo worker", description="One rank of the demo run (started by torchrun).")
+    p = argparse.ArgumentParser(prog="python -m shardsafe.cli.demo worker", description="One rank of the demo run (started by torchrun).")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
@@ -142,9 +146,7 @@ def _build_state(seed: int, total_steps: int, mesh: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    import shardsafe
-
-    from .demo_model import GPTConfig, TinyGPT
+    from shardsafe.cli.demo_model import GPTConfig, TinyGPT
 
     torch.manual_seed(seed)  # same initial weights on every rank
     model = TinyGPT(GPTConfig())
@@ -154,14 +156,14 @@ def _build_state(seed: int, total_steps: int, mesh: Any) -> dict[str, Any]:
     optim = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_factor(total_steps))
     torch.manual_seed(seed + 1 + dist.get_rank())  # a different, reproducible data order per rank
-    return {"model": model, "optim": optim, "sched": sched, "rng": shardsafe.RNGState(), "step": 0}
+    return {"model": model, "optim": optim, "sched": sched, "rng": RNGState(), "step": 0}
 
 
 def _train_step(state: dict[str, Any], data: torch.Tensor) -> float:
     """One optimizer step; returns the loss averaged over ranks."""
     import torch.distributed as dist
 
-    from .demo_model import lm_loss, sample_batch
+    from shardsafe.cli.demo_model import lm_loss, sample_batch
 
     model, optim, sched = state["model"], state["optim"], state["sched"]
     x, y = sample_batch(data, BATCH_PER_RANK, model.cfg.seq_len)
@@ -177,9 +179,8 @@ def _train_step(state: dict[str, Any], data: torch.Tensor) -> float:
 
 def make_manager(out: Path, save_every: int) -> Any:
     """The manager every rank of every run uses (the same settings, so retention agrees across restarts)."""
-    import shardsafe
 
-    return shardsafe.CheckpointManager(
+    return CheckpointManager(
         out / CKPT,
         save_every=save_every,
         keep_last=KEEP_LAST,
@@ -215,9 +216,7 @@ def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    import shardsafe
-
-    from .demo_model import evaluate, split_corpus
+    from shardsafe.cli.demo_model import evaluate, split_corpus
 
     state = _build_state(args.seed, args.steps, mesh)
     train, held_out = split_corpus()
@@ -274,7 +273,7 @@ def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
         reference = args.out / SYNC_REFERENCE
         dist.barrier()
         clock = time.perf_counter()
-        shardsafe.save(reference, state, overwrite=True)
+        save(reference, state, overwrite=True)
         log.emit("sync_save", seconds=time.perf_counter() - clock, bytes=_folder_bytes(reference) if log.enabled else 0)
         if log.enabled:
             shutil.rmtree(reference)
@@ -372,7 +371,7 @@ def _launch(settings: DemoSettings, run: int, *extra: str) -> Launch:
     """Run torchrun with N workers; worker stdout (the progress bar) goes to our stdout, stderr to a log."""
     out = settings.out.absolute()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(settings.nproc), "--master_addr", "127.0.0.1"]
-    cmd += ["--master_port", str(_free_port()), "-m", "shardsafe.demo", "worker", "--out", str(out), "--attempt", str(run)]
+    cmd += ["--master_port", str(_free_port()), "-m", "shardsafe.cli.demo", "worker", "--out", str(out), "--attempt", str(run)]
     cmd += ["--steps", str(settings.steps), "--save-every", str(settings.save_every), "--seed", str(settings.seed), *extra]
     package_root = str(Path(__file__).resolve().parents[1])  # workers import this very shardsafe
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
@@ -440,16 +439,14 @@ def _run_finishing(settings: DemoSettings) -> Launch:
 
 def _evaluate_on_one_process(path: Path) -> dict[str, Any]:
     """Reshard N -> 1: load into a plain module in this process (no process group) and evaluate."""
-    import shardsafe
-
-    from .demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
+    from shardsafe.cli.demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
 
     model = TinyGPT(GPTConfig())
     warm_imports()
     started = time.perf_counter()
     try:
-        shardsafe.load(path, {"model": model})
-    except shardsafe.ShardsafeError as exc:
+        load(path, {"model": model})
+    except ShardsafeError as exc:
         raise DemoError(f"loading {path} onto one process failed: {exc}") from exc
     seconds = time.perf_counter() - started
     _, held_out = split_corpus()
@@ -461,20 +458,19 @@ def _evaluate_on_one_process(path: Path) -> dict[str, Any]:
 
 
 def _verify(path: Path) -> dict[str, Any]:
-    import shardsafe
 
     started = time.perf_counter()
     try:
-        summary = shardsafe.verify(path)
-    except shardsafe.ShardsafeError as exc:
+        summary = verify(path)
+    except ShardsafeError as exc:
         raise DemoError(f"verify failed on {path}: {exc}") from exc
     return {**summary, "seconds": time.perf_counter() - started}
 
 
 def _on_disk(root: Path) -> tuple[list[int], int]:
     """Committed steps under the manager root, and how many hidden leftovers of interrupted saves lie there."""
-    from .commit import TMP_MARK
-    from .manager import committed_steps
+    from shardsafe.manager.manager import committed_steps
+    from shardsafe.protocol.temppath import TMP_MARK
 
     leftovers = sum(1 for p in root.iterdir() if p.name.startswith(".") and TMP_MARK in p.name) if root.is_dir() else 0
     return committed_steps(root), leftovers
@@ -524,9 +520,8 @@ def _run_stages(settings: DemoSettings) -> dict[str, Any]:
 
 
 def _list(root: Path) -> list[Any]:
-    import shardsafe
 
-    infos = shardsafe.list_checkpoints(root)
+    infos = list_checkpoints(root)
     if not infos:
         raise DemoError(f"no committed checkpoint under {root} at the end of the run")
     return infos
@@ -726,10 +721,10 @@ def format_summary(v: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardsafe.demo worker ...`` (what torchrun starts on each rank)."""
+    """``python -m shardsafe.cli.demo worker ...`` (what torchrun starts on each rank)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "worker":
-        print("usage: python -m shardsafe.demo worker ...  (run `shardsafe demo` instead)", file=sys.stderr)
+        print("usage: python -m shardsafe.cli.demo worker ...  (run `shardsafe demo` instead)", file=sys.stderr)
         return 2
     return worker_main(argv[1:])
 

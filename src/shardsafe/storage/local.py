@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, IntegrityError
-from .faults import crash_point
-from .integrity import BlockHasher
+from shardsafe.core.faults import crash_point
+from shardsafe.core.integrity import BlockHasher
+from shardsafe.errors import FormatError, IntegrityError
 
 WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for device tensors
 

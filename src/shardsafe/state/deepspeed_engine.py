@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, ShardsafeError
-from .format import TENSOR_REF, decode_value, dtype_from_name, dtype_name, encode_value
-from .plan import LocalChunk
-from .transfer import ReadTarget
+from shardsafe.core.format import TENSOR_REF, decode_value, dtype_from_name, dtype_name, encode_value
+from shardsafe.core.plan import LocalChunk
+from shardsafe.errors import FormatError, ShardsafeError
+from shardsafe.protocol.transfer import ReadTarget
 
 KIND_DEEPSPEED_ENGINE = "deepspeed_engine"
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SaveError
-from .format import ChunkEntry, TensorEntry, box_overlap, element_size, numel
+from shardsafe.core.format import ChunkEntry, TensorEntry, box_overlap, element_size, numel
+from shardsafe.errors import SaveError
 
 
 @dataclass

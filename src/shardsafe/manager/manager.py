@@ -38,23 +38,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .adapters import SaveView
-from .api import describe_collectively, load, location, write_checkpoint
-from .comm import Comm, get_comm
-from .commit import OLD_MARK, TMP_MARK, is_committed
-from .errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
-from .faults import crash_point
-from .format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
-from .objectstore import RemoteDir
-from .plan import LocalChunk
-from .storage import fsync_dir, read_small_file, remove_tree
-from .transfer import ReuseMap, reuse_map
+from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
+from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.faults import crash_point
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
+from shardsafe.core.plan import LocalChunk
+from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
+from shardsafe.protocol.commit import is_committed
+from shardsafe.protocol.temppath import DELETING_MARK, OLD_MARK, TMP_MARK
+from shardsafe.protocol.transfer import ReuseMap, reuse_map
+from shardsafe.state.adapters import SaveView
+from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree
+from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
 
 STEP_DIGITS = 10
 STEP_RE = re.compile(r"^step-(\d+)$")
-DELETING_MARK = ".shardsafe-deleting-"
 META_KEY = "shardsafe.manager"
 
 
@@ -629,72 +629,3 @@ class CheckpointManager:
 
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "collect_garbage", "list_checkpoints", "step_name"]
-
-
-# ----------------------------------------------------------------------------- CLI: list, gc
-
-
-def add_manager_commands(sub: Any) -> None:
-    """``shardsafe list ROOT`` and ``shardsafe gc ROOT``."""
-    p = sub.add_parser(
-        "list",
-        help="list the checkpoints of a manager root",
-        description="Show the committed step checkpoints under ROOT (a folder or an fsspec URL) with sizes, metrics, "
-        "and which is the latest and the best.",
-    )
-    p.add_argument("root", metavar="ROOT", help="the CheckpointManager root")
-    p.add_argument("--metric", default=None, help="metric that ranks checkpoints (default: the one the manager recorded)")
-    p.add_argument("--mode", choices=("min", "max"), default=None, help="whether smaller or larger is better (default: recorded)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_list)
-    p = sub.add_parser(
-        "gc",
-        help="remove what interrupted saves and deletions left under a root",
-        description="Remove hidden temporary, old and deleting folders and step folders without a manifest (keeping data "
-        "that committed checkpoints still reference). Do not run it on a root another job is saving into: entries younger "
-        "than --min-age are left alone.",
-    )
-    p.add_argument("root", metavar="ROOT", help="the CheckpointManager root (or any folder checkpoints are saved into)")
-    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
-    p.add_argument("--min-age", type=float, default=600.0, metavar="SECONDS", help="leave younger entries alone (default: %(default)s)")
-    p.set_defaults(func=_cmd_gc)
-
-
-def _cmd_list(args: Any) -> int:
-    import json
-
-    infos = list_checkpoints(args.root, args.metric, args.mode)
-    if args.json:
-        rows = [
-            {"step": i.step, "path": str(getattr(i.path, "url", i.path)), "bytes": i.size, "metrics": i.metrics, "best": i.best, "latest": i.latest}
-            for i in infos
-        ]
-        print(json.dumps(rows, indent=2))
-        return 0
-    if not infos:
-        print(f"no committed checkpoints under {args.root}")
-        return 0
-    print(f"{'step':>12}  {'size':>10}  {'created':19}  flags        metrics")
-    for i in infos:
-        flags = ",".join(f for f, on in (("latest", i.latest), ("best", i.best)) if on)
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created))
-        metrics = " ".join(f"{k}={v}" for k, v in i.metrics.items())
-        print(f"{i.step:>12}  {_size(i.size):>10}  {created}  {flags:11}  {metrics}")
-    return 0
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _cmd_gc(args: Any) -> int:
-    removed = collect_garbage(args.root, dry_run=args.dry_run, min_age=args.min_age)
-    verb = "would remove" if args.dry_run else "removed"
-    for path in removed:
-        print(f"{verb} {path}")
-    print(f"{verb} {len(removed)} entries under {args.root}")
-    return 0

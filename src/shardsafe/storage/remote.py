@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, IntegrityError
-from .format import check_component
-from .integrity import BlockHasher
-from .storage import tensor_pieces
+from shardsafe.core.format import check_component
+from shardsafe.core.integrity import BlockHasher
+from shardsafe.errors import FormatError, IntegrityError
+from shardsafe.storage.local import tensor_pieces
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelFolderError, ShardsafeError
-from .format import MANIFEST_NAME, MAX_JSON_BYTES, numel, parse_json, parse_safetensors_header
-from .storage import read_small_file, safe_child
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, numel, parse_json, parse_safetensors_header
+from shardsafe.errors import ModelFolderError, ShardsafeError
+from shardsafe.storage.local import read_small_file, safe_child
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -114,7 +114,7 @@ def _check_sharded(folder: Path) -> ModelFolderSummary:
 
 
 def _check_checkpoint(folder: Path) -> ModelFolderSummary:
-    from .commit import open_checkpoint
+    from shardsafe.protocol.commit import open_checkpoint
 
     manifest, _ = open_checkpoint(folder)
     summary = ModelFolderSummary("shardsafe-checkpoint")

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError
-from .integrity import HASH_ALGORITHM, HASH_BLOCK_SIZE, num_blocks
+from shardsafe.core.integrity import HASH_ALGORITHM, HASH_BLOCK_SIZE, num_blocks
+from shardsafe.errors import FormatError
 
 FORMAT_NAME = "shardsafe"
 FORMAT_VERSION = 1

@@ -1,0 +1,1 @@
+"""The collective entry points save(), load(), verify(), and whole-tensor sources over a checkpoint."""

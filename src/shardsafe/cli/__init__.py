@@ -1,0 +1,1 @@
+"""Every `shardsafe ...` command, one error boundary, and the demo."""

@@ -1,0 +1,66 @@
+"""``shardsafe list ROOT`` and ``shardsafe gc ROOT``: the checkpoints of a manager root."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from shardsafe.cli.formatting import format_bytes
+from shardsafe.manager.manager import collect_garbage, list_checkpoints
+
+
+def add_parsers(sub: Any) -> None:
+    """``shardsafe list ROOT`` and ``shardsafe gc ROOT``."""
+    p = sub.add_parser(
+        "list",
+        help="list the checkpoints of a manager root",
+        description="Show the committed step checkpoints under ROOT (a folder or an fsspec URL) with sizes, metrics, "
+        "and which is the latest and the best.",
+    )
+    p.add_argument("root", metavar="ROOT", help="the CheckpointManager root")
+    p.add_argument("--metric", default=None, help="metric that ranks checkpoints (default: the one the manager recorded)")
+    p.add_argument("--mode", choices=("min", "max"), default=None, help="whether smaller or larger is better (default: recorded)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_list)
+    p = sub.add_parser(
+        "gc",
+        help="remove what interrupted saves and deletions left under a root",
+        description="Remove hidden temporary, old and deleting folders and step folders without a manifest (keeping data "
+        "that committed checkpoints still reference). Do not run it on a root another job is saving into: entries younger "
+        "than --min-age are left alone.",
+    )
+    p.add_argument("root", metavar="ROOT", help="the CheckpointManager root (or any folder checkpoints are saved into)")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    p.add_argument("--min-age", type=float, default=600.0, metavar="SECONDS", help="leave younger entries alone (default: %(default)s)")
+    p.set_defaults(func=_cmd_gc)
+
+
+def _cmd_list(args: Any) -> int:
+    infos = list_checkpoints(args.root, args.metric, args.mode)
+    if args.json:
+        rows = [
+            {"step": i.step, "path": str(getattr(i.path, "url", i.path)), "bytes": i.size, "metrics": i.metrics, "best": i.best, "latest": i.latest}
+            for i in infos
+        ]
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not infos:
+        print(f"no committed checkpoints under {args.root}")
+        return 0
+    print(f"{'step':>12}  {'size':>10}  {'created':19}  flags        metrics")
+    for i in infos:
+        flags = ",".join(f for f, on in (("latest", i.latest), ("best", i.best)) if on)
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created))
+        metrics = " ".join(f"{k}={v}" for k, v in i.metrics.items())
+        print(f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {flags:11}  {metrics}")
+    return 0
+
+
+def _cmd_gc(args: Any) -> int:
+    removed = collect_garbage(args.root, dry_run=args.dry_run, min_age=args.min_age)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path}")
+    print(f"{verb} {len(removed)} entries under {args.root}")
+    return 0

@@ -1,0 +1,74 @@
+"""``shardsafe convert SRC OUT``: a DeepSpeed ZeRO checkpoint into a shardsafe checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from shardsafe.api.source import DTYPE_CHOICES
+from shardsafe.errors import CheckpointExistsError, ShardsafeError
+from shardsafe.interop.deepspeed import convert_deepspeed
+from shardsafe.protocol.commit import open_checkpoint
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``convert SRC OUT [--tag T] [--dtype D] [--for-engine] [--overwrite] [--no-progress]`` to a ``shardsafe`` parser."""
+    p = subparsers.add_parser(
+        "convert",
+        help="turn a DeepSpeed ZeRO checkpoint into a shardsafe checkpoint (model + optimizer, any world size)",
+        description="Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint without DeepSpeed and without running pickled code, and write "
+        "it as a shardsafe checkpoint: model/<name> (fp32 master weights), optim/state/<name>/{exp_avg,exp_avg_sq,step} and the "
+        "param groups, keyed as shardsafe.save keys a module and a torch optimizer, so shardsafe.load({'model': model, 'optim': "
+        "AdamW(...)}) resumes on any number of ranks; with --for-engine, in the layout shardsafe.save gives a live ZeRO-3 engine, so "
+        "shardsafe.load({'engine': engine}) resumes a fresh DeepSpeed engine on any number of ranks. One process, one tensor in memory at a time.",
+    )
+    p.add_argument("src", type=Path, metavar="SRC", help="the folder engine.save_checkpoint wrote (holding `latest`), or a tag folder")
+    p.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to create")
+    p.add_argument("--tag", default=None, help="tag folder to read (default: the one `latest` names)")
+    p.add_argument(
+        "--dtype",
+        choices=[*sorted(DTYPE_CHOICES), "keep"],
+        default=None,
+        help="dtype of the floating model tensors (default: float32; keep: DeepSpeed's, frozen parameters in the model dtype); not with --for-engine",
+    )
+    p.add_argument(
+        "--for-engine",
+        action="store_true",
+        help="write the layout of a live ZeRO-3 engine (entry 'engine': fp32 master, optimizer state, frozen parameters, buffers, "
+        "step counts, hyper-parameters, loss scaler, counters) for shardsafe.load(OUT, {'engine': engine}) at any world size",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.for_engine and args.dtype is not None:
+        raise ShardsafeError("--dtype does not apply with --for-engine (the engine layout keeps fp32 master weights and the engine's dtypes)")
+    try:
+        out = convert_deepspeed(
+            args.src,
+            args.out,
+            tag=args.tag,
+            dtype=args.dtype or "float32",
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            for_engine=args.for_engine,
+        )
+    except CheckpointExistsError as exc:
+        raise CheckpointExistsError(f"{args.out}: exists; pass --overwrite to replace it") from exc
+    manifest, _ = open_checkpoint(out)
+    meta = manifest.metadata.get("converted_from", {})
+    if args.for_engine:
+        what = f"{sum(1 for k in manifest.tensors if k.startswith('engine/'))} engine tensors (for shardsafe.load into a ZeRO-3 engine)"
+    else:
+        model = sum(1 for k in manifest.tensors if k.startswith("model/"))
+        optim = sum(1 for k in manifest.tensors if k.startswith("optim/"))
+        what = f"{model} model tensors, {optim} optimizer tensors"
+    print(
+        f"converted DeepSpeed ZeRO-{meta.get('zero_stage')} checkpoint {meta.get('tag')} ({meta.get('dp_world_size')} ranks, "
+        f"step {meta.get('global_steps')}) into {out}: {what}, {sum(f.size for f in manifest.files.values())} bytes"
+    )
+    return 0

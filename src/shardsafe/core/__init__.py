@@ -1,0 +1,1 @@
+"""The pure core: the on-disk schema, block hashes, who writes/reads what, collectives, fault points. No file I/O."""

@@ -1,0 +1,164 @@
+"""The few collectives shardsafe needs, usable with no process group at all.
+
+All traffic is small Python objects (plans, chunk records, status), exchanged with torch's
+object collectives. Group rank 0 is the coordinator.
+
+Two primitives carry every "one rank decides, all ranks learn" step, so there is one encoding of
+an error and one rule for what every rank raises (:class:`Outcome`):
+
+* :meth:`Comm.on_coordinator` runs a function on the coordinator only and gives every rank its
+  result, or makes every rank raise the same error;
+* :meth:`Comm.agree` has every rank report its own problem (or None) and makes every rank raise
+  the same error if any rank had one.
+
+The rule: every rank raises the class the failing rank raised if it is a
+:class:`~shardsafe.errors.ShardsafeError` subclass, else the caller's ``default`` class with the
+message prefixed by the rank and the original exception type. The rank that failed chains the
+original exception (``raise ... from exc``), so its traceback keeps the cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardsafe import errors
+from shardsafe.errors import ShardsafeError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    """What one collective step produced: a value, or the error every rank raises (class name + message)."""
+
+    value: T | None = None
+    error: str | None = None
+    message: str = ""
+    rank: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def failure(cls, exc: BaseException, rank: int, default: type[ShardsafeError] = ShardsafeError) -> Outcome[Any]:
+        """The one encoding of an error: shardsafe errors keep class and message, others become ``default``."""
+        if isinstance(exc, ShardsafeError):
+            return cls(error=type(exc).__name__, message=str(exc), rank=rank)
+        return cls(error=default.__name__, message=f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank)
+
+    def error_class(self, default: type[ShardsafeError] = ShardsafeError) -> type[ShardsafeError]:
+        cls = getattr(errors, self.error or "", None)
+        return cls if isinstance(cls, type) and issubclass(cls, ShardsafeError) else default
+
+    def unwrap(self, default: type[ShardsafeError] = ShardsafeError, cause: BaseException | None = None) -> T:
+        """The value, or raise the shared error (chained to ``cause`` on the rank that failed)."""
+        if self.ok:
+            return self.value  # type: ignore[return-value]
+        raise self.error_class(default)(self.message) from cause
+
+
+@dataclass(frozen=True)
+class Comm:
+    group: Any
+    rank: int
+    world_size: int
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.world_size > 1
+
+    def _device(self) -> torch.device | None:
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
+
+    def _coordinator_global(self) -> int:
+        return dist.get_global_rank(self.group, 0) if self.group is not dist.GroupMember.WORLD else 0
+
+    def broadcast(self, value: Any) -> Any:
+        """The coordinator's ``value``, on every rank."""
+        if not self.distributed:
+            return value
+        box = [value if self.is_coordinator else None]
+        dist.broadcast_object_list(box, src=self._coordinator_global(), group=self.group, device=self._device())
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` on the coordinator (None elsewhere)."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(value, out, dst=self._coordinator_global(), group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            self.broadcast(None)
+
+    def on_coordinator(
+        self,
+        fn: Callable[[], T],
+        *,
+        default: type[ShardsafeError] = ShardsafeError,
+        on_error: Callable[[], None] | None = None,
+    ) -> T:
+        """Run ``fn`` on the coordinator only; every rank returns its result or raises the same error.
+
+        ``on_error`` runs on the coordinator after ``fn`` failed and before the error is shared
+        (cleanup of what ``fn`` half made). Without a process group this is ``fn()`` with the same
+        error rule.
+        """
+        outcome: Outcome[T] = Outcome()
+        cause: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                outcome = Outcome(value=fn())
+            except Exception as exc:  # shared with every rank below
+                cause, outcome = exc, Outcome.failure(exc, self.rank, default)
+                if on_error is not None:
+                    on_error()
+        shared: Outcome[T] = self.broadcast(outcome)
+        return shared.unwrap(default, cause)
+
+    def agree(self, problem: BaseException | None, *, default: type[ShardsafeError] = ShardsafeError) -> None:
+        """Every rank reports its own ``problem`` (or None); if any rank had one, every rank raises.
+
+        The class is the first failing rank's; the message lists each distinct problem once, and
+        ranks that did not fail are told which rank reported it.
+        """
+        mine = Outcome.failure(problem, self.rank, default) if problem is not None else Outcome[Any]()
+        reports: list[Outcome[Any]] = self.all_gather(mine)
+        failed = [r for r in reports if not r.ok]
+        if not failed:
+            return
+        first = failed[0]
+        distinct = sorted({r.message for r in failed})
+        message = "\n".join(distinct) if len(distinct) > 1 else first.message
+        if first.rank != self.rank and self.distributed:
+            message = f"(reported by rank {first.rank}) {message}"
+        raise first.error_class(default)(message) from problem
+
+
+def get_comm(process_group: Any = None) -> Comm:
+    """The communicator for ``process_group`` (default: the world), or a single-process one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Comm(None, 0, 1)
+    group = process_group if process_group is not None else dist.GroupMember.WORLD
+    return Comm(group, dist.get_rank(group), dist.get_world_size(group))

@@ -1,0 +1,1 @@
+"""Hugging Face model folders: what counts as a model (guard), export, save_pretrained, push."""

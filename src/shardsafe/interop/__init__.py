@@ -1,0 +1,1 @@
+"""Readers of other checkpoint formats (DeepSpeed ZeRO) behind one restricted unpickler."""

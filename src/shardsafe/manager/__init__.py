@@ -1,0 +1,1 @@
+"""Training-run checkpoints: step folders, catalog, retention, garbage collection, CheckpointManager."""

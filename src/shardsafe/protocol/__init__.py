@@ -1,0 +1,1 @@
+"""How bytes move and how a checkpoint becomes visible: rank files out, verified reads in, the commit."""

@@ -1,0 +1,1 @@
+"""Live objects <-> named tensor chunks + JSON: one adapter per kind of state value."""
