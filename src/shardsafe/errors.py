@@ -46,3 +46,11 @@ class ModelFolderError(ShardsafeError):
 
 class PushError(ShardsafeError):
     """Uploading a model folder to the Hub or an object store failed (names the destination and the file)."""
+
+
+class LeaseHeldError(ShardsafeError):
+    """Another live run holds the lease on this checkpoint root (names it: host, pid, run id, heartbeat age)."""
+
+
+class LeaseLostError(ShardsafeError):
+    """This run's lease on its checkpoint root was taken over by another run; it may publish and delete nothing."""
