@@ -103,7 +103,13 @@ def test_works_in_a_dataloader_and_len_counts_the_rest() -> None:
 def test_bad_states_are_refused_before_anything_changes() -> None:
     sampler = ReshardableSampler(range(10), num_replicas=1, rank=0)
     before = sampler.state_dict()
-    for bad in ({}, {"epoch": "x", "seed": 0, "consumed": 0}, {"epoch": 0, "seed": 0, "consumed": -3}, {**before, "dataset_length": 11}, {**before, "shuffle": False}):
+    for bad in (
+        {},
+        {"epoch": "x", "seed": 0, "consumed": 0},
+        {"epoch": 0, "seed": 0, "consumed": -3},
+        {**before, "dataset_length": 11},
+        {**before, "shuffle": False},
+    ):
         with pytest.raises(ValueError):
             sampler.load_state_dict(bad)
         assert sampler.state_dict() == before

@@ -19,6 +19,7 @@ from shardsafe.errors import (  # noqa: E402
     StateMismatchError,
 )
 from shardsafe.hf.export import export_hf  # noqa: E402
+from shardsafe.hf.load_pretrained import load_pretrained  # noqa: E402
 from shardsafe.hf.pretrained import save_pretrained  # noqa: E402
 from shardsafe.hf.push import push  # noqa: E402
 from shardsafe.interop.deepspeed import convert_deepspeed  # noqa: E402
@@ -46,6 +47,7 @@ __all__ = [
     "export_hf",
     "list_checkpoints",
     "load",
+    "load_pretrained",
     "push",
     "save",
     "save_pretrained",

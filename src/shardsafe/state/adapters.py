@@ -35,7 +35,7 @@ KIND_TENSOR = "tensor"
 KIND_VALUE = "value"
 
 
-def _placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local data, global shape, global offsets of the local data) of a tensor or DTensor."""
     if is_dtensor(tensor):
         from torch.distributed.tensor import DTensor, Replicate
@@ -192,7 +192,7 @@ def _collector(chunks: list[LocalChunk], name: str) -> Callable[[str, torch.Tens
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
-        local, global_shape, offsets = _placement(tensor)
+        local, global_shape, offsets = local_placement(tensor)
         if local.numel() or not any(global_shape):
             chunks.append(LocalChunk(path, local, global_shape, offsets))
         return path
@@ -243,7 +243,7 @@ def _bind_tensors(binding: LoadBinding, value: Any, name: str) -> None:
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
-        local, global_shape, offsets = _placement(tensor)
+        local, global_shape, offsets = local_placement(tensor)
         binding.targets[path] = ReadTarget(path, local, global_shape, offsets)
         return path
 

@@ -1,0 +1,258 @@
+"""Hugging Face weights straight into a sharded model: :func:`load_pretrained`.
+
+Starting a sharded run from a model folder usually means every rank loading the whole
+``from_pretrained`` model (or rank 0 loading it and broadcasting), which does not fit for large
+models. Here every rank reads only the rows it owns: for each parameter, the local shard's box is
+known (an FSDP2 ``Shard(0)`` DTensor owns a contiguous block of rows, a plain or DDP parameter all
+of it), and the safetensors header gives where the tensor's bytes start, so the rank preads that
+byte range, converts the dtype and copies it into its local tensor, at most :data:`READ_BUDGET`
+bytes (or one row, if larger) at a time.
+
+Before any parameter is written, every rank has checked every name, shape and byte range against
+the files, and the ranks agree: missing and unexpected keys, shape mismatches and damaged headers
+are reported together, and nothing is modified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.format import element_size, parse_safetensors_header
+from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
+from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
+from shardsafe.state.adapters import local_placement, unwrap_module
+from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes
+
+READ_BUDGET = 64 << 20  # bytes read per step (at least one row of the tensor)
+HF_PREFIX = "hf://"
+_HEADER_PREFIX = 1 << 20  # read this much first; larger headers are read whole
+_DOWNLOAD_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", INDEX_FILE]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes are in a model folder."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass
+class _Target:
+    """One destination: the local data of a parameter or buffer, and which global rows it holds."""
+
+    name: str
+    stored: StoredTensor
+    local: torch.Tensor
+    offsets: tuple[int, ...]
+
+
+def _resolve(source: str | os.PathLike[str], revision: str | None, comm: Comm) -> Path:
+    """A local folder, or ``hf://owner/name`` downloaded (config and safetensors only) by the coordinator."""
+    text = str(source)
+    if not text.startswith(HF_PREFIX):
+        if revision is not None:
+            raise ShardsafeError(f"{text}: revision= applies to hf:// sources only")
+        return Path(text).absolute()
+    repo_id = text[len(HF_PREFIX) :].strip("/")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ShardsafeError(f"{text}: expected hf://owner/name")
+
+    def download() -> str:
+        # Into a folder of real files (the Hub cache's snapshots are symlinks into blobs/, which the
+        # folder checks refuse); offline, snapshot_download returns it when it is already complete.
+        from huggingface_hub import constants, snapshot_download
+
+        owner, name = repo_id.split("/")
+        local = Path(constants.HF_HUB_CACHE).parent / "shardsafe-weights" / f"{owner}--{name}" / (revision or "main")
+        return str(snapshot_download(repo_id, revision=revision, allow_patterns=_DOWNLOAD_PATTERNS, local_dir=local))
+
+    folder = Path(comm.on_coordinator(download))
+    if not folder.is_dir():  # another host: download (or find in the cache) here as well
+        folder = Path(download())
+    return folder
+
+
+def _files_of(folder: Path) -> list[str]:
+    if (folder / INDEX_FILE).is_file():
+        index = json.loads(read_small_file(safe_child(folder, INDEX_FILE), 64 << 20))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{folder / INDEX_FILE}: no weight_map")
+        return sorted({str(f) for f in weight_map.values()})
+    return [SINGLE_FILE]
+
+
+def read_layout(folder: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a model folder: file, dtype, shape and absolute byte range (headers validated)."""
+    layout: dict[str, StoredTensor] = {}
+    for file in _files_of(folder):
+        path = safe_child(folder, file)
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, min(size, _HEADER_PREFIX), 0)
+            if len(head) >= 8:
+                need = 8 + int.from_bytes(head[:8], "little")
+                if len(head) < need <= size:
+                    head = os.pread(fd, need, 0)
+            for name, (dtype, shape, begin, end) in parse_safetensors_header(head, size, str(path)).items():
+                if name in layout:
+                    raise FormatError(f"{path}: tensor {name!r} is also in {layout[name].file}")
+                layout[name] = StoredTensor(file, dtype, tuple(shape), begin, end)
+        finally:
+            os.close(fd)
+    return layout
+
+
+def _destinations(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Name -> tensor to fill (parameters and persistent buffers), and alias -> name for tied parameters."""
+    tensors: dict[str, torch.Tensor] = {}
+    first_name: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            aliases[name] = first_name[id(param)]
+            continue
+        first_name[id(param)] = name
+        tensors[name] = param
+    persistent = set(module.state_dict().keys())
+    for name, buf in module.named_buffers(remove_duplicate=False):
+        if name in persistent and name not in tensors:
+            tensors[name] = buf
+    return tensors, aliases
+
+
+def _match_names(wanted: list[str], stored: dict[str, StoredTensor], prefix: str) -> dict[str, str]:
+    """Model name -> stored name, allowing the base-model prefix (``model.``) to differ, as transformers does."""
+    out = {}
+    for name in wanted:
+        candidates = [name]
+        if prefix:
+            candidates += [f"{prefix}.{name}", name[len(prefix) + 1 :] if name.startswith(prefix + ".") else ""]
+        found = next((c for c in candidates if c and c in stored), None)
+        if found is not None:
+            out[name] = found
+    return out
+
+
+def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool) -> tuple[list[_Target], list[str], list[str]]:
+    tensors, aliases = _destinations(module)
+    prefix = str(getattr(module, "base_model_prefix", "") or "")
+    matched = _match_names(list(tensors), layout, prefix)
+    for alias, name in aliases.items():  # a tied weight may be stored under either of its names
+        if name not in matched:
+            found = _match_names([alias], layout, prefix)
+            if alias in found:
+                matched[name] = found[alias]
+    missing = sorted(n for n in tensors if n not in matched)
+    used = set(matched.values())
+    alias_names = {c for a in aliases for c in _match_names([a], layout, prefix).values()}
+    unexpected = sorted(k for k in layout if k not in used and k not in alias_names)
+    problems = []
+    targets = []
+    for name, stored_name in matched.items():
+        stored = layout[stored_name]
+        local, shape, offsets = local_placement(tensors[name])
+        if tuple(shape) != stored.shape:
+            problems.append(f"{name}: the model has shape {list(shape)}, {stored.file} stores {stored_name} as {list(stored.shape)}")
+        elif stored.dtype.is_floating_point != local.dtype.is_floating_point and stored.dtype != local.dtype:
+            problems.append(f"{name}: cannot load {stored.dtype} weights into a {local.dtype} tensor")
+        else:
+            targets.append(_Target(name, stored, local, offsets))
+    if strict:
+        problems += [f"missing in the model folder: {n}" for n in missing] + [f"unexpected in the model folder: {n}" for n in unexpected]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise StateMismatchError("the model folder does not fit the model:\n  " + "\n  ".join(shown))
+    return targets, missing, unexpected
+
+
+def _read_rows(fd: int, stored: StoredTensor, first_row: int, rows: int, where: str) -> torch.Tensor:
+    row_elems = 1
+    for d in stored.shape[1:]:
+        row_elems *= d
+    row_bytes = row_elems * element_size(stored.dtype)
+    out = torch.empty((rows, *stored.shape[1:]) if stored.shape else (), dtype=stored.dtype)
+    pread_into(fd, [tensor_bytes(out)], stored.begin + first_row * row_bytes, where)
+    return out
+
+
+def _fill(target: _Target, fd: int, where: str) -> int:
+    """Copy this rank's box of the stored tensor into ``target.local``, a bounded number of rows at a time."""
+    stored, local = target.stored, target.local
+    if not stored.shape:  # a scalar
+        local.copy_(_read_rows(fd, stored, 0, 1, where))
+        return stored.end - stored.begin
+    rows_total = local.shape[0]
+    if local.numel() == 0:
+        return 0
+    row_bytes = (stored.end - stored.begin) // max(1, stored.shape[0])
+    step = max(1, READ_BUDGET // max(1, row_bytes))
+    box = tuple(slice(o, o + n) for o, n in zip(target.offsets[1:], local.shape[1:]))
+    done = 0
+    with torch.no_grad():
+        for start in range(0, rows_total, step):
+            rows = min(step, rows_total - start)
+            block = _read_rows(fd, stored, target.offsets[0] + start, rows, where)
+            local[start : start + rows].copy_(block[(slice(None), *box)])
+            done += rows * row_bytes
+    return done
+
+
+def load_pretrained(
+    model: nn.Module,
+    source: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    revision: str | None = None,
+) -> dict[str, Any]:
+    """Load a Hugging Face model folder (or ``hf://owner/name``) into ``model``, each rank reading only what it owns.
+
+    Collective: every rank of ``process_group`` calls it. ``model`` may be plain, DDP-wrapped or
+    FSDP2-sharded; floating-point weights are converted to the parameters' dtype (bf16 files into
+    fp32 parameters); a tied weight stored under either name fills both; non-persistent buffers
+    are left as the model built them. With ``strict``, missing and unexpected keys are errors
+    (all reported at once, before anything is written); otherwise they are returned.
+    The guard refuses a folder without real weights first (a ZeRO-3 dummy file, say).
+
+    Returns ``{"missing_keys": [...], "unexpected_keys": [...], "tensors": n, "bytes_read": b}``
+    (this rank's tensors and bytes).
+    """
+    comm = get_comm(process_group)
+    module = unwrap_module(model)
+    folder = _resolve(source, revision, comm)
+    comm.on_coordinator(lambda: check_model_folder(folder))
+    plan: tuple[list[_Target], list[str], list[str]] | None = None
+    problem: Exception | None = None
+    try:
+        plan = _plan(module, read_layout(folder), strict)
+    except Exception as exc:  # every rank raises together below
+        problem = exc
+    comm.agree(problem)
+    assert plan is not None
+    targets, missing, unexpected = plan
+    fds: dict[str, int] = {}
+    read = 0
+    try:
+        for target in targets:
+            file = target.stored.file
+            if file not in fds:
+                fds[file] = open_regular(safe_child(folder, file))
+            read += _fill(target, fds[file], f"{folder / file}: {target.name}")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "tensors": len(targets), "bytes_read": read}
