@@ -1,0 +1,167 @@
+"""Accelerate: ``save_state`` / ``load_state`` as one atomic shardsafe checkpoint written by all ranks.
+
+``Accelerator.save_state`` has every rank ``makedirs`` the folder, rank 0 write the weights and each
+rank a pickled RNG file, and retention ``rmtree`` old folders while other ranks may still write:
+the all-ranks/one-writer problems the Trainer had. Here the same content goes through one
+collective :func:`shardsafe.save`: models (plain, DDP, FSDP2, a DeepSpeed ZeRO-3 engine), optimizers
+(the torch optimizer inside each ``AcceleratedOptimizer``; under DeepSpeed the engine holds it),
+schedulers, the data position of each prepared dataloader (a :class:`~shardsafe.data.ReshardableSampler`
+reshards; a stateful dataloader's state is kept per rank), the gradient scaler, the RNG of every
+rank, ``accelerator.step`` and every object registered with ``register_for_checkpointing``.
+No pickle is written or read.
+
+With ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`` checkpoints are
+``<project_dir>/checkpoints/checkpoint_<iteration>``, as Accelerate names them; after a new one is
+committed, the oldest beyond ``total_limit`` are retired (renamed hidden, then deleted), by the
+coordinator only. Like the Accelerator's own methods, these read Accelerate's registries
+(``_models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``, ``_custom_objects``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardsafe.api.checkpoint import load, save
+from shardsafe.core.comm import get_comm
+from shardsafe.data.sampler import ReshardableSampler
+from shardsafe.errors import CheckpointNotFoundError, ShardsafeError
+from shardsafe.protocol.commit import is_committed
+from shardsafe.protocol.temppath import retire_folder
+from shardsafe.state.rng import RNGState
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+STEP_KEY = "accelerator_step"
+META_KEY = "shardsafe.accelerate"
+
+
+def _name(kind: str, i: int) -> str:
+    return kind if i == 0 else f"{kind}_{i}"
+
+
+def _is_deepspeed(accelerator: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return bool(accelerator.distributed_type == DistributedType.DEEPSPEED)
+
+
+def _position_of(dataloader: Any) -> Any:
+    """What holds a prepared dataloader's position: a ReshardableSampler, or the dataloader itself when stateful."""
+    for holder in (dataloader, getattr(dataloader, "batch_sampler", None), getattr(dataloader, "base_dataloader", None)):
+        for attr in ("sampler", "batch_sampler"):
+            candidate = getattr(holder, attr, None) if holder is not None else None
+            inner = getattr(candidate, "sampler", None)
+            for s in (candidate, inner):
+                if isinstance(s, ReshardableSampler):
+                    return s
+    if getattr(dataloader, "use_stateful_dataloader", False):
+        return dataloader
+    return None
+
+
+def accelerator_state(accelerator: Any) -> dict[str, Any]:
+    """The state dict shardsafe saves for ``accelerator``: the same on every rank, in registration order."""
+    deepspeed = _is_deepspeed(accelerator)
+    state: dict[str, Any] = {}
+    for i, model in enumerate(accelerator._models):
+        state[_name("model", i)] = model
+    if not deepspeed:
+        for i, optimizer in enumerate(accelerator._optimizers):
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise ShardsafeError(f"optimizer {i} is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it")
+            state[_name("optimizer", i)] = inner
+    for i, scheduler in enumerate(accelerator._schedulers):
+        state[_name("scheduler", i)] = getattr(scheduler, "scheduler", scheduler)
+    for i, dataloader in enumerate(accelerator._dataloaders):
+        position = _position_of(dataloader)
+        if position is not None:
+            state[_name("dataloader", i)] = position
+        else:
+            log.info("dataloader %d has no saveable position (use shardsafe.data.ReshardableSampler as its sampler)", i)
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    for i, obj in enumerate(accelerator._custom_objects):
+        state[f"custom_{i}"] = obj
+    state["rng"] = RNGState()
+    state[STEP_KEY] = int(accelerator.step)
+    return state
+
+
+def _checkpoints_dir(accelerator: Any) -> Path:
+    return Path(accelerator.project_dir) / "checkpoints"
+
+
+def _numbered(folder: Path) -> list[tuple[int, Path]]:
+    """Committed ``checkpoint_<n>`` folders, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        match = CHECKPOINT_RE.match(entry.name)
+        if match and entry.is_dir() and is_committed(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None) -> str:
+    """What ``accelerator.save_state(output_dir)`` saves, as one atomic shardsafe checkpoint; returns its path.
+
+    Collective: every rank calls it. With automatic checkpoint naming, ``output_dir`` is ignored
+    (as by Accelerate) and ``total_limit`` is applied after the commit.
+    """
+    config = accelerator.project_configuration
+    auto = bool(config.automatic_checkpoint_naming)
+    if auto:
+        target = _checkpoints_dir(accelerator) / f"checkpoint_{config.iteration}"
+    elif output_dir is None:
+        raise ShardsafeError("save_state: pass output_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
+    else:
+        target = Path(output_dir)
+    state = accelerator_state(accelerator)
+    path = save(target, state, metadata={META_KEY: {"iteration": int(config.iteration), "step": int(accelerator.step)}})
+    if auto and config.total_limit is not None:
+        comm = get_comm()
+        comm.on_coordinator(lambda: _retire_beyond(_checkpoints_dir(accelerator), int(config.total_limit)))
+    config.iteration += 1
+    return str(path)
+
+
+def _retire_beyond(folder: Path, limit: int) -> list[int]:
+    """Retire the oldest committed checkpoints beyond ``limit`` (the newest are kept)."""
+    numbered = _numbered(folder)
+    retired = []
+    for number, path in numbered[: max(0, len(numbered) - limit)]:
+        retire_folder(path)
+        retired.append(number)
+    return retired
+
+
+def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *, strict: bool = True) -> str:
+    """Restore what :func:`save_state` saved (at any world size); returns the checkpoint loaded.
+
+    Without ``input_dir``, automatic checkpoint naming picks the newest *committed* checkpoint (a
+    folder an interrupted save left is never picked), and the next save continues its numbering.
+    """
+    config = accelerator.project_configuration
+    if input_dir is not None:
+        path = Path(input_dir)
+    elif config.automatic_checkpoint_naming:
+        numbered = _numbered(_checkpoints_dir(accelerator))
+        if not numbered:
+            raise CheckpointNotFoundError(f"{_checkpoints_dir(accelerator)}: no committed checkpoint_<n> folder")
+        path = numbered[-1][1]
+        config.iteration = numbered[-1][0] + 1
+    else:
+        raise ShardsafeError("load_state: pass input_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
+    state = accelerator_state(accelerator)
+    load(path, state, strict=strict)
+    accelerator.step = int(state[STEP_KEY])
+    return str(path)
