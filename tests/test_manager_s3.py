@@ -11,7 +11,8 @@ import torch
 
 import shardsafe
 from dist_utils import full_model_state, make_model, make_optimizer, rank_batch, run_ranks, shard, train_step
-from shardsafe.manager.manager import committed_steps, step_name
+from shardsafe.manager.catalog import committed_steps
+from shardsafe.manager.naming import step_name
 from shardsafe.storage.remote import RemoteDir
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
