@@ -388,7 +388,9 @@ def measure_every_step(r: Rank, mesh: Any, root: Path, blocks: int, steps: int) 
     state = _build_state(0, 10_000, mesh)
     data, _ = split_corpus()
     managers = {
-        "preemption check only (`handle_preemption=True`, no saves)": shardsafe.CheckpointManager(root / "check", handle_preemption=True),
+        "preemption check only (`handle_preemption=True`, no saves)": shardsafe.CheckpointManager(
+            root / "check", handle_preemption=True, save_every=10**9
+        ),
         "async save every step (`async_save=True`)": shardsafe.CheckpointManager(root / "async", save_every=1, keep_last=2, async_save=True),
         'overlap save every step (`async_save="overlap"`)': shardsafe.CheckpointManager(
             root / "overlap", save_every=1, keep_last=2, async_save="overlap"

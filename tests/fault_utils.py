@@ -19,7 +19,8 @@ from torch import nn
 import shardsafe
 from dist_utils import assert_tensors_equal, full_model_state, make_model, seeded_values, set_model_values, shard
 from shardsafe.errors import CheckpointNotFoundError
-from shardsafe.manager.manager import STEP_RE, committed_steps, references, step_name
+from shardsafe.manager.catalog import committed_steps, references
+from shardsafe.manager.naming import STEP_RE, step_name
 from shardsafe.storage.remote import RemoteDir
 
 FROZEN_PREFIX = "layers.0."

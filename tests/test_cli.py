@@ -201,7 +201,8 @@ def test_demo_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     an interpreter importing torch; capfd also catches what the workers write.
     """
     from shardsafe.cli.demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
-    from shardsafe.manager.manager import committed_steps, step_name
+    from shardsafe.manager.catalog import committed_steps
+    from shardsafe.manager.naming import step_name
 
     out = tmp_path / "demo"
     code = cli.main(["demo", "--steps", "12", "--save-every", "3", "--out", str(out)])

@@ -27,7 +27,8 @@ from fault_utils import assert_step, check_root_after_fault, manager_job, step_s
 from reliability import record
 from servers.flaky_proxy import FlakyProxy
 from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError
-from shardsafe.manager.manager import committed_steps, step_name
+from shardsafe.manager.catalog import committed_steps
+from shardsafe.manager.naming import step_name
 from shardsafe.storage.remote import RemoteDir
 from test_crash import assert_checkpoint_is
 

@@ -15,7 +15,9 @@ from torch import nn
 import shardsafe
 from dist_utils import full_model_state, launch, make_model, make_optimizer, rank_batch, run_ranks, shard, train_step
 from shardsafe.errors import SaveError
-from shardsafe.manager.manager import choose_kept, committed_steps, step_name
+from shardsafe.manager.catalog import committed_steps
+from shardsafe.manager.naming import step_name
+from shardsafe.manager.retention import choose_kept
 
 # ----------------------------------------------------------------------------- retention rules
 
@@ -38,7 +40,8 @@ class _Info:
 )
 def test_retention_rule_keeps_latest_and_best(keep_last: int | None, keep_best: int | None, losses: list[Any], mode: str) -> None:
     infos = [_Info(10 * (i + 1), loss) for i, loss in enumerate(losses)]
-    keep, best = choose_kept(infos, keep_last, keep_best, "loss", mode)  # type: ignore[arg-type]
+    kept = choose_kept(infos, keep_last, keep_best, "loss", mode)  # type: ignore[arg-type]
+    keep, best = kept.steps, kept.best
     steps = [i.step for i in infos]
     scored = [(loss, s) for s, loss in zip(steps, losses) if loss is not None]
     expected_best = (min if mode == "min" else max)(scored, key=lambda ls: ls[0])[1]
@@ -281,16 +284,16 @@ def test_list_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_retention_parses_each_manifest_once_and_rereads_a_resaved_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Retention after every save reuses parsed manifests (no re-parsing in the background thread each save),
     but a checkpoint saved again under the same step is read again: its new metrics decide what is kept."""
-    import shardsafe.manager.manager as manager_module
+    import shardsafe.manager.catalog as catalog_module
 
     parsed: list[str] = []
-    real = manager_module._read_manifest
+    real = catalog_module.read_manifest
 
     def counting(folder: Any) -> Any:
         parsed.append(Path(str(folder)).name)
         return real(folder)
 
-    monkeypatch.setattr(manager_module, "_read_manifest", counting)
+    monkeypatch.setattr(catalog_module, "read_manifest", counting)
     root = tmp_path / "ckpt"
     model = nn.Linear(3, 2)
     with shardsafe.CheckpointManager(root, save_every=1, keep_last=2, keep_best=1, best_metric="loss") as manager:

@@ -11,7 +11,8 @@ import torch
 
 import shardsafe
 from dist_utils import full_model_state, make_model, make_optimizer, rank_batch, run_ranks, shard, train_step
-from shardsafe.manager.manager import committed_steps, step_name
+from shardsafe.manager.catalog import committed_steps
+from shardsafe.manager.naming import step_name
 from shardsafe.storage.remote import RemoteDir
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
@@ -58,3 +59,29 @@ def test_manager_on_s3_root(s3_bucket: str, tmp_path: Path) -> None:
     removed = shardsafe.collect_garbage(root)
     assert removed == [f"{orphan.url}/shard-00000-deadbeef0000.safetensors"]
     assert step_name(5) not in remote.list()
+
+
+def test_damaged_checkpoint_on_s3_is_skipped_by_retention_list_and_gc(s3_bucket: str) -> None:
+    """On an object store, too: a bad manifest is passed over by retention and list, and gc leaves
+    it and (since it may reference them) the manifest-less step prefixes."""
+    from shardsafe.manager.catalog import list_root
+    from shardsafe.manager.gc import collect
+
+    root = f"s3://{s3_bucket}/damaged"
+    remote = RemoteDir(root)
+    model = torch.nn.Linear(8, 4)
+    with shardsafe.CheckpointManager(root, keep_last=2) as manager:
+        manager.save(1, {"model": model})
+        manager.save(2, {"model": model})
+        remote.child(step_name(1)).write_bytes("manifest.json", b'{"format": "shardsafe", "truncat')
+        manager.save(3, {"model": model})
+        manager.save(4, {"model": model})
+        assert manager.retention_errors == []
+    assert committed_steps(remote) == [1, 3, 4]
+    listing = list_root(root)
+    assert [i.step for i in listing.checkpoints] == [3, 4] and [d.step for d in listing.damaged] == [1]
+    orphan = remote.child(step_name(5))
+    orphan.write_bytes("shard-00000-deadbeef0000.safetensors", b"partial")
+    report = collect(root)
+    assert report.removed == [] and report.left == [orphan.url] and [d.step for d in report.damaged] == [1]
+    assert orphan.exists("shard-00000-deadbeef0000.safetensors") and remote.child(step_name(1)).exists("manifest.json")

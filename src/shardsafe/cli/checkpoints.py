@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from shardsafe.cli.formatting import format_bytes
-from shardsafe.manager.manager import collect_garbage, list_checkpoints
+from shardsafe.manager.catalog import list_root, where
+from shardsafe.manager.gc import collect
 
 
 def add_parsers(sub: Any) -> None:
@@ -37,30 +38,47 @@ def add_parsers(sub: Any) -> None:
 
 
 def _cmd_list(args: Any) -> int:
-    infos = list_checkpoints(args.root, args.metric, args.mode)
+    listing = list_root(args.root, args.metric, args.mode)
+    infos = listing.checkpoints
     if args.json:
-        rows = [
-            {"step": i.step, "path": str(getattr(i.path, "url", i.path)), "bytes": i.size, "metrics": i.metrics, "best": i.best, "latest": i.latest}
+        rows: list[dict[str, Any]] = [
+            {"step": i.step, "path": where(i.path), "bytes": i.size, "metrics": i.metrics, "best": i.best, "latest": i.latest, "damaged": None}
             for i in infos
         ]
-        print(json.dumps(rows, indent=2))
+        rows += [
+            {"step": d.step, "path": where(d.path), "bytes": None, "metrics": {}, "best": False, "latest": False, "damaged": d.reason}
+            for d in listing.damaged
+        ]
+        print(json.dumps(sorted(rows, key=lambda r: r["step"]), indent=2))
         return 0
-    if not infos:
+    if not infos and not listing.damaged:
         print(f"no committed checkpoints under {args.root}")
         return 0
     print(f"{'step':>12}  {'size':>10}  {'created':19}  flags        metrics")
+    lines = []
     for i in infos:
         flags = ",".join(f for f, on in (("latest", i.latest), ("best", i.best)) if on)
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created))
         metrics = " ".join(f"{k}={v}" for k, v in i.metrics.items())
-        print(f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {flags:11}  {metrics}")
+        lines.append((i.step, f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {flags:11}  {metrics}"))
+    lines += [(d.step, f"{d.step:>12}  {'-':>10}  {'-':19}  {'damaged':11}  skipped: {d.reason}") for d in listing.damaged]
+    for _, line in sorted(lines):
+        print(line)
+    if listing.damaged:
+        print(f"note: {len(listing.damaged)} damaged checkpoint(s) skipped (not loadable; retention and gc leave them in place)")
     return 0
 
 
 def _cmd_gc(args: Any) -> int:
-    removed = collect_garbage(args.root, dry_run=args.dry_run, min_age=args.min_age)
+    report = collect(args.root, dry_run=args.dry_run, min_age=args.min_age)
     verb = "would remove" if args.dry_run else "removed"
-    for path in removed:
+    for path in report.removed:
         print(f"{verb} {path}")
-    print(f"{verb} {len(removed)} entries under {args.root}")
+    for damaged in report.damaged:
+        print(f"left damaged checkpoint {where(damaged.path)}: {damaged.reason}")
+    for path in report.left:
+        print(f"left {path}: a damaged checkpoint may reference its files")
+    print(f"{verb} {len(report.removed)} entries under {args.root}")
+    if report.damaged:
+        print(f"note: {len(report.damaged)} damaged checkpoint(s) left in place; repair or delete them, then run gc again")
     return 0

@@ -43,7 +43,8 @@ import torch
 from shardsafe.api.checkpoint import load, save, verify
 from shardsafe.cli.formatting import format_bytes
 from shardsafe.errors import ShardsafeError
-from shardsafe.manager.manager import CheckpointManager, list_checkpoints
+from shardsafe.manager.catalog import list_checkpoints
+from shardsafe.manager.manager import CheckpointManager
 from shardsafe.state.rng import RNGState
 
 DEFAULT_OUT = Path("demo-run")
@@ -469,7 +470,7 @@ def _verify(path: Path) -> dict[str, Any]:
 
 def _on_disk(root: Path) -> tuple[list[int], int]:
     """Committed steps under the manager root, and how many hidden leftovers of interrupted saves lie there."""
-    from shardsafe.manager.manager import committed_steps
+    from shardsafe.manager.catalog import committed_steps
     from shardsafe.protocol.temppath import TMP_MARK
 
     leftovers = sum(1 for p in root.iterdir() if p.name.startswith(".") and TMP_MARK in p.name) if root.is_dir() else 0

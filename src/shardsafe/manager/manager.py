@@ -11,27 +11,23 @@ One object per training job, used identically on every rank::
             if manager.stop_requested:      # SIGTERM/SIGUSR1 with handle_preemption=True
                 break
 
-Checkpoints are ``root/step-0000000100`` folders (lexical order = numeric order), each a normal
-shardsafe checkpoint whose manifest metadata records the step and metrics, so retention and
-``shardsafe list`` work from the folder alone after a restart.
+Checkpoints are ``root/step-0000000100`` folders (:mod:`.naming`), each a normal shardsafe
+checkpoint whose manifest metadata records the step and metrics, so retention (:mod:`.retention`)
+and ``shardsafe list`` (:mod:`.catalog`) work from the folder alone after a restart.
 
 Async saves block the training loop only while the local state is copied into host staging
-buffers (reused across saves); writing, hashing, the commit and retention run in a background
-thread that talks to the other ranks over its own gloo process group, never the training's.
+buffers (:mod:`.staging`, reused across saves); writing, hashing, the commit and retention run in
+a background thread that talks to the other ranks over its own gloo process group, never the
+training's.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
-import math
 import os
-import re
 import signal
 import threading
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,342 +37,44 @@ import torch.distributed as dist
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.faults import crash_point
-from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
-from shardsafe.core.plan import LocalChunk
 from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
-from shardsafe.protocol.commit import is_committed
-from shardsafe.protocol.temppath import DELETING_MARK, OLD_MARK, TMP_MARK
+from shardsafe.manager.catalog import (
+    META_KEY,
+    Catalog,
+    DamagedCheckpoint,
+    ManifestCache,
+    child,
+    committed_steps,
+    metric_value,
+    scan,
+    warn_damaged,
+)
+from shardsafe.manager.naming import step_name
+from shardsafe.manager.retention import choose_kept, retire
+from shardsafe.manager.staging import Copy, StagingBuffers, copy_all
 from shardsafe.protocol.transfer import ReuseMap, reuse_map
 from shardsafe.state.adapters import SaveView
-from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
 
-STEP_DIGITS = 10
-STEP_RE = re.compile(r"^step-(\d+)$")
-META_KEY = "shardsafe.manager"
 
-
-def step_name(step: int) -> str:
-    return f"step-{step:0{STEP_DIGITS}d}"
-
-
-@dataclass
-class CheckpointInfo:
-    step: int
-    path: Path | RemoteDir
-    size: int
-    metrics: dict[str, Any] = field(default_factory=dict)
-    created: float = 0.0
-    best: bool = False
-    latest: bool = False
-
-
-Root = Path | RemoteDir
-
-
-def _child(root: Root, name: str) -> Root:
-    return root.child(name) if isinstance(root, RemoteDir) else root / name
-
-
-def _has_manifest(folder: Root) -> bool:
-    return folder.exists(MANIFEST_NAME) if isinstance(folder, RemoteDir) else is_committed(folder)
-
-
-def _read_manifest(folder: Root) -> Manifest:
-    if isinstance(folder, RemoteDir):
-        return parse_manifest(folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{folder.url}/{MANIFEST_NAME}")
-    return parse_manifest(read_small_file(folder / MANIFEST_NAME, MAX_JSON_BYTES), str(folder / MANIFEST_NAME))
-
-
-def _step_folders(root: Root) -> list[str]:
-    if isinstance(root, RemoteDir):
-        return [name for name in root.list() if STEP_RE.match(name)]
-    if not root.is_dir():
-        return []
-    return [e.name for e in os.scandir(root) if STEP_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
-
-
-def committed_steps(root: Root) -> list[int]:
-    """Steps with a committed (manifest-bearing) folder, ascending."""
-    return sorted(int(name[len("step-") :]) for name in _step_folders(root) if _has_manifest(_child(root, name)))
-
-
-def read_info(root: Root, step: int, read: Callable[[Root], Manifest] = _read_manifest) -> CheckpointInfo:
-    path = _child(root, step_name(step))
-    manifest = read(path)
-    meta = manifest.metadata.get(META_KEY)
-    metrics = meta.get("metrics") if isinstance(meta, dict) else None
-    return CheckpointInfo(step, path, manifest.total_bytes, dict(metrics) if isinstance(metrics, dict) else {}, manifest.created)
-
-
-def _metric_value(info: CheckpointInfo, metric: str | None) -> float | None:
-    if metric is None:
-        return None
-    value = info.metrics.get(metric)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
-        return float(value)
-    return None
-
-
-def choose_kept(
-    infos: list[CheckpointInfo], keep_last: int | None, keep_best: int | None, best_metric: str | None, best_mode: str
-) -> tuple[set[int], int | None]:
-    """Steps to keep and the best step. The latest and the best are always kept."""
-    steps = sorted(i.step for i in infos)
-    if not steps:
-        return set(), None
-    scored = [(v, i.step) for i in infos if (v := _metric_value(i, best_metric)) is not None]
-    ranked = sorted(scored, key=lambda vs: (vs[0] if best_mode == "min" else -vs[0], -vs[1]))
-    best = ranked[0][1] if ranked else None
-    if keep_last is None and keep_best is None:
-        return set(steps), best
-    keep = {steps[-1]}
-    if best is not None:
-        keep.add(best)
-    if keep_last is not None:
-        keep.update(steps[-keep_last:] if keep_last > 0 else [])
-    if keep_best is not None:
-        keep.update(step for _, step in ranked[:keep_best])
-    return keep, best
-
-
-def references(root: Root, steps: list[int] | None = None, read: Callable[[Root], Manifest] = _read_manifest) -> dict[str, set[str]]:
-    """Folder name -> its files that the given committed checkpoints (default: all) point into."""
-    out: dict[str, set[str]] = {}
-    for step in committed_steps(root) if steps is None else steps:
-        manifest = read(_child(root, step_name(step)))
-        for entry in manifest.tensors.values():
-            for chunk in entry.chunks:
-                if chunk.checkpoint is not None:
-                    out.setdefault(chunk.checkpoint, set()).add(chunk.file)
-    return out
-
-
-def retire(root: Root, step: int, keep_files: set[str] | None = None) -> None:
-    """Make a checkpoint disappear atomically, then delete its data.
-
-    Unreferenced: rename to a hidden name, then delete; a crash between the two leaves only a
-    hidden folder for ``gc``. Referenced by a kept checkpoint (stored-once data): remove its
-    manifest first (it is no longer a checkpoint), then every file nothing points into.
-    """
-    crash_point("retention:before-rename", 0)
-    if isinstance(root, RemoteDir):
-        _retire_remote(root.child(step_name(step)), keep_files or set())
-        return
-    folder = root / step_name(step)
-    if keep_files:
-        (folder / MANIFEST_NAME).unlink()
-        fsync_dir(folder)
-        crash_point("retention:after-rename", 0)
-        _remove_unreferenced(folder, keep_files)
-        return
-    hidden = root / f".{folder.name}{DELETING_MARK}{uuid.uuid4().hex[:12]}"
-    os.rename(folder, hidden)
-    fsync_dir(root)
-    crash_point("retention:after-rename", 0)
-    (hidden / MANIFEST_NAME).unlink(missing_ok=True)  # first, so no part of it can pass for a checkpoint again
-    crash_point("retention:mid-delete", 0)
-    remove_tree(hidden)
-
-
-def _retire_remote(folder: RemoteDir, keep: set[str]) -> None:
-    """No rename on object stores: deleting the manifest (the commit marker) retires it at once."""
-    folder.remove([MANIFEST_NAME])
-    crash_point("retention:after-rename", 0)
-    folder.remove([name for name in folder.list() if name not in keep])
-
-
-def _remove_unreferenced(folder: Path, keep: set[str]) -> list[Path]:
-    removed = []
-    for entry in os.scandir(folder):
-        if entry.name not in keep:
-            path = Path(entry.path)
-            if entry.is_dir(follow_symlinks=False):
-                remove_tree(path)
-            else:
-                path.unlink()
-            removed.append(path)
-    return removed
-
-
-def list_checkpoints(root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``root`` with sizes and metrics; marks the latest and the best.
-
-    The best metric and mode default to what the manager recorded in the newest checkpoint.
-    """
-    where = location(root)
-    infos = [read_info(where, s) for s in committed_steps(where)]
-    if not infos:
-        return infos
-    if best_metric is None:
-        meta = _manager_meta(infos[-1].path)
-        best_metric = meta.get("best_metric")
-        best_mode = best_mode or meta.get("best_mode")
-    _, best = choose_kept(infos, None, None, best_metric, best_mode or "min")
-    for info in infos:
-        info.best = info.step == best
-    infos[-1].latest = True
-    return infos
-
-
-def _manager_meta(path: Root) -> dict[str, Any]:
-    manifest = _read_manifest(path)
-    meta = manifest.metadata.get(META_KEY)
-    return meta if isinstance(meta, dict) else {}
-
-
-def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: float = 0.0) -> list[Path | str]:
-    """Remove what interrupted saves and deletions left: hidden temporary, old and deleting folders,
-    and step folders without a manifest. Only entries older than ``min_age`` seconds are touched,
-    so a save in progress in another job is not disturbed. Returns what was (or would be) removed.
-    """
-    where = location(root)
-    if isinstance(where, RemoteDir):
-        return _collect_remote_garbage(where, dry_run, min_age)
-    root = where
-    now = time.time()
-    referenced = references(root)
-    garbage: list[Path | str] = []
-    for entry in sorted(os.scandir(root), key=lambda e: e.name) if root.is_dir() else []:
-        if not entry.is_dir(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime < min_age:
-            continue
-        path = Path(entry.path)
-        hidden = entry.name.startswith(".") and any(mark in entry.name for mark in (TMP_MARK, OLD_MARK, DELETING_MARK))
-        abandoned = STEP_RE.match(entry.name) is not None and not is_committed(path)
-        original = _moved_aside_from(root, entry.name)
-        if original is not None:
-            # An overwrite without RENAME_EXCHANGE died between its two renames: this is the only
-            # copy of the checkpoint. Put it back rather than delete it.
-            garbage.append(path)
-            if not dry_run:
-                if original.exists():
-                    original.rmdir()  # an empty folder left in its place
-                os.rename(path, original)
-                fsync_dir(root)
-                log.warning("shardsafe: restored %s from %s (an overwrite was interrupted between its two renames)", original, path)
-            continue
-        if abandoned and entry.name in referenced:
-            keep = referenced[entry.name]
-            extra = [Path(e.path) for e in os.scandir(path) if e.name not in keep]
-            garbage += extra
-            if not dry_run:
-                _remove_unreferenced(path, keep)
-        elif hidden or abandoned:
-            garbage.append(path)
-            if not dry_run:
-                remove_tree(path)
-    return garbage
-
-
-def _moved_aside_from(root: Path, name: str) -> Path | None:
-    """For ``.NAME.shardsafe-old-ID`` holding a committed checkpoint while NAME holds none: NAME."""
-    if not name.startswith(".") or OLD_MARK not in name:
-        return None
-    original = root / name[1:].rsplit(OLD_MARK, 1)[0]
-    if not original.name or is_committed(original) or not is_committed(root / name):
-        return None
-    if original.exists() and (not original.is_dir() or any(original.iterdir())):
-        return None
-    return original
-
-
-def _collect_remote_garbage(root: RemoteDir, dry_run: bool, min_age: float) -> list[Path | str]:
-    """Step prefixes without a manifest (interrupted saves or retirements), minus referenced data.
-
-    A prefix holding any object younger than ``min_age`` (or of unknown age) is left alone: it may
-    be a save in progress in another job, whose manifest is simply not written yet.
-    """
-    referenced = references(root)
-    garbage: list[Path | str] = []
-    now = time.time()
-    for name in _step_folders(root):
-        folder = root.child(name)
-        if folder.exists(MANIFEST_NAME):
-            continue
-        present = folder.list()
-        if min_age > 0 and any((stamp := folder.modified(n)) is None or now - stamp < min_age for n in present):
-            log.info("shardsafe gc: %s has objects younger than %.0f s (a save in progress?); left alone", folder.url, min_age)
-            continue
-        doomed = [n for n in present if n not in referenced.get(name, set())]
-        garbage += [f"{folder.url}/{n}" for n in doomed]
-        if not dry_run:
-            folder.remove(doomed)
-    return garbage
-
-
-class _ManifestCache:
-    """Parsed manifests of local checkpoints, reused while the manifest file is the same file.
-
-    Retention reads every committed manifest after each save (and a dedup save checks references
-    first); parsing and validating them all again each time is pure Python that, during an async
-    save, holds the GIL the training loop needs. A re-saved or replaced checkpoint has a new
-    manifest file (new inode), so it is read again; object-store roots are not cached.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
-
-    def __call__(self, folder: Root) -> Manifest:
-        if isinstance(folder, RemoteDir):
-            return _read_manifest(folder)
-        try:
-            st = os.stat(folder / MANIFEST_NAME)
-        except OSError:
-            return _read_manifest(folder)  # raises the usual error
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        entry = self._entries.get(str(folder))
-        if entry is None or entry[0] != key:
-            entry = (key, _read_manifest(folder))
-            self._entries[str(folder)] = entry
-        return entry[1]
-
-    def forget(self, folder: Root) -> None:
-        self._entries.pop(str(folder), None)
-
-
-class _Staging:
-    """Host buffers the state is copied into for an async save, reused from one save to the next."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-
-    def prepare(self, view: SaveView) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Point the view's chunks at staging buffers; returns the (buffer, source) copies to make."""
-        copies = []
-        used = set()
-        for i, chunk in enumerate(view.chunks):
-            ident = (chunk.key, chunk.offsets)
-            source = chunk.tensor.detach()
-            buffer = self.buffers.get(ident)
-            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
-                self.buffers[ident] = buffer
-            used.add(ident)
-            copies.append((buffer, source))
-            view.chunks[i] = LocalChunk(chunk.key, buffer, chunk.global_shape, chunk.offsets)
-        for ident in set(self.buffers) - used:
-            del self.buffers[ident]
-        return copies
-
-
-def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for buffer, source in copies:
-            buffer.copy_(source, non_blocking=source.is_cuda)
-        if any(source.is_cuda for _, source in copies):
-            torch.cuda.synchronize()
+def _optional_count(name: str, value: int | None, minimum: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be None or an integer >= {minimum}, not {value!r}")
 
 
 class CheckpointManager:
-    """Saves every ``save_every`` steps, keeps the last/best checkpoints, resumes, handles preemption.
+    """Saves on every ``save`` call (or every ``save_every`` steps), keeps the last/best checkpoints,
+    resumes, handles preemption.
 
-    ``async_save``: False (write in the call), True (copy to staging buffers in the call, write in
-    the background), or ``"overlap"`` (the copy itself runs in the background during the next
-    forward/backward; every optimizer in the saved state waits for it before its ``step()``, so the
-    saved state is exactly the state at the save call; do not modify saved tensors in place
-    other than through those optimizers until the next ``step()``).
+    ``save_every``: None (default) saves on every :meth:`save` call; N saves only when ``step % N
+    == 0`` (``force=True`` always saves). ``keep_last`` / ``keep_best``: None (default) keeps every
+    checkpoint. ``async_save``: False (write in the call), True (copy to staging buffers in the
+    call, write in the background), or ``"overlap"`` (the copy itself runs in the background during
+    the next forward/backward; every optimizer in the saved state waits for it before its
+    ``step()``, so the saved state is exactly the state at the save call; do not modify saved
+    tensors in place other than through those optimizers until the next ``step()``).
     """
 
     def __init__(
@@ -404,6 +102,9 @@ class CheckpointManager:
             raise ValueError("keep_best needs best_metric (the metrics key to rank checkpoints by)")
         if async_save not in (False, True, "overlap"):
             raise ValueError(f"async_save must be False, True or 'overlap', not {async_save!r}")
+        _optional_count("save_every", save_every, 1)
+        _optional_count("keep_last", keep_last, 0)
+        _optional_count("keep_best", keep_best, 0)
         self.root = location(root)
         self.keep_last, self.keep_best = keep_last, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
@@ -413,9 +114,12 @@ class CheckpointManager:
         self.dedup = dedup
         self.comm = get_comm(process_group)
         self._background_comm = self._make_background_comm() if async_save else self.comm
-        self._staging = _Staging()
-        self._manifests = _ManifestCache()
+        self._staging = StagingBuffers()
+        self._manifests = ManifestCache()
+        self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already warned about
+        self._warned_metric = False
         self._thread: threading.Thread | None = None
+        self._at_exit = False
         self._copied = threading.Event()
         self._copied.set()
         self._error: BaseException | None = None
@@ -432,10 +136,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ queries
 
     def step_path(self, step: int) -> Path | RemoteDir:
-        return _child(self.root, step_name(step))
+        return child(self.root, step_name(step))
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending (damaged ones included: only a load can tell)."""
         return committed_steps(self.root)
 
     def latest_step(self) -> int | None:
@@ -443,20 +147,24 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        return self.save_every is not None and step % self.save_every == 0
+        """Whether :meth:`save` of ``step`` writes without ``force``: always, unless ``save_every`` is set."""
+        return self.save_every is None or step % self.save_every == 0
 
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
-        """Save ``state`` as ``step`` if it is due (or ``force``). Collective. Returns True if it saved.
+        """Save ``state`` as ``step``. Collective. Returns True if it saved.
 
-        Raises the error of a previous background save, if one failed.
+        Saves on every call unless ``save_every`` is set; then only when ``step`` is a multiple of
+        it, or with ``force=True``, or when a preemption signal arrived. Raises the error of a
+        previous background save, if one failed.
         """
         self._raise_background_error()
         preempted = self._agree_on_preemption()
         if not (force or preempted or self.should_save(step)):
             return False
         self.wait()
+        self._check_best_metric(step, metrics)
         if self.dedup:
             self._check_not_referenced(step)
         metadata = {META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode}}
@@ -472,10 +180,27 @@ class CheckpointManager:
                 copy_all(copies)
             self._thread = threading.Thread(target=self._background, args=(step, view, metadata, copies), name="shardsafe-save", daemon=True)
             self._thread.start()
+            if not self._at_exit:
+                atexit.register(self._finish_at_exit)
+                self._at_exit = True
         if preempted:
             self.stop_requested = True
             log.warning("shardsafe: signal %s received; saved step %d, stop training now", self._preempt_signal, step)
         return True
+
+    def _check_best_metric(self, step: int, metrics: dict[str, Any] | None) -> None:
+        """Warn (once) when a save cannot be ranked: keep_best would silently keep nothing for it."""
+        if self.best_metric is None or self._warned_metric or not self.comm.is_coordinator:
+            return
+        if metric_value(metrics or {}, self.best_metric) is None:
+            self._warned_metric = True
+            log.warning(
+                "shardsafe: save of step %d has no number under best_metric %r in its metrics (%s); it cannot be ranked "
+                "as the best checkpoint (warned once)",
+                step,
+                self.best_metric,
+                sorted(metrics or {}),
+            )
 
     def _write(self, step: int, view: SaveView, metadata: dict[str, Any], comm: Comm | None = None) -> None:
         reuse = self._reuse_map(step) if self.dedup else None
@@ -487,7 +212,7 @@ class CheckpointManager:
                 log.warning("shardsafe: retention after saving step %d failed (retried after the next save): %s", step, exc)
                 self.retention_errors.append(f"step {step}: {type(exc).__name__}: {exc}")
 
-    def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: list[Copy]) -> None:
         try:
             if not self._copied.is_set():
                 try:
@@ -499,34 +224,52 @@ class CheckpointManager:
         except BaseException as exc:  # surfaced by the next call
             self._error = exc
 
+    def _catalog(self, steps: list[int] | None = None) -> Catalog:
+        """The readable checkpoints of the root (manifests cached); damaged ones warned about once each."""
+        return scan(self.root, steps, read=self._manifests, warn=self._warn_once)
+
+    def _warn_once(self, damaged: DamagedCheckpoint) -> None:
+        key = (str(damaged.path), damaged.reason)
+        if key not in self._reported:
+            self._reported.add(key)
+            warn_damaged(damaged)
+
     def _reuse_map(self, step: int) -> ReuseMap | None:
-        """Chunks of the newest other checkpoint, for storing unchanged tensors once."""
-        earlier = [s for s in self.steps() if s != step]
-        if not earlier:
-            return None
-        name = step_name(earlier[-1])
-        return reuse_map(self._manifests(_child(self.root, name)), name)
+        """Chunks of the newest other readable checkpoint, for storing unchanged tensors once.
+
+        Called by every rank (each writes its own chunks); a damaged newest one is passed over.
+        """
+        for other in reversed([s for s in self.steps() if s != step]):
+            catalog = self._catalog([other])
+            if other in catalog.manifests:
+                return reuse_map(catalog.manifests[other], step_name(other))
+        return None
 
     def _check_not_referenced(self, step: int) -> None:
         name = step_name(step)
-        if name in references(self.root, [s for s in self.steps() if s != step], self._manifests):
+        if name in self._catalog([s for s in self.steps() if s != step]).references():
             raise SaveError(
                 f"{self.step_path(step)}: other checkpoints store tensors in this folder (dedup); "
                 "it cannot be overwritten - delete the later checkpoints first or save under another step"
             )
 
     def apply_retention(self) -> list[int]:
-        """Delete checkpoints outside keep_last/keep_best (coordinator only). Returns deleted steps."""
+        """Delete checkpoints outside keep_last/keep_best (coordinator only). Returns deleted steps.
+
+        A damaged checkpoint is neither counted nor deleted (it is warned about once): the newest
+        readable one is the latest, the one ``restore`` would load.
+        """
         if not self.comm.is_coordinator or (self.keep_last is None and self.keep_best is None):
             return []
-        infos = [read_info(self.root, s, self._manifests) for s in committed_steps(self.root)]
-        keep, _ = choose_kept(infos, self.keep_last, self.keep_best, self.best_metric, self.best_mode)
-        doomed = [i.step for i in infos if i.step not in keep]
+        catalog = self._catalog()
+        infos = catalog.infos()
+        kept = choose_kept(infos, self.keep_last, self.keep_best, self.best_metric, self.best_mode)
+        doomed = [i.step for i in infos if i.step not in kept.steps]
         if doomed:
-            still_needed = references(self.root, sorted(keep), self._manifests)
+            still_needed = catalog.references(sorted(kept.steps))
             for step in doomed:
                 self._manifests.forget(self.step_path(step))
-                retire(self.root, step, still_needed.get(step_name(step)))
+                retire(self.step_path(step), still_needed.get(step_name(step)))
         return doomed
 
     def wait(self) -> None:
@@ -542,6 +285,16 @@ class CheckpointManager:
             if isinstance(exc, ShardsafeError):
                 raise SaveError(f"background save failed: {exc}") from exc
             raise SaveError(f"background save failed: {type(exc).__name__}: {exc}") from exc
+
+    def _finish_at_exit(self) -> None:
+        """At interpreter exit, finish a save still in flight rather than let the exit kill it silently."""
+        if self._thread is None:
+            return
+        log.warning("shardsafe: finishing the save in flight under %s at exit (close the manager, or use it in a with block)", self.root)
+        try:
+            self.wait()
+        except SaveError as exc:
+            log.error("shardsafe: %s", exc)
 
     # ------------------------------------------------------------------ overlap mode
 
@@ -573,6 +326,8 @@ class CheckpointManager:
                     raise
                 log.warning("shardsafe: skipping damaged checkpoint %s: %s", self.step_path(candidate), exc)
                 self.skipped.append((candidate, str(exc)))
+        if candidates and step is None:
+            log.error("shardsafe: every committed checkpoint under %s failed to load; nothing restored", self.root)
         return None
 
     # ------------------------------------------------------------------ preemption
@@ -607,6 +362,9 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._at_exit:
+                atexit.unregister(self._finish_at_exit)
+                self._at_exit = False
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -628,4 +386,4 @@ class CheckpointManager:
                 log.error("shardsafe: %s", close_error)
 
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "collect_garbage", "list_checkpoints", "step_name"]
+__all__ = ["CheckpointManager"]

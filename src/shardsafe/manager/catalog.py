@@ -1,0 +1,255 @@
+"""What a root holds: its committed checkpoints, what each records, and which ones are damaged.
+
+Every question about the checkpoints of a root is answered from the folders alone (no side
+database), so it survives restarts and works on any copy of the root: a step folder with a
+manifest is a checkpoint; its manifest records the size, the creation time, and the metrics and
+best-metric settings the manager saved with it.
+
+A damaged checkpoint (a manifest that is unreadable, truncated or fails validation) must not stop
+the root from working: :func:`scan` passes over it, names it in a warning and returns it in
+:attr:`Catalog.damaged`, and retention, dedup, ``list`` and ``gc`` each decide what that means for
+them (in short: it is never counted, never deleted, never reused).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardsafe.api.checkpoint import location
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
+from shardsafe.errors import ShardsafeError
+from shardsafe.manager.naming import STEP_NAMING, StepNaming
+from shardsafe.protocol.commit import is_committed
+from shardsafe.storage.local import read_small_file
+from shardsafe.storage.remote import RemoteDir
+
+log = logging.getLogger("shardsafe")
+
+META_KEY = "shardsafe.manager"  # manifest metadata the manager records: step, metrics, best-metric settings
+
+Root = Path | RemoteDir
+ReadManifest = Callable[[Root], Manifest]
+
+
+@dataclass
+class CheckpointInfo:
+    """One committed, readable checkpoint of a root."""
+
+    step: int
+    path: Path | RemoteDir
+    size: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+    best: bool = False
+    latest: bool = False
+
+
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A committed checkpoint whose manifest cannot be read: skipped, never deleted."""
+
+    step: int
+    path: Path | RemoteDir
+    reason: str
+
+
+def where(path: Root) -> str:
+    """A path or URL to print."""
+    return path.url if isinstance(path, RemoteDir) else str(path)
+
+
+def child(root: Root, name: str) -> Root:
+    return root.child(name) if isinstance(root, RemoteDir) else root / name
+
+
+def has_manifest(folder: Root) -> bool:
+    return folder.exists(MANIFEST_NAME) if isinstance(folder, RemoteDir) else is_committed(folder)
+
+
+def read_manifest(folder: Root) -> Manifest:
+    """Parse and validate ``folder``'s manifest (bounded read; raises FormatError/OSError on damage)."""
+    if isinstance(folder, RemoteDir):
+        return parse_manifest(folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{folder.url}/{MANIFEST_NAME}")
+    return parse_manifest(read_small_file(folder / MANIFEST_NAME, MAX_JSON_BYTES), str(folder / MANIFEST_NAME))
+
+
+def step_folders(root: Root, naming: StepNaming = STEP_NAMING) -> dict[int, str]:
+    """Step -> folder name of every entry of ``root`` named as a step folder (committed or not)."""
+    if isinstance(root, RemoteDir):
+        names: Iterable[str] = root.list()
+    elif root.is_dir():
+        names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    else:
+        names = []
+    return {step: name for name in names if (step := naming.parse(name)) is not None}
+
+
+def committed_steps(root: Root, naming: StepNaming = STEP_NAMING) -> list[int]:
+    """Steps with a committed (manifest-bearing) folder, ascending. Reads no manifest."""
+    return sorted(step for step, name in step_folders(root, naming).items() if has_manifest(child(root, name)))
+
+
+def info_of(step: int, path: Root, manifest: Manifest) -> CheckpointInfo:
+    meta = manager_meta(manifest)
+    metrics = meta.get("metrics")
+    return CheckpointInfo(step, path, manifest.total_bytes, dict(metrics) if isinstance(metrics, dict) else {}, manifest.created)
+
+
+def manager_meta(manifest: Manifest) -> dict[str, Any]:
+    meta = manifest.metadata.get(META_KEY)
+    return meta if isinstance(meta, dict) else {}
+
+
+def read_info(root: Root, step: int, read: ReadManifest = read_manifest, naming: StepNaming = STEP_NAMING) -> CheckpointInfo:
+    path = child(root, naming.name(step))
+    return info_of(step, path, read(path))
+
+
+def warn_damaged(damaged: DamagedCheckpoint) -> None:
+    log.warning("shardsafe: skipping damaged checkpoint %s: %s", where(damaged.path), damaged.reason)
+
+
+@dataclass
+class Catalog:
+    """The readable committed checkpoints of a root (step -> manifest) and the damaged ones."""
+
+    root: Root
+    naming: StepNaming
+    manifests: dict[int, Manifest]
+    damaged: list[DamagedCheckpoint]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self.manifests)
+
+    def path(self, step: int) -> Root:
+        return child(self.root, self.naming.name(step))
+
+    def infos(self) -> list[CheckpointInfo]:
+        return [info_of(step, self.path(step), self.manifests[step]) for step in self.steps]
+
+    def references(self, steps: Iterable[int] | None = None) -> dict[str, set[str]]:
+        """Folder name -> its files that the given readable checkpoints (default: all) point into (dedup)."""
+        out: dict[str, set[str]] = {}
+        for step in self.steps if steps is None else steps:
+            manifest = self.manifests.get(step)
+            for entry in manifest.tensors.values() if manifest is not None else ():
+                for chunk in entry.chunks:
+                    if chunk.checkpoint is not None:
+                        out.setdefault(chunk.checkpoint, set()).add(chunk.file)
+        return out
+
+
+def scan(
+    root: Root,
+    steps: Iterable[int] | None = None,
+    *,
+    read: ReadManifest = read_manifest,
+    naming: StepNaming = STEP_NAMING,
+    warn: Callable[[DamagedCheckpoint], None] = warn_damaged,
+) -> Catalog:
+    """Read the manifests of the committed checkpoints ``steps`` (default: all) of ``root``.
+
+    One whose manifest cannot be read or fails validation goes to :attr:`Catalog.damaged` (and to
+    ``warn``) instead of stopping the scan: one bad old checkpoint must not stop a root for good.
+    """
+    catalog = Catalog(root, naming, {}, [])
+    for step in committed_steps(root, naming) if steps is None else steps:
+        path = catalog.path(step)
+        try:
+            catalog.manifests[step] = read(path)
+        except (ShardsafeError, OSError) as exc:
+            damaged = DamagedCheckpoint(step, path, f"{type(exc).__name__}: {exc}")
+            catalog.damaged.append(damaged)
+            warn(damaged)
+    return catalog
+
+
+def references(root: Root, steps: list[int] | None = None, read: ReadManifest = read_manifest) -> dict[str, set[str]]:
+    """Folder name -> its files that the given readable committed checkpoints (default: all) point into."""
+    return scan(root, steps, read=read).references()
+
+
+def metric_value(metrics: dict[str, Any], metric: str | None) -> float | None:
+    """The number under ``metric`` in ``metrics``, or None (absent, not a number, NaN)."""
+    if metric is None:
+        return None
+    value = metrics.get(metric)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+        return float(value)
+    return None
+
+
+def ranked(infos: Iterable[CheckpointInfo], metric: str | None, mode: str) -> list[int]:
+    """Steps that have a value of ``metric``, best first (``mode`` "min" or "max"; ties: the newer first)."""
+    scored = [(v, i.step) for i in infos if (v := metric_value(i.metrics, metric)) is not None]
+    return [step for _, step in sorted(scored, key=lambda vs: (vs[0] if mode == "min" else -vs[0], -vs[1]))]
+
+
+@dataclass
+class RootListing:
+    """What ``shardsafe list`` shows: readable checkpoints (latest and best marked) and damaged ones."""
+
+    checkpoints: list[CheckpointInfo]
+    damaged: list[DamagedCheckpoint]
+
+
+def list_root(root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None) -> RootListing:
+    """The checkpoints of ``root``; the best metric and mode default to what the newest readable one recorded."""
+    catalog = scan(location(root))
+    infos = catalog.infos()
+    if infos:
+        if best_metric is None:
+            meta = manager_meta(catalog.manifests[infos[-1].step])
+            best_metric = meta.get("best_metric") if isinstance(meta.get("best_metric"), str) else None
+            best_mode = best_mode or (meta.get("best_mode") if meta.get("best_mode") in ("min", "max") else None)
+        best = ranked(infos, best_metric, best_mode or "min")
+        for info in infos:
+            info.best = bool(best) and info.step == best[0]
+        infos[-1].latest = True
+    return RootListing(infos, catalog.damaged)
+
+
+def list_checkpoints(root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None) -> list[CheckpointInfo]:
+    """Readable committed checkpoints under ``root`` with sizes and metrics; marks the latest and the best.
+
+    The best metric and mode default to what the manager recorded in the newest checkpoint. A
+    damaged checkpoint is left out (with a logged warning); :func:`list_root` returns those too.
+    """
+    return list_root(root, best_metric, best_mode).checkpoints
+
+
+class ManifestCache:
+    """Parsed manifests of local checkpoints, reused while the manifest file is the same file.
+
+    Retention reads every committed manifest after each save (and a dedup save checks references
+    first); parsing and validating them all again each time is pure Python that, during an async
+    save, holds the GIL the training loop needs. A re-saved or replaced checkpoint has a new
+    manifest file (new inode), so it is read again; object-store roots are not cached.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+
+    def __call__(self, folder: Root) -> Manifest:
+        if isinstance(folder, RemoteDir):
+            return read_manifest(folder)
+        try:
+            st = os.stat(folder / MANIFEST_NAME)
+        except OSError:
+            return read_manifest(folder)  # raises the usual error
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        entry = self._entries.get(str(folder))
+        if entry is None or entry[0] != key:
+            entry = (key, read_manifest(folder))
+            self._entries[str(folder)] = entry
+        return entry[1]
+
+    def forget(self, folder: Root) -> None:
+        self._entries.pop(str(folder), None)

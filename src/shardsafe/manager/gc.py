@@ -1,0 +1,160 @@
+"""``gc``: remove what interrupted saves and deletions left under a root, and nothing else.
+
+What counts as garbage: hidden folders carrying one of shardsafe's temporary marks
+(:func:`~shardsafe.protocol.temppath.is_hidden_temp`: a save, overwrite or retirement that died),
+and step folders without a manifest (a retirement that kept stored-once data, minus the files a
+checkpoint still references; on object stores, an interrupted save). A folder moved aside by an
+overwrite that died between its two renames is the only copy of its checkpoint: it is put back.
+
+A checkpoint whose manifest is present but cannot be read is never garbage: it is left in place
+and reported. Since nobody can tell which files such a checkpoint references, while one exists
+the manifest-less step folders (whose files it may point into) are left too, and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardsafe.api.checkpoint import location
+from shardsafe.core.format import MANIFEST_NAME
+from shardsafe.manager.catalog import Catalog, DamagedCheckpoint, scan, step_folders, where
+from shardsafe.manager.naming import STEP_NAMING
+from shardsafe.manager.retention import remove_unreferenced
+from shardsafe.protocol.commit import is_committed
+from shardsafe.protocol.temppath import OLD_MARK, is_hidden_temp, original_name
+from shardsafe.storage.local import fsync_dir, remove_tree
+from shardsafe.storage.remote import RemoteDir
+
+log = logging.getLogger("shardsafe")
+
+
+@dataclass
+class GarbageReport:
+    """What ``gc`` removed (or would remove), and what it left on purpose."""
+
+    removed: list[Path | str] = field(default_factory=list)
+    damaged: list[DamagedCheckpoint] = field(default_factory=list)  # present but unreadable: left in place
+    left: list[Path | str] = field(default_factory=list)  # manifest-less step folders a damaged checkpoint may reference
+
+
+def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: float = 0.0) -> list[Path | str]:
+    """Remove what interrupted saves and deletions left: hidden temporary, old and deleting folders,
+    and step folders without a manifest. Only entries older than ``min_age`` seconds are touched,
+    so a save in progress in another job is not disturbed. Returns what was (or would be) removed.
+
+    Damaged checkpoints (and, while one exists, manifest-less step folders) are left in place and
+    named in a logged warning; :func:`collect` returns them too.
+    """
+    return collect(root, dry_run=dry_run, min_age=min_age).removed
+
+
+def collect(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: float = 0.0) -> GarbageReport:
+    """:func:`collect_garbage`, returning what was left on purpose as well."""
+    where_ = location(root)
+    catalog = scan(where_, warn=_warn_left)
+    report = GarbageReport(damaged=list(catalog.damaged))
+    if isinstance(where_, RemoteDir):
+        _collect_remote(where_, catalog, report, dry_run, min_age)
+    else:
+        _collect_local(where_, catalog, report, dry_run, min_age)
+    if report.left:
+        log.warning(
+            "shardsafe gc: left %d step folder(s) without a manifest under %s: the damaged checkpoint(s) %s may reference "
+            "their files; repair or delete those, then run gc again",
+            len(report.left),
+            where(where_),
+            ", ".join(where(d.path) for d in report.damaged),
+        )
+    return report
+
+
+def _warn_left(damaged: DamagedCheckpoint) -> None:
+    log.warning("shardsafe gc: %s is a damaged checkpoint, left in place (delete it yourself if unneeded): %s", where(damaged.path), damaged.reason)
+
+
+def _collect_local(root: Path, catalog: Catalog, report: GarbageReport, dry_run: bool, min_age: float) -> None:
+    now = time.time()
+    referenced = catalog.references()
+    for entry in sorted(os.scandir(root), key=lambda e: e.name) if root.is_dir() else []:
+        if not entry.is_dir(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime < min_age:
+            continue
+        path = Path(entry.path)
+        original = _moved_aside_from(root, entry.name)
+        if original is not None:
+            # An overwrite without RENAME_EXCHANGE died between its two renames: this is the only
+            # copy of the checkpoint. Put it back rather than delete it.
+            report.removed.append(path)
+            if not dry_run:
+                if original.exists():
+                    original.rmdir()  # an empty folder left in its place
+                os.rename(path, original)
+                fsync_dir(root)
+                log.warning("shardsafe: restored %s from %s (an overwrite was interrupted between its two renames)", original, path)
+            continue
+        if is_hidden_temp(entry.name):
+            report.removed.append(path)
+            if not dry_run:
+                remove_tree(path)
+            continue
+        step = STEP_NAMING.parse(entry.name)
+        if step is None:
+            continue  # not shardsafe's
+        if os.path.lexists(path / MANIFEST_NAME):
+            if not is_committed(path):  # a manifest that is not a regular file: damaged, not garbage
+                damaged = DamagedCheckpoint(step, path, f"{MANIFEST_NAME} is not a regular file")
+                report.damaged.append(damaged)
+                _warn_left(damaged)
+            continue
+        if report.damaged:
+            report.left.append(path)
+        elif entry.name in referenced:
+            keep = referenced[entry.name]
+            report.removed += [Path(e.path) for e in os.scandir(path) if e.name not in keep]
+            if not dry_run:
+                remove_unreferenced(path, keep)
+        else:
+            report.removed.append(path)
+            if not dry_run:
+                remove_tree(path)
+
+
+def _moved_aside_from(root: Path, name: str) -> Path | None:
+    """For ``.NAME.shardsafe-old-ID`` holding a committed checkpoint while NAME holds none: NAME."""
+    original_of = original_name(name, OLD_MARK)
+    if original_of in (None, "", ".", ".."):
+        return None
+    original = root / original_of
+    if is_committed(original) or not is_committed(root / name):
+        return None
+    if original.exists() and (not original.is_dir() or any(original.iterdir())):
+        return None
+    return original
+
+
+def _collect_remote(root: RemoteDir, catalog: Catalog, report: GarbageReport, dry_run: bool, min_age: float) -> None:
+    """Step prefixes without a manifest (interrupted saves or retirements), minus referenced data.
+
+    A prefix holding any object younger than ``min_age`` (or of unknown age) is left alone: it may
+    be a save in progress in another job, whose manifest is simply not written yet.
+    """
+    referenced = catalog.references()
+    now = time.time()
+    for _, name in sorted(step_folders(root).items()):
+        folder = root.child(name)
+        if folder.exists(MANIFEST_NAME):
+            continue
+        if report.damaged:
+            report.left.append(folder.url)
+            continue
+        present = folder.list()
+        if min_age > 0 and any((stamp := folder.modified(n)) is None or now - stamp < min_age for n in present):
+            log.info("shardsafe gc: %s has objects younger than %.0f s (a save in progress?); left alone", folder.url, min_age)
+            continue
+        doomed = [n for n in present if n not in referenced.get(name, set())]
+        report.removed += [f"{folder.url}/{n}" for n in doomed]
+        if not dry_run:
+            folder.remove(doomed)
