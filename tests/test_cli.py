@@ -22,6 +22,7 @@ from torch import nn
 import shardsafe
 from shardsafe.cli import main as cli
 from shardsafe.core.format import dtype_name
+from shardsafe.manager.lease import LEASE_DIR
 from shardsafe.protocol.commit import open_checkpoint
 
 SHARD = "shard-00000.safetensors"
@@ -246,7 +247,7 @@ def test_demo_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     assert [i.step for i in infos if i.best] == [best] == [summary["best_step"]]
     assert [i.step for i in infos if i.latest] == [12] == [summary["latest_step"]]
     assert summary["retired_steps"] == sorted(set(eval_loss) - set(expected))
-    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # nothing half-written or half-deleted left
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR]  # nothing half-written or half-deleted left
 
     # The final checkpoint verifies, and as a 2-rank one loads into a plain module, giving the same loss.
     assert summary["verify_passed"] is True and summary["final_checkpoint"] == step_name(12)

@@ -40,6 +40,7 @@ from reliability import record
 from shardsafe.core.faults import POINTS
 from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import CheckpointNotFoundError
+from shardsafe.manager.lease import LEASE_DIR
 
 WORLD = 2
 COORDINATOR_ONLY = {"save:before-manifest", "save:before-publish", "save:after-publish"}
@@ -99,7 +100,7 @@ def check_after_crash(root: Path, point: str, target: str) -> None:
     if target == "new":
         assert_not_a_checkpoint(root / "new")
     assert visible_entries(root) == ["ckpt"], "an interrupted save must not show up next to the checkpoints"
-    for leftover in (p.name for p in root.iterdir() if p.name.startswith(".")):
+    for leftover in (p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR):
         assert ".shardsafe-tmp-" in leftover, f"unexpected leftover {leftover}"
 
     # The next save (no process group here) goes through despite whatever the dead job left.

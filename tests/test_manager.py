@@ -16,6 +16,7 @@ import shardsafe
 from dist_utils import full_model_state, launch, make_model, make_optimizer, rank_batch, run_ranks, shard, train_step
 from shardsafe.errors import SaveError
 from shardsafe.manager.catalog import committed_steps
+from shardsafe.manager.lease import LEASE_DIR
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.retention import choose_kept
 
@@ -93,7 +94,7 @@ def test_retention_under_fsdp2_keeps_best_oldest_and_latest(tmp_path: Path) -> N
     results = run_ranks(_job, 2, str(root), 7, options, True, {}, work_dir=tmp_path)
     # losses by step: 3, 1 (best), 4, 1.5, 9, 2.6, 5 -> keep best step 2 and the last two
     assert committed_steps(root) == [2, 6, 7]
-    assert sorted(p.name for p in root.iterdir()) == [step_name(s) for s in (2, 6, 7)]
+    assert sorted(p.name for p in root.iterdir() if p.name != LEASE_DIR) == [step_name(s) for s in (2, 6, 7)]
     infos = shardsafe.list_checkpoints(root)
     assert [(i.step, i.best, i.latest) for i in infos] == [(2, True, False), (6, False, False), (7, False, True)]
     latest = _load_full(root / step_name(7))
@@ -108,13 +109,13 @@ def test_kill_during_rotation_leaves_only_whole_checkpoints(tmp_path: Path) -> N
     assert not result.ok and result.exitcodes[0] == -signal.SIGKILL
     # rank 0 died right after hiding step 1 (retention after the save of step 2)
     assert committed_steps(root) == [2]
-    hidden = [p.name for p in root.iterdir() if p.name.startswith(".")]
+    hidden = [p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR]
     assert len(hidden) == 1 and "deleting" in hidden[0]
     shardsafe.verify(root / step_name(2))
     assert set(_load_full(root / step_name(2))) == set(make_model(0).state_dict())
     removed = shardsafe.collect_garbage(root)
     assert [p.name for p in removed] == hidden
-    assert sorted(p.name for p in root.iterdir()) == [step_name(2)]
+    assert sorted(p.name for p in root.iterdir() if p.name != LEASE_DIR) == [step_name(2)]
 
 
 def _async_vs_sync(rank: int, world_size: int, root: str, mode: Any) -> list[str]:
@@ -175,7 +176,7 @@ def test_background_failure_surfaces_on_next_call(tmp_path: Path) -> None:
     for outcome in results:
         assert "background save failed" in outcome["error"] and "rank 1" in outcome["error"] and "injected I/O error" in outcome["error"]
     assert committed_steps(root) == [1, 3]
-    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # the failed save cleaned up after itself
+    assert not [p for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR]  # the failed save cleaned up after itself
     shardsafe.verify(root / step_name(1))
 
 
@@ -277,7 +278,7 @@ def test_list_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["gc", str(root), "--dry-run", "--min-age", "0"]) == 0
     assert "would remove 2 entries" in capsys.readouterr().out
     assert main(["gc", str(root), "--min-age", "0"]) == 0
-    assert sorted(p.name for p in root.iterdir()) == [step_name(s) for s in (2, 3, 4)]
+    assert sorted(p.name for p in root.iterdir() if p.name != LEASE_DIR) == [step_name(s) for s in (2, 3, 4)]
     assert main(["gc", str(root)]) == 0 and "removed 0 entries" in capsys.readouterr().out.splitlines()[-1]
 
 

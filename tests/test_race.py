@@ -32,6 +32,7 @@ from dist_utils import (
     torchrun_env,
     visible_entries,
 )
+from shardsafe.manager.lease import LEASE_DIR
 
 SAVES = 50
 LATEST = "latest"
@@ -57,7 +58,7 @@ def race_worker(rank: int, world_size: int, root: str, saves: int, tag: str) -> 
 def check_root(root: Path, saves: int, tag: str, world_size: int) -> None:
     expected = sorted([step_name(i) for i in range(saves)] + [LATEST])
     assert visible_entries(root) == expected
-    leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR)
     assert leftovers == [], f"successful saves left temporary folders behind: {leftovers}"
     model = make_model(0)  # plain module, no process group: loads what 2+ ranks wrote
     for name in expected:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,8 +94,12 @@ def write_checkpoint(
     metadata: dict[str, Any] | None = None,
     fsync: bool = True,
     reuse: ReuseMap | None = None,
+    before_publish: Callable[[], None] | None = None,
 ) -> Path | RemoteDir:
-    """Write and commit an already described state (the part an async save runs in the background)."""
+    """Write and commit an already described state (the part an async save runs in the background).
+
+    ``before_publish`` runs on the coordinator right before the commit makes the checkpoint
+    visible (the manager's lease fencing check); if it raises, nothing is published."""
     target = prepare_save(comm, final, overwrite, fsync)
     crash_point("save:after-prepare", comm.rank)
     specs = [c.spec() for c in view.chunks]
@@ -129,7 +133,7 @@ def write_checkpoint(
         manifest.tensors = _tensor_entries(results)
         return manifest, state_bytes
 
-    agree_and_publish(comm, target, result, build)
+    agree_and_publish(comm, target, result, build, before_publish)
     return final
 
 

@@ -42,7 +42,17 @@ def _cmd_list(args: Any) -> int:
     infos = listing.checkpoints
     if args.json:
         rows: list[dict[str, Any]] = [
-            {"step": i.step, "path": where(i.path), "bytes": i.size, "metrics": i.metrics, "best": i.best, "latest": i.latest, "damaged": None}
+            {
+                "step": i.step,
+                "path": where(i.path),
+                "bytes": i.size,
+                "metrics": i.metrics,
+                "best": i.best,
+                "latest": i.latest,
+                "run_id": i.run_id,
+                "lease_epoch": i.lease_epoch,
+                "damaged": None,
+            }
             for i in infos
         ]
         rows += [
@@ -54,14 +64,15 @@ def _cmd_list(args: Any) -> int:
     if not infos and not listing.damaged:
         print(f"no committed checkpoints under {args.root}")
         return 0
-    print(f"{'step':>12}  {'size':>10}  {'created':19}  flags        metrics")
+    print(f"{'step':>12}  {'size':>10}  {'created':19}  {'written by':22}  flags        metrics")
     lines = []
     for i in infos:
         flags = ",".join(f for f, on in (("latest", i.latest), ("best", i.best)) if on)
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created))
         metrics = " ".join(f"{k}={v}" for k, v in i.metrics.items())
-        lines.append((i.step, f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {flags:11}  {metrics}"))
-    lines += [(d.step, f"{d.step:>12}  {'-':>10}  {'-':19}  {'damaged':11}  skipped: {d.reason}") for d in listing.damaged]
+        writer = f"{i.run_id} (epoch {i.lease_epoch})" if i.run_id else "-"
+        lines.append((i.step, f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {writer:22}  {flags:11}  {metrics}"))
+    lines += [(d.step, f"{d.step:>12}  {'-':>10}  {'-':19}  {'-':22}  {'damaged':11}  skipped: {d.reason}") for d in listing.damaged]
     for _, line in sorted(lines):
         print(line)
     if listing.damaged:

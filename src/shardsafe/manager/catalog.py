@@ -48,6 +48,8 @@ class CheckpointInfo:
     created: float = 0.0
     best: bool = False
     latest: bool = False
+    run_id: str | None = None  # the run that wrote it (its lease), None for checkpoints written without one
+    lease_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,16 @@ def committed_steps(root: Root, naming: StepNaming = STEP_NAMING) -> list[int]:
 def info_of(step: int, path: Root, manifest: Manifest) -> CheckpointInfo:
     meta = manager_meta(manifest)
     metrics = meta.get("metrics")
-    return CheckpointInfo(step, path, manifest.total_bytes, dict(metrics) if isinstance(metrics, dict) else {}, manifest.created)
+    run_id, epoch = meta.get("run_id"), meta.get("lease_epoch")
+    return CheckpointInfo(
+        step,
+        path,
+        manifest.total_bytes,
+        dict(metrics) if isinstance(metrics, dict) else {},
+        manifest.created,
+        run_id=run_id if isinstance(run_id, str) else None,
+        lease_epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+    )
 
 
 def manager_meta(manifest: Manifest) -> dict[str, Any]:

@@ -40,8 +40,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from shardsafe.core.comm import Comm
 from shardsafe.errors import LeaseHeldError, LeaseLostError, ShardsafeError
 from shardsafe.protocol.temppath import hidden_name
 from shardsafe.storage.local import fsync_dir, read_small_file
@@ -377,3 +378,42 @@ class Lease:
                 # Leave the epoch record (so the next epoch is higher) but mark it lapsed.
                 self.store.overwrite(LeaseRecord(**{**asdict(self.record), "heartbeat": 0.0, "pid": -1}))
             self.record = None
+
+
+class RootLease:
+    """A :class:`Lease` held by a group's coordinator for all its ranks (the manager, the Trainer, Accelerate saving).
+
+    :meth:`ensure` is collective (every rank waits while the coordinator takes the lease, and all
+    raise the same :class:`LeaseHeldError`); :meth:`fence` runs on the coordinator right before it
+    publishes or deletes anything. ``run_id`` and ``epoch`` are known on every rank once held.
+    """
+
+    def __init__(self, root: Path | RemoteDir, comm: Comm, *, timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
+        self.comm = comm
+        self.lease = Lease(root, timeout=timeout) if comm.is_coordinator else None
+        self.run_id: str | None = None
+        self.epoch: int | None = None
+
+    def ensure(self) -> None:
+        if self.epoch is not None:
+            return
+
+        def take() -> tuple[str, int]:
+            assert self.lease is not None
+            record = self.lease.acquire()
+            return record.run_id, record.epoch
+
+        self.run_id, self.epoch = self.comm.on_coordinator(take, default=LeaseHeldError)
+
+    def fence(self, what: str) -> None:
+        """Coordinator: raise :class:`LeaseLostError` unless this run still holds the root."""
+        if self.lease is not None:
+            self.lease.check(what)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "lease_epoch": self.epoch}
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+        self.epoch = None

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.faults import crash_point
-from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
+from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, LeaseLostError, SaveError, ShardsafeError
 from shardsafe.manager.catalog import (
     META_KEY,
     Catalog,
@@ -49,6 +49,7 @@ from shardsafe.manager.catalog import (
     scan,
     warn_damaged,
 )
+from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.manager.staging import Copy, StagingBuffers, copy_all
@@ -92,10 +93,17 @@ class CheckpointManager:
         preemption_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1),
         fsync: bool = True,
         dedup: bool = False,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
     ) -> None:
         """``dedup``: a chunk whose bytes equal its counterpart in the newest earlier checkpoint is
         referenced rather than written (frozen weights of a fine-tune are stored once); costs one
-        extra hash pass over chunks that have a counterpart."""
+        extra hash pass over chunks that have a counterpart.
+
+        ``lease_timeout``: before its first save or deletion the manager takes a lease on ``root``
+        (one live run per root, docs/MANAGER.md); a second run waits at most this long for a live
+        holder's lease to lapse, then raises :class:`~shardsafe.errors.LeaseHeldError`. A run whose
+        lease another run took over (it was paused longer than this) publishes and deletes nothing:
+        its saves raise :class:`~shardsafe.errors.LeaseLostError`. ``restore`` needs no lease."""
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         if keep_best is not None and best_metric is None:
@@ -113,6 +121,7 @@ class CheckpointManager:
         self.fsync = fsync
         self.dedup = dedup
         self.comm = get_comm(process_group)
+        self.lease = RootLease(self.root, self.comm, timeout=lease_timeout)
         self._background_comm = self._make_background_comm() if async_save else self.comm
         self._staging = StagingBuffers()
         self._manifests = ManifestCache()
@@ -164,10 +173,14 @@ class CheckpointManager:
         if not (force or preempted or self.should_save(step)):
             return False
         self.wait()
+        self.lease.ensure()
         self._check_best_metric(step, metrics)
         if self.dedup:
             self._check_not_referenced(step)
-        metadata = {META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode}}
+        written_by = self.lease.metadata()
+        metadata = {
+            META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode, **written_by}
+        }
         view = describe_collectively(state, self.comm)
         if not self.async_save or preempted:
             self._write(step, view, metadata)
@@ -204,7 +217,16 @@ class CheckpointManager:
 
     def _write(self, step: int, view: SaveView, metadata: dict[str, Any], comm: Comm | None = None) -> None:
         reuse = self._reuse_map(step) if self.dedup else None
-        write_checkpoint(self.step_path(step), view, comm or self.comm, overwrite=True, metadata=metadata, fsync=self.fsync, reuse=reuse)
+        write_checkpoint(
+            self.step_path(step),
+            view,
+            comm or self.comm,
+            overwrite=True,
+            metadata=metadata,
+            fsync=self.fsync,
+            reuse=reuse,
+            before_publish=lambda: self.lease.fence(f"publish step {step}"),
+        )
         if (comm or self.comm).is_coordinator:
             try:
                 self.apply_retention()
@@ -268,6 +290,7 @@ class CheckpointManager:
         if doomed:
             still_needed = catalog.references(sorted(kept.steps))
             for step in doomed:
+                self.lease.fence(f"delete step {step}")  # at the last moment: a run taken over deletes nothing
                 self._manifests.forget(self.step_path(step))
                 retire(self.step_path(step), still_needed.get(step_name(step)))
         return doomed
@@ -282,6 +305,8 @@ class CheckpointManager:
     def _raise_background_error(self) -> None:
         if self._error is not None:
             exc, self._error = self._error, None
+            if isinstance(exc, LeaseLostError):  # the run must stop, not retry: keep the class
+                raise LeaseLostError(f"background save failed: {exc}") from exc
             if isinstance(exc, ShardsafeError):
                 raise SaveError(f"background save failed: {exc}") from exc
             raise SaveError(f"background save failed: {type(exc).__name__}: {exc}") from exc
@@ -319,7 +344,15 @@ class CheckpointManager:
         candidates = [step] if step is not None else list(reversed(self.comm.broadcast(self.steps())))
         for candidate in candidates:
             try:
-                load(self.step_path(candidate), state, process_group=self.comm.group, strict=strict)
+                metadata = load(self.step_path(candidate), state, process_group=self.comm.group, strict=strict)
+                written = metadata.get(META_KEY, {}) if isinstance(metadata, dict) else {}
+                if self.comm.is_coordinator:
+                    log.info(
+                        "shardsafe: restored %s, written by run %s (lease epoch %s)",
+                        self.step_path(candidate),
+                        written.get("run_id", "unknown"),
+                        written.get("lease_epoch", "unknown"),
+                    )
                 return candidate
             except (IntegrityError, FormatError, CheckpointNotFoundError) as exc:
                 if step is not None:
@@ -362,6 +395,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self.lease.release()
             if self._at_exit:
                 atexit.unregister(self._finish_at_exit)
                 self._at_exit = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +185,11 @@ def _make_tmp(final: Path, overwrite: bool) -> Path:
     return TemporaryPath(final).path
 
 
-def agree_and_publish(comm: Comm, target: CommitTarget, rank_result: tuple[Any, ...], build: Any) -> Manifest | None:
-    """Agreement + commit. ``build(results)`` runs on the coordinator and returns (manifest, state bytes)."""
+def agree_and_publish(
+    comm: Comm, target: CommitTarget, rank_result: tuple[Any, ...], build: Any, before_publish: Callable[[], None] | None = None
+) -> Manifest | None:
+    """Agreement + commit. ``build(results)`` runs on the coordinator and returns (manifest, state bytes);
+    ``before_publish()`` runs there right before the checkpoint becomes visible (fencing)."""
     results = comm.gather(rank_result)
 
     def commit() -> Manifest:
@@ -195,6 +199,8 @@ def agree_and_publish(comm: Comm, target: CommitTarget, rank_result: tuple[Any, 
             raise SaveError("save failed, nothing was published:\n  " + "\n  ".join(failures))
         manifest, state_bytes = build(results)
         manifest.state_file = target.state_name()
+        if before_publish is not None:
+            before_publish()
         target.commit(state_bytes, manifest, comm.rank)
         return manifest
 
