@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from shardsafe.manager.lease import LEASE_DIR
 
 pytest.importorskip("accelerate")
 
@@ -140,7 +141,8 @@ def _rotation_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def test_automatic_naming_and_total_limit(tmp_path: Path) -> None:
     results = run_ranks(_rotation_job, 2, str(tmp_path / "proj"), work_dir=tmp_path / "run")
     folder = tmp_path / "proj" / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    assert sorted(p.name for p in folder.iterdir() if p.name != LEASE_DIR) == ["checkpoint_2", "checkpoint_3"]
+    assert len(list((folder / LEASE_DIR).glob("epoch-*.json"))) == 1  # the run held one lease on the folder
     for r in results:
         assert [Path(p).name for p in r["paths"]] == ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"]
         assert Path(r["loaded"]).name == "checkpoint_3" and r["counter"] == 4 and r["iteration"] == 4

@@ -42,6 +42,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from shardsafe.integrations.transformers import ShardsafeTrainer  # noqa: E402
+from shardsafe.manager.lease import LEASE_DIR  # noqa: E402
 
 STEPS = 6  # 4 steps per epoch (16 samples, 2 ranks x 2): 6 steps cross an epoch boundary
 SEQ = 8
@@ -115,7 +116,7 @@ def z3_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def listing(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    return sorted(p.name for p in folder.iterdir() if p.name != LEASE_DIR) if folder.is_dir() else []  # the run's lease folder aside
 
 
 class Run:

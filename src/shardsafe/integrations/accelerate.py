@@ -13,24 +13,29 @@ No pickle is written or read.
 With ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`` checkpoints are
 ``<project_dir>/checkpoints/checkpoint_<iteration>``, as Accelerate names them; after a new one is
 committed, the oldest beyond ``total_limit`` are retired (renamed hidden, then deleted), by the
-coordinator only. Like the Accelerator's own methods, these read Accelerate's registries
+coordinator only, and the run holds a lease on the checkpoints folder (one live run per project;
+a second run waits for it to lapse, then fails with LeaseHeldError; a run whose lease was taken
+over publishes and deletes nothing). Like the Accelerator's own methods, these read Accelerate's registries
 (``_models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``, ``_custom_objects``).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardsafe.api.checkpoint import load, save
+from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import get_comm
 from shardsafe.data.sampler import ReshardableSampler
 from shardsafe.errors import CheckpointNotFoundError, ShardsafeError
+from shardsafe.manager.lease import RootLease
 from shardsafe.protocol.commit import is_committed
 from shardsafe.protocol.temppath import retire_folder
 from shardsafe.state.rng import RNGState
@@ -125,20 +130,39 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
         raise ShardsafeError("save_state: pass output_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
     else:
         target = Path(output_dir)
-    state = accelerator_state(accelerator)
-    path = save(target, state, metadata={META_KEY: {"iteration": int(config.iteration), "step": int(accelerator.step)}})
-    if auto and config.total_limit is not None:
-        comm = get_comm()
-        comm.on_coordinator(lambda: _retire_beyond(_checkpoints_dir(accelerator), int(config.total_limit)))
+    comm = get_comm()
+    lease = _lease(_checkpoints_dir(accelerator), comm) if auto else None
+    meta = {"iteration": int(config.iteration), "step": int(accelerator.step), **(lease.metadata() if lease else {})}
+    view = describe_collectively(accelerator_state(accelerator), comm)
+    fence = (lambda: lease.fence(f"publish {target}")) if lease is not None else None
+    write_checkpoint(location(target), view, comm, metadata={META_KEY: meta}, before_publish=fence)
+    if lease is not None and config.total_limit is not None:
+        limit = int(config.total_limit)
+        comm.on_coordinator(lambda: _retire_beyond(_checkpoints_dir(accelerator), limit, lease.fence))
     config.iteration += 1
-    return str(path)
+    return str(target)
 
 
-def _retire_beyond(folder: Path, limit: int) -> list[int]:
-    """Retire the oldest committed checkpoints beyond ``limit`` (the newest are kept)."""
+_LEASES: dict[str, RootLease] = {}
+
+
+def _lease(root: Path, comm: Any) -> RootLease:
+    """This process's lease on a managed checkpoints folder (one live run per project), taken before its first save."""
+    key = str(root.absolute())
+    if key not in _LEASES:
+        _LEASES[key] = RootLease(Path(key), comm)
+        atexit.register(_LEASES[key].release)
+    lease = _LEASES[key]
+    lease.ensure()
+    return lease
+
+
+def _retire_beyond(folder: Path, limit: int, fence: Callable[[str], None]) -> list[int]:
+    """Retire the oldest committed checkpoints beyond ``limit`` (the newest are kept), each after the lease check."""
     numbered = _numbered(folder)
     retired = []
     for number, path in numbered[: max(0, len(numbered) - limit)]:
+        fence(f"delete {path.name}")
         retire_folder(path)
         retired.append(number)
     return retired

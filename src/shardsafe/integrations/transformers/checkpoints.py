@@ -16,6 +16,7 @@ next to it as ordinary files by the coordinator after the commit (:func:`write_t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -83,7 +84,7 @@ def write_trainer_files(checkpoint: Path, *, only_missing: bool = False) -> list
     return written
 
 
-def rotate_checkpoints(run_dir: Path, limit: int | None, best: str | None) -> list[int]:
+def rotate_checkpoints(run_dir: Path, limit: int | None, best: str | None, fence: Callable[[str], None] | None = None) -> list[int]:
     """Delete the oldest checkpoints beyond ``limit`` (coordinator), never the newest or ``best``. Returns the steps deleted.
 
     Counts as transformers does (at most ``limit`` checkpoints, more only to keep both the newest
@@ -103,5 +104,7 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, best: str | None) -> li
     kept = choose_kept([CheckpointInfo(s, checkpoint_path(run_dir, s), 0) for s in steps], keep_last, best=best_step)
     doomed = [s for s in steps if s not in kept.steps]
     for step in doomed:
+        if fence is not None:
+            fence(f"delete checkpoint-{step}")  # the lease check, at the last moment
         retire(checkpoint_path(run_dir, step))
     return doomed

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 
-from shardsafe.api.checkpoint import load, save
+from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import get_comm
 from shardsafe.errors import CheckpointNotFoundError, ShardsafeError, StateMismatchError
 from shardsafe.hf.pretrained import save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
@@ -47,6 +47,7 @@ from shardsafe.integrations.transformers.checkpoints import (
 )
 from shardsafe.integrations.transformers.model_folder import install_model_folder, new_hidden, stage_upload
 from shardsafe.integrations.transformers.zero3 import is_zero3_model, parameter_count, zero3_gathered_tensors, zero3_sharded_model
+from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.state.adapters import unwrap_module
 from shardsafe.state.rng import RNGState
@@ -72,9 +73,18 @@ class ShardsafeTrainer(Trainer):
     take part, only the coordinator (global rank 0) creates, writes or deletes shared paths.
     """
 
-    def __init__(self, *args: Any, save_dtype: torch.dtype | None = None, max_shard_size: int | str = HF_MAX_SHARD_SIZE, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        save_dtype: torch.dtype | None = None,
+        max_shard_size: int | str = HF_MAX_SHARD_SIZE,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        **kwargs: Any,
+    ) -> None:
         self.save_dtype = save_dtype
         self.max_shard_size = max_shard_size
+        self.lease_timeout = lease_timeout
+        self._leases: dict[str, RootLease] = {}  # run dir -> this run's lease on it (one live run per output_dir)
         self._resuming_from: str | None = None
         super().__init__(*args, **kwargs)
 
@@ -98,8 +108,14 @@ class ShardsafeTrainer(Trainer):
         if self.args.should_save:  # as the Trainer: record the stateful callbacks where it writes the state
             self._record_callback_states()
         comm = get_comm()
+        lease = self._lease(run_dir)
         state = self._checkpoint_state(model_only=self.args.save_only_model)
-        save(output_dir, state, overwrite=True, metadata=self._checkpoint_metadata())
+        metadata = self._checkpoint_metadata()
+        metadata[META_KEY] = {**metadata.get(META_KEY, {}), **lease.metadata()}
+        view = describe_collectively(state, comm)
+        write_checkpoint(
+            location(output_dir), view, comm, overwrite=True, metadata=metadata, before_publish=lambda: lease.fence(f"publish {output_dir}")
+        )
         if comm.is_coordinator:
             try:
                 write_trainer_files(Path(output_dir))
@@ -109,7 +125,7 @@ class ShardsafeTrainer(Trainer):
             self._push_from_checkpoint(output_dir)
         if comm.is_coordinator:
             try:
-                rotate_checkpoints(Path(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint)
+                rotate_checkpoints(Path(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, fence=lease.fence)
             except Exception as exc:  # the checkpoint is committed; failing here, on one rank, would split the ranks
                 log.warning("shardsafe: rotating the checkpoints in %s failed (retried after the next save): %s", run_dir, exc)
 
@@ -209,6 +225,18 @@ class ShardsafeTrainer(Trainer):
             return super().train(resume_from_checkpoint=path, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         finally:
             self._resuming_from = None
+            for lease in self._leases.values():
+                lease.release()
+            self._leases.clear()
+
+    def _lease(self, run_dir: str) -> RootLease:
+        """This run's lease on ``run_dir``, taken (collectively) before the first checkpoint goes there."""
+        key = str(Path(run_dir).absolute())
+        if key not in self._leases:
+            self._leases[key] = RootLease(Path(key), get_comm(), timeout=self.lease_timeout)
+        lease = self._leases[key]
+        lease.ensure()
+        return lease
 
     def _check_checkpointable(self) -> None:
         """Refuse, before training, a DeepSpeed setup whose checkpoints shardsafe cannot write (rather than at the first save)."""
