@@ -24,6 +24,7 @@ import shardsafe
 from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import ModelFolderError, PushError, ShardsafeError
 from shardsafe.hf import push as hubmod
+from shardsafe.hf import push_fsspec, push_retry
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket, hub_server, hub
@@ -165,7 +166,7 @@ def test_s3_push_failing_midway_leaves_no_model(s3_bucket: str, models: dict[str
     shardsafe.push(models["sharded"], dest, progress=False)  # an earlier, complete model at the destination
     assert INDEX_FILE in bucket_files(s3_bucket, "m")
 
-    real_put = hubmod._put_one
+    real_put = push_fsspec._put_one
     calls: list[str] = []
 
     def failing_put(fs: Any, root: str, f: hubmod.UploadFile, local: bool, bar: Any) -> None:
@@ -174,7 +175,7 @@ def test_s3_push_failing_midway_leaves_no_model(s3_bucket: str, models: dict[str
             raise PermissionError(f"injected: access denied to {f.name}")
         real_put(fs, root, f, local, bar)
 
-    monkeypatch.setattr(hubmod, "_put_one", failing_put)
+    monkeypatch.setattr(push_fsspec, "_put_one", failing_put)
     with pytest.raises(PushError) as info:
         shardsafe.push(models["sharded"], dest, progress=False)
     message = str(info.value)
@@ -188,8 +189,8 @@ def test_s3_push_failing_midway_leaves_no_model(s3_bucket: str, models: dict[str
 def test_s3_push_retries_transient_errors(
     s3_bucket: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(hubmod, "BACKOFF_S", 0.01)
-    real_put = hubmod._put_one
+    monkeypatch.setattr(push_retry, "BACKOFF_S", 0.01)
+    real_put = push_fsspec._put_one
     failures: list[str] = []
 
     def flaky_put(fs: Any, root: str, f: hubmod.UploadFile, local: bool, bar: Any) -> None:
@@ -198,15 +199,15 @@ def test_s3_push_retries_transient_errors(
             raise ConnectionResetError(f"injected: connection reset while sending {f.name}")
         real_put(fs, root, f, local, bar)
 
-    monkeypatch.setattr(hubmod, "_put_one", flaky_put)
+    monkeypatch.setattr(push_fsspec, "_put_one", flaky_put)
     shardsafe.push(models["single"], f"s3://{s3_bucket}/flaky", progress=False)
     assert bucket_files(s3_bucket, "flaky") == local_files(models["single"])
     assert sorted(failures) == sorted(local_files(models["single"]))
     assert any("retrying" in r.getMessage() for r in caplog.records if r.name == "shardsafe.hf.push")
 
     # bounded: a file that never goes up fails after MAX_ATTEMPTS tries
-    monkeypatch.setattr(hubmod, "_put_one", lambda *a: (_ for _ in ()).throw(TimeoutError("injected: timed out")))
-    with pytest.raises(PushError, match=f"after {hubmod.MAX_ATTEMPTS} attempts"):
+    monkeypatch.setattr(push_fsspec, "_put_one", lambda *a: (_ for _ in ()).throw(TimeoutError("injected: timed out")))
+    with pytest.raises(PushError, match=f"after {push_retry.MAX_ATTEMPTS} attempts"):
         shardsafe.push(models["single"], f"s3://{s3_bucket}/never", progress=False)
     assert bucket_files(s3_bucket, "never") == {}
 
@@ -274,7 +275,7 @@ def test_push_to_hub_then_from_pretrained(
     assert {k: v for k, v in hub.files("owner/tiny").items() if k != ".gitattributes"} == single
 
     # a transient failure of the commit call is retried; all files still land in one commit
-    monkeypatch.setattr(hubmod, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(push_retry, "BACKOFF_S", 0.01)
     hub.fail_next("POST", r"^/api/models/owner/tiny-sharded/commit/main$", status=503)
     shardsafe.push(models["sharded"], "owner/tiny-sharded", progress=False)
     assert [s for m, p, s in hub.requests if m == "POST" and p.endswith("/tiny-sharded/commit/main")] == [503, 200]
