@@ -25,7 +25,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardsafe.core.format import numel
@@ -55,6 +55,7 @@ class ExpectedWeights:
     has_head: bool = False  # the model holds its base model under ``prefix`` (a ...ForCausalLM, say)
     heads_checked: bool = True  # False when no architecture was recorded: only the base model is compared
     converts: bool = False  # transformers converts this model's checkpoint layout at load
+    checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # the layout transformers saves such a model in
 
     @property
     def unique_parameters(self) -> int:
@@ -160,6 +161,7 @@ def _describe_model(model: Any, heads_checked: bool) -> ExpectedWeights:
     buffers = [name for name, _ in model.named_buffers()]
     ignore_unexpected.update(p for suffix, p in _OLD_BUFFER_PATTERNS.items() if any(b.endswith(suffix) for b in buffers))
     prefix = str(getattr(model, "base_model_prefix", "") or "")
+    converts = _has_conversions(model)
     return ExpectedWeights(
         architecture=type(model).__name__,
         shapes=shapes,
@@ -171,7 +173,8 @@ def _describe_model(model: Any, heads_checked: bool) -> ExpectedWeights:
         prefix=prefix,
         has_head=bool(prefix) and any(n.startswith(prefix + ".") for n in shapes),
         heads_checked=heads_checked,
-        converts=_has_conversions(model),
+        converts=converts,
+        checkpoint_shapes=_checkpoint_layout(model, state) if converts else None,
     )
 
 
@@ -187,7 +190,42 @@ def _has_conversions(model: Any) -> bool:
         return True
 
 
+def _checkpoint_layout(model: Any, state: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """The names and shapes transformers' ``save_pretrained`` would write (its load-time conversion reversed, on meta tensors)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        reverted = revert_weight_conversion(model, dict(state))
+        return {str(name): tuple(t.shape) for name, t in reverted.items()}
+    except Exception as exc:  # not in this transformers, or it cannot run on meta tensors: counts are compared instead
+        log.debug("cannot derive the checkpoint layout of %s (%s: %s)", type(model).__name__, type(exc).__name__, exc)
+        return None
+
+
 # ----------------------------------------------------------------------------- comparing
+
+
+def judge(expected: ExpectedWeights, found: dict[str, tuple[int, ...]], where: str) -> tuple[str | None, Mismatch]:
+    """(how the files fit ``expected``, or None when they do not; the closest mismatch).
+
+    The files may be in the model's own layout (what shardsafe writes) or, for a model whose
+    checkpoint layout transformers converts at load, in that checkpoint layout (what
+    transformers writes). When that layout cannot be derived, names that differ only by the
+    conversion are forgiven if the parameter counts agree.
+    """
+    name = expected.architecture
+    mismatch = compare(expected, found)
+    if not mismatch:
+        return f"names and shapes of {name}", mismatch
+    if expected.checkpoint_shapes is not None:
+        other = compare(replace(expected, shapes=expected.checkpoint_shapes), found)
+        if not other:
+            return f"names and shapes of {name} (in its checkpoint layout)", other
+        mismatch = min(mismatch, other, key=lambda m: len(m.missing) + len(m.unexpected) + len(m.shapes))
+    elif looks_converted(expected, mismatch) and counts_agree(expected, found):
+        log.info("%s: names differ from %s's (%s), as when transformers converts them at load; counts agree", where, name, mismatch.describe())
+        return f"parameter count of {name} (names in a converted layout)", mismatch
+    return None, mismatch
 
 
 def compare(expected: ExpectedWeights, found: dict[str, tuple[int, ...]]) -> Mismatch:

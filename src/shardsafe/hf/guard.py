@@ -29,7 +29,7 @@ from typing import Any
 
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, numel, parse_json
 from shardsafe.errors import ModelFolderError, ShardsafeError
-from shardsafe.hf.architecture import compare, counts_agree, expected_weights, looks_converted
+from shardsafe.hf.architecture import expected_weights, judge
 from shardsafe.hf.param_count import config_parameter_count
 from shardsafe.hf.weights_file import NO_TENSORS, WeightsFile, open_with_safetensors, read_weights_file, show_name
 from shardsafe.storage.local import read_small_file, safe_child
@@ -154,18 +154,11 @@ def _check_architecture(folder: Path, found: dict[str, tuple[int, ...]]) -> str:
         return "skipped: no config.json"
     expected = expected_weights(config)
     if not isinstance(expected, str):
-        mismatch = compare(expected, found)
-        if not mismatch:
-            return f"names and shapes of {expected.architecture}"
-        if looks_converted(expected, mismatch) and counts_agree(expected, found):
-            log.info(
-                "%s: tensor names differ from %s's (%s), as when transformers converts them at load; the parameter counts agree",
-                folder,
-                expected.architecture,
-                mismatch.describe(),
-            )
-            return f"parameter count of {expected.architecture} (names in a converted layout)"
-        raise ModelFolderError(f"{folder}: the weights do not match the {expected.architecture} architecture in {CONFIG_FILE}: {mismatch.describe()}")
+        how, mismatch = judge(expected, found, str(folder))
+        if how is None:
+            what = f"the {expected.architecture} architecture in {CONFIG_FILE}"
+            raise ModelFolderError(f"{folder}: the weights do not match {what}: {mismatch.describe()}")
+        return how
     count = config_parameter_count(config)
     if isinstance(count, str):
         note = f"skipped: {expected}; {count}"

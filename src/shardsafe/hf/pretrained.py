@@ -68,7 +68,9 @@ def save_pretrained(
     ``gather_16bit=False``: no weights file; the config, ``checkpoint/`` (a shardsafe checkpoint
     of the model, full precision, any world size can load or export it) and ``EXPORT.md``.
     ``push_to`` (a Hub repo or object-store URL) then uploads the folder with
-    ``shardsafe.hub.push``. Raises :class:`~shardsafe.errors.CheckpointExistsError` when
+    :func:`shardsafe.push` (which runs the guard again on the published folder). The folder is
+    checked by the model-folder guard (:func:`~shardsafe.hf.guard.check_model_folder`: real
+    tensors that fit the architecture in its config.json) before it is published. Raises :class:`~shardsafe.errors.CheckpointExistsError` when
     ``out_dir`` is a non-empty folder and ``overwrite`` is False; on any failure nothing is
     published and every rank raises the same error. Returns ``out_dir``.
     """
