@@ -110,17 +110,23 @@ def _build(config: dict[str, Any]) -> ExpectedWeights | str:
         import transformers
     except ImportError:
         return "transformers is not installed"
-    model_type = config.get("model_type")
     architectures = config.get("architectures") or []
-    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
-        return f"config.json names no model type transformers knows ({str(model_type)[:40]!r})"
     name = architectures[0] if isinstance(architectures, list) and architectures and isinstance(architectures[0], str) else None
     cls = getattr(transformers, name, None) if name else None
-    if name and not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        return f"config.json names {name[:60]!r}, which is not a transformers model class (custom code is never run)"
+    if name is not None:  # the class decides the config class (and the model_type is then not needed)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            return f"config.json names {name[:60]!r}, which is not a transformers model class (custom code is never run)"
+        config_class = cls.config_class
+        if config_class is None:
+            return f"{name} declares no config class"
+    else:  # no architecture recorded: the base model of the model type
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+            return f"config.json names no architecture and no model type transformers knows ({str(model_type)[:40]!r})"
+        config_class = transformers.CONFIG_MAPPING[model_type]
     try:
         with _quiet(transformers):
-            parsed = transformers.CONFIG_MAPPING[model_type].from_dict(dict(config))
+            parsed = config_class.from_dict(dict(config))
             with torch.device("meta"):
                 model = cls(parsed) if cls is not None else transformers.AutoModel.from_config(parsed)
     except Exception as exc:  # a config this transformers cannot build (newer or broken): say so, do not guess

@@ -115,16 +115,23 @@ def _sharded_files(folder: Path) -> list[WeightsFile]:
         if not isinstance(file, str):
             raise ModelFolderError(f"{index_path}: weight_map[{show_name(name)}] is not a file name")
         by_file.setdefault(file, set()).add(name)
+    paths = {file: _child(folder, file) for file in sorted(by_file)}
+    missing = [path for path in paths.values() if not path.exists()]
+    if missing:  # the most telling problem first: a shard that was never written
+        raise ModelFolderError(f"{missing[0]}: weights file is missing ({len(missing)} of the {len(paths)} files {INDEX_FILE} names)")
     weights = []
+    problems = []
     for file, names in sorted(by_file.items()):
-        w = read_weights_file(_child(folder, file))
+        w = read_weights_file(paths[file])
         lacking = sorted(names - set(w.tensors))
         if lacking:
-            raise ModelFolderError(f"{w.path}: lacks {len(lacking)} tensors its index maps to it (e.g. {show_name(lacking[0])})")
+            problems.append(f"{w.path}: lacks {len(lacking)} tensors its index maps to it (e.g. {show_name(lacking[0])})")
         unlisted = sorted(set(w.tensors) - names)
         if unlisted:
-            raise ModelFolderError(f"{w.path}: holds {len(unlisted)} tensors {INDEX_FILE} does not map to it (e.g. {show_name(unlisted[0])})")
+            problems.append(f"{w.path}: holds {len(unlisted)} tensors {INDEX_FILE} does not map to it (e.g. {show_name(unlisted[0])})")
         weights.append(w)
+    if problems:  # all of them at once: a tensor in the wrong file shows up twice
+        raise ModelFolderError("; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else ""))
     metadata = index.get("metadata")
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
     held = sum(w.tensor_bytes for w in weights)
