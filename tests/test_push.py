@@ -215,10 +215,25 @@ def test_s3_push_retries_transient_errors(
 # ----------------------------------------------------------------------------- refusals
 
 
+SEED_FAILURE = "holds no tensors: looks like a ZeRO-3 save without gathered weights"
+
+
+def zero3_dummy(models: dict[str, Path], root: Path) -> Path:
+    """What a ZeRO-3 save without gathering leaves: config.json next to an empty state dict saved as safetensors."""
+    from safetensors.torch import save_file
+
+    folder = root / "zero3-dummy"
+    folder.mkdir(parents=True)
+    shutil.copy(models["single"] / "config.json", folder)
+    save_file({}, str(folder / SINGLE_FILE))
+    assert (folder / SINGLE_FILE).stat().st_size == 16
+    return folder
+
+
 def dummy_models(models: dict[str, Path], root: Path) -> dict[str, Path]:
     from safetensors.torch import save_file
 
-    out = {"empty folder": root / "empty"}
+    out = {"empty folder": root / "empty", "no tensors (the ZeRO-3 dummy)": zero3_dummy(models, root)}
     out["empty folder"].mkdir(parents=True)
     zero = root / "zero-tensors"
     zero.mkdir()
@@ -245,6 +260,27 @@ def test_push_refuses_empty_or_dummy_models(
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(folder) in err, err
     assert bucket_files(s3_bucket) == {}
+    assert hub.repo_ids() == [] and hub.requests == [], "nothing may reach the Hub"
+
+
+def test_the_zero3_dummy_is_refused_on_every_path(
+    s3_bucket: str, hub: Any, models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The seed failure: `shardsafe push dummy DEST` (and the API) refuse it, in its own words, and upload nothing."""
+    from shardsafe.cli import main as cli
+
+    dummy = zero3_dummy(models, tmp_path)
+    expected = f"{dummy / SINGLE_FILE} {SEED_FAILURE}"
+    folder = tmp_path / "dest" / "model"
+    for dest in (f"file://{folder}", f"s3://{s3_bucket}/dummy", "hf://owner/dummy", "owner/dummy"):
+        assert cli.main(["push", str(dummy), dest, "--no-progress"]) == 1, dest
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+        with pytest.raises(ModelFolderError) as info:
+            shardsafe.push(dummy, dest, progress=False)
+        assert str(info.value).startswith(expected), str(info.value)
+    assert not (tmp_path / "dest").exists(), "nothing may be written to a file:// destination"
+    assert bucket_files(s3_bucket) == {}, "nothing may be written to the bucket"
     assert hub.repo_ids() == [] and hub.requests == [], "nothing may reach the Hub"
 
 
@@ -332,7 +368,7 @@ def push_on_ranks(rank: int, world_size: int, src: str, good: str, bad: str, dum
 def test_push_is_collective(s3_bucket: str, models: dict[str, Path], tmp_path: Path) -> None:
     from dist_utils import load_results, torchrun_command, torchrun_env
 
-    dummy = dummy_models(models, tmp_path / "dummies")["tensors of shape (0,)"]
+    dummy = zero3_dummy(models, tmp_path / "dummies")
     good, bad = f"s3://{s3_bucket}/collective", f"s3://no-such-bucket-{s3_bucket}/x"
     out = tmp_path / "out"
     cmd = torchrun_command(push_on_ranks, out, (str(models["ckpt"]), good, bad, str(dummy)), ["--standalone", "--nproc_per_node", "2"])
@@ -348,4 +384,4 @@ def test_push_is_collective(s3_bucket: str, models: dict[str, Path], tmp_path: P
     url, missing_bucket, refused = results[0]
     assert url == good and bucket_files(s3_bucket, "collective") == local_files(models["ckpt"])
     assert missing_bucket[0] == "PushError" and bad in missing_bucket[1] and "does not exist" in missing_bucket[1], missing_bucket
-    assert refused[0] == "ModelFolderError" and "empty" in refused[1], refused
+    assert refused[0] == "ModelFolderError" and SEED_FAILURE in refused[1], refused

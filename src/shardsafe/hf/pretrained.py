@@ -82,7 +82,7 @@ def save_pretrained(
     state: dict[str, Any] = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
     aliases = tied_aliases(module, list(state))
     infos = [TensorInfo(name, output_dtype(t.dtype, dtype), tuple(t.shape)) for name, t in state.items() if name not in aliases]
-    plan = plan_shards(infos, max_shard_size)
+    plan = plan_shards(infos, max_shard_size, where=f"save_pretrained {final}")
     _check_same_plan(comm, plan, aliases)
     total_parameters = sum(p.numel() for p in module.parameters())
 
@@ -136,7 +136,7 @@ def save_pretrained_stream(
     """
     comm = get_comm(process_group)
     final = Path(out_dir).absolute()
-    plan = plan_shards(tensors, max_shard_size)
+    plan = plan_shards(tensors, max_shard_size, where=f"save_pretrained {final}")
     _check_same_plan(comm, plan, {})
 
     def complete(tmp: Path) -> None:
