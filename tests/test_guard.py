@@ -209,6 +209,7 @@ def test_an_architecture_the_guard_cannot_know_is_skipped_with_a_note(
     caplog.set_level(logging.INFO, logger="shardsafe.hf.guard")
     notes = {
         "custom class": ({"architectures": ["MyOwnModel"]}, "'MyOwnModel', which is not a transformers model class"),
+        "quantized": ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized weights (config.json has a quantization_config)"),
         "unknown model type": (
             {"model_type": "no-such-type", "architectures": None, "auto_map": {"AutoModel": "x.Y"}},
             "names no architecture and no model type transformers knows",

@@ -159,6 +159,10 @@ def _check_architecture(folder: Path, found: dict[str, tuple[int, ...]]) -> str:
     config = _read_config(folder)
     if config is None:
         return "skipped: no config.json"
+    if config.get("quantization_config") is not None:  # packed weights (GPTQ, AWQ, bitsandbytes...) have their own names and shapes
+        note = "skipped: quantized weights (config.json has a quantization_config)"
+        log.info("%s: no architecture check of the weights (%s)", folder, note.removeprefix("skipped: "))
+        return note
     expected = expected_weights(config)
     if not isinstance(expected, str):
         how, mismatch = judge(expected, found, str(folder))
