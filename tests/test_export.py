@@ -27,7 +27,7 @@ import shardsafe
 from dist_utils import run_ranks
 from shardsafe.api.source import TensorInfo
 from shardsafe.cli.export import add_parser as add_export_command
-from shardsafe.errors import CheckpointExistsError, IntegrityError, ModelFolderError
+from shardsafe.errors import CheckpointExistsError, FormatError, IntegrityError, ModelFolderError
 from shardsafe.hf.export import SINGLE_FILE, iter_output, parse_size, plan_shards
 from shardsafe.hf.guard import INDEX_FILE, check_model_folder
 
@@ -166,7 +166,7 @@ def test_gathered_save_from_fsdp2(runs: dict[str, Any], tie: bool) -> None:
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is tie
     assert not [p for p in folder.parent.iterdir() if ".shardsafe-tmp-" in p.name], "no temporary folder is left behind"
-    check_model_folder(folder)
+    assert check_model_folder(folder).architecture == "names and shapes of LlamaForCausalLM", "the guard compared it with its config"
 
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.dtype == torch.bfloat16
@@ -328,3 +328,89 @@ def test_shard_planning_matches_huggingface() -> None:
     for limit in ("10KB", "20KB", "1MB"):
         plan = plan_shards([TensorInfo(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], limit)
         assert plan.weight_map() == hf_split(tensors, limit), limit
+
+
+def safetensors_names(folder: Path) -> dict[str, list[str]]:
+    """file -> tensor names, as safetensors itself reads them (every weights file of the folder)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out[path.name] = list(f.keys())
+            for name in out[path.name]:
+                f.get_tensor(name)
+    return out
+
+
+def test_every_folder_export_writes_opens_with_safetensors(runs: dict[str, Any], tmp_path: Path) -> None:
+    root = runs["root"]
+    config = root / "gathered-True" / "config.json"
+    written = {
+        "save_pretrained gathered": root / "gathered-True",
+        "save_pretrained single": root / "single-False",
+        "export of nogather": shardsafe.export_hf(root / "nogather" / "model", tmp_path / "a", progress=False),
+        "export bf16 sharded": shardsafe.export_hf(
+            root / "ckpt-True", tmp_path / "b", dtype="bfloat16", max_shard_size="8KB", config=config, progress=False
+        ),
+        "export untied": shardsafe.export_hf(root / "ckpt-False", tmp_path / "c", config=root / "gathered-False", progress=False),
+        "export without config": shardsafe.export_hf(root / "ckpt-False", tmp_path / "d", progress=False),
+    }
+    for what, folder in written.items():
+        names = safetensors_names(folder)
+        assert names and sum(len(v) for v in names.values()) == check_model_folder(folder).tensors, what
+        if (folder / INDEX_FILE).is_file():
+            weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+            assert weight_map == {n: file for file, ns in names.items() for n in ns}, what
+        how = check_model_folder(folder).architecture
+        assert how == ("skipped: no config.json" if what == "export without config" else "names and shapes of LlamaForCausalLM"), (what, how)
+
+
+class NamedTensors:
+    """A :class:`TensorSource` whose names are given: what another checkpoint reader could hand export_hf."""
+
+    default_dtype = None
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.reads = 0
+
+    def tensors(self) -> list[TensorInfo]:
+        return [TensorInfo(n, torch.float32, (2,)) for n in self.names]
+
+    def read(self, name: str) -> torch.Tensor:
+        self.reads += 1
+        return torch.ones(2)
+
+    def config_files(self) -> dict[str, Path]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_export_refuses_names_safetensors_cannot_store(tmp_path: Path) -> None:
+    """Refused with a FormatError before anything is read or written; a name safetensors stores is fine."""
+    cases = {
+        "__metadata__": ["a", "__metadata__"],
+        "not valid UTF-8 (a lone surrogate)": ["a", "b\udc80"],
+        "two tensors would both be named 'a'": ["a", "b", "a"],
+        "is not a non-empty string": [""],
+    }
+    for fragment, names in cases.items():
+        source = NamedTensors(names)
+        with pytest.raises(FormatError, match=re.escape(fragment)):
+            shardsafe.export_hf(source, tmp_path / "out", progress=False)
+        assert source.reads == 0 and sorted(p.name for p in tmp_path.iterdir()) == [], fragment
+    out = shardsafe.export_hf(NamedTensors(["a", "ü.weight", "with space", "nul\x00"]), tmp_path / "ok", progress=False)
+    assert {k: sorted(v) for k, v in safetensors_names(out).items()} == {SINGLE_FILE: sorted(["a", "ü.weight", "with space", "nul\x00"])}
+
+    # through a real checkpoint: a module whose parameter is called __metadata__ (save accepts it, export refuses it)
+    module = torch.nn.Module()
+    module.register_parameter("__metadata__", torch.nn.Parameter(torch.ones(2)))
+    shardsafe.save(tmp_path / "ckpt", {"model": module})
+    with pytest.raises(FormatError, match=f"export {tmp_path / 'ckpt'} -> {tmp_path / 'bad'}: a tensor is named '__metadata__'"):
+        shardsafe.export_hf(tmp_path / "ckpt", tmp_path / "bad", progress=False)
+    with pytest.raises(FormatError, match=f"save_pretrained {tmp_path / 'bad'}: a tensor is named '__metadata__'"):
+        shardsafe.save_pretrained(module, tmp_path / "bad")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ok"], "nothing written, no temporary left"

@@ -24,6 +24,7 @@ import shardsafe
 from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import ModelFolderError, PushError, ShardsafeError
 from shardsafe.hf import push as hubmod
+from shardsafe.hf import push_fsspec, push_retry
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket, hub_server, hub
@@ -165,7 +166,7 @@ def test_s3_push_failing_midway_leaves_no_model(s3_bucket: str, models: dict[str
     shardsafe.push(models["sharded"], dest, progress=False)  # an earlier, complete model at the destination
     assert INDEX_FILE in bucket_files(s3_bucket, "m")
 
-    real_put = hubmod._put_one
+    real_put = push_fsspec._put_one
     calls: list[str] = []
 
     def failing_put(fs: Any, root: str, f: hubmod.UploadFile, local: bool, bar: Any) -> None:
@@ -174,7 +175,7 @@ def test_s3_push_failing_midway_leaves_no_model(s3_bucket: str, models: dict[str
             raise PermissionError(f"injected: access denied to {f.name}")
         real_put(fs, root, f, local, bar)
 
-    monkeypatch.setattr(hubmod, "_put_one", failing_put)
+    monkeypatch.setattr(push_fsspec, "_put_one", failing_put)
     with pytest.raises(PushError) as info:
         shardsafe.push(models["sharded"], dest, progress=False)
     message = str(info.value)
@@ -188,8 +189,8 @@ def test_s3_push_failing_midway_leaves_no_model(s3_bucket: str, models: dict[str
 def test_s3_push_retries_transient_errors(
     s3_bucket: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(hubmod, "BACKOFF_S", 0.01)
-    real_put = hubmod._put_one
+    monkeypatch.setattr(push_retry, "BACKOFF_S", 0.01)
+    real_put = push_fsspec._put_one
     failures: list[str] = []
 
     def flaky_put(fs: Any, root: str, f: hubmod.UploadFile, local: bool, bar: Any) -> None:
@@ -198,15 +199,15 @@ def test_s3_push_retries_transient_errors(
             raise ConnectionResetError(f"injected: connection reset while sending {f.name}")
         real_put(fs, root, f, local, bar)
 
-    monkeypatch.setattr(hubmod, "_put_one", flaky_put)
+    monkeypatch.setattr(push_fsspec, "_put_one", flaky_put)
     shardsafe.push(models["single"], f"s3://{s3_bucket}/flaky", progress=False)
     assert bucket_files(s3_bucket, "flaky") == local_files(models["single"])
     assert sorted(failures) == sorted(local_files(models["single"]))
     assert any("retrying" in r.getMessage() for r in caplog.records if r.name == "shardsafe.hf.push")
 
     # bounded: a file that never goes up fails after MAX_ATTEMPTS tries
-    monkeypatch.setattr(hubmod, "_put_one", lambda *a: (_ for _ in ()).throw(TimeoutError("injected: timed out")))
-    with pytest.raises(PushError, match=f"after {hubmod.MAX_ATTEMPTS} attempts"):
+    monkeypatch.setattr(push_fsspec, "_put_one", lambda *a: (_ for _ in ()).throw(TimeoutError("injected: timed out")))
+    with pytest.raises(PushError, match=f"after {push_retry.MAX_ATTEMPTS} attempts"):
         shardsafe.push(models["single"], f"s3://{s3_bucket}/never", progress=False)
     assert bucket_files(s3_bucket, "never") == {}
 
@@ -214,10 +215,25 @@ def test_s3_push_retries_transient_errors(
 # ----------------------------------------------------------------------------- refusals
 
 
+SEED_FAILURE = "holds no tensors: looks like a ZeRO-3 save without gathered weights"
+
+
+def zero3_dummy(models: dict[str, Path], root: Path) -> Path:
+    """What a ZeRO-3 save without gathering leaves: config.json next to an empty state dict saved as safetensors."""
+    from safetensors.torch import save_file
+
+    folder = root / "zero3-dummy"
+    folder.mkdir(parents=True)
+    shutil.copy(models["single"] / "config.json", folder)
+    save_file({}, str(folder / SINGLE_FILE))
+    assert (folder / SINGLE_FILE).stat().st_size == 16
+    return folder
+
+
 def dummy_models(models: dict[str, Path], root: Path) -> dict[str, Path]:
     from safetensors.torch import save_file
 
-    out = {"empty folder": root / "empty"}
+    out = {"empty folder": root / "empty", "no tensors (the ZeRO-3 dummy)": zero3_dummy(models, root)}
     out["empty folder"].mkdir(parents=True)
     zero = root / "zero-tensors"
     zero.mkdir()
@@ -244,6 +260,27 @@ def test_push_refuses_empty_or_dummy_models(
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(folder) in err, err
     assert bucket_files(s3_bucket) == {}
+    assert hub.repo_ids() == [] and hub.requests == [], "nothing may reach the Hub"
+
+
+def test_the_zero3_dummy_is_refused_on_every_path(
+    s3_bucket: str, hub: Any, models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The seed failure: `shardsafe push dummy DEST` (and the API) refuse it, in its own words, and upload nothing."""
+    from shardsafe.cli import main as cli
+
+    dummy = zero3_dummy(models, tmp_path)
+    expected = f"{dummy / SINGLE_FILE} {SEED_FAILURE}"
+    folder = tmp_path / "dest" / "model"
+    for dest in (f"file://{folder}", f"s3://{s3_bucket}/dummy", "hf://owner/dummy", "owner/dummy"):
+        assert cli.main(["push", str(dummy), dest, "--no-progress"]) == 1, dest
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+        with pytest.raises(ModelFolderError) as info:
+            shardsafe.push(dummy, dest, progress=False)
+        assert str(info.value).startswith(expected), str(info.value)
+    assert not (tmp_path / "dest").exists(), "nothing may be written to a file:// destination"
+    assert bucket_files(s3_bucket) == {}, "nothing may be written to the bucket"
     assert hub.repo_ids() == [] and hub.requests == [], "nothing may reach the Hub"
 
 
@@ -274,7 +311,7 @@ def test_push_to_hub_then_from_pretrained(
     assert {k: v for k, v in hub.files("owner/tiny").items() if k != ".gitattributes"} == single
 
     # a transient failure of the commit call is retried; all files still land in one commit
-    monkeypatch.setattr(hubmod, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(push_retry, "BACKOFF_S", 0.01)
     hub.fail_next("POST", r"^/api/models/owner/tiny-sharded/commit/main$", status=503)
     shardsafe.push(models["sharded"], "owner/tiny-sharded", progress=False)
     assert [s for m, p, s in hub.requests if m == "POST" and p.endswith("/tiny-sharded/commit/main")] == [503, 200]
@@ -331,7 +368,7 @@ def push_on_ranks(rank: int, world_size: int, src: str, good: str, bad: str, dum
 def test_push_is_collective(s3_bucket: str, models: dict[str, Path], tmp_path: Path) -> None:
     from dist_utils import load_results, torchrun_command, torchrun_env
 
-    dummy = dummy_models(models, tmp_path / "dummies")["tensors of shape (0,)"]
+    dummy = zero3_dummy(models, tmp_path / "dummies")
     good, bad = f"s3://{s3_bucket}/collective", f"s3://no-such-bucket-{s3_bucket}/x"
     out = tmp_path / "out"
     cmd = torchrun_command(push_on_ranks, out, (str(models["ckpt"]), good, bad, str(dummy)), ["--standalone", "--nproc_per_node", "2"])
@@ -347,4 +384,4 @@ def test_push_is_collective(s3_bucket: str, models: dict[str, Path], tmp_path: P
     url, missing_bucket, refused = results[0]
     assert url == good and bucket_files(s3_bucket, "collective") == local_files(models["ckpt"])
     assert missing_bucket[0] == "PushError" and bad in missing_bucket[1] and "does not exist" in missing_bucket[1], missing_bucket
-    assert refused[0] == "ModelFolderError" and "empty" in refused[1], refused
+    assert refused[0] == "ModelFolderError" and SEED_FAILURE in refused[1], refused

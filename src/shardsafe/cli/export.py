@@ -27,8 +27,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Write the tensors under KEY of a shardsafe checkpoint (or of a folder saved with "
         "save_pretrained(gather_16bit=False)) as a Hugging Face model folder: model.safetensors, or "
         "model-0000k-of-0000N.safetensors + model.safetensors.index.json, plus config.json / generation_config.json when "
-        "the source has them. One process, one tensor in memory at a time, reading only the chunks it needs. OUT is built "
-        "hidden next to itself and renamed into place; an existing non-empty OUT is refused unless --overwrite.",
+        "the source has them. One process, one tensor in memory at a time, reading only the chunks it needs. Tensor names "
+        "safetensors cannot store (__metadata__, non-UTF-8, duplicates) are refused before anything is written. OUT is built "
+        "hidden next to itself, checked by the model-folder guard and renamed into place; an existing non-empty OUT is "
+        "refused unless --overwrite.",
     )
     p.add_argument("src", type=Path, metavar="SRC", help="checkpoint folder (holding manifest.json) or a save_pretrained(gather_16bit=False) folder")
     p.add_argument("out", type=Path, metavar="OUT", help="model folder to create")

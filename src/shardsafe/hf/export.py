@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,9 @@ from shardsafe.core.format import (
     numel,
     parse_json,
 )
-from shardsafe.errors import ShardsafeError
+from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
+from shardsafe.hf.weights_file import METADATA_KEY, show_name
 from shardsafe.protocol.commit import prepare
 from shardsafe.protocol.temppath import publish
 from shardsafe.storage.local import WriteBehind, fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
@@ -109,22 +110,43 @@ class ShardPlan:
         return [(file, [(t.name, dtype_name(t.dtype), t.shape) for t in infos]) for file, infos in self.files]
 
 
-def plan_shards(tensors: list[TensorInfo], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> ShardPlan:
+def check_tensor_names(names: Iterable[str], where: str) -> None:
+    """Refuse names that would make a safetensors file no loader opens, before anything is written.
+
+    safetensors keeps its metadata under the key ``__metadata__`` (a tensor of that name would
+    overwrite it, or be refused), stores names as UTF-8 JSON (a lone surrogate, which a Python
+    string can hold, is not UTF-8), and needs each name once (two tensors whose names only
+    differed by the stripped ``key/`` prefix would collide).
+    """
+    seen: set[str] = set()
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise FormatError(f"{where}: tensor name {name!r} is not a non-empty string; safetensors cannot store it")
+        if name == METADATA_KEY:
+            raise FormatError(f"{where}: a tensor is named {METADATA_KEY!r}, the key safetensors keeps its metadata under; rename it")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FormatError(f"{where}: tensor name {show_name(name)} is not valid UTF-8 (a lone surrogate); safetensors cannot store it") from None
+        if name in seen:
+            raise FormatError(f"{where}: two tensors would both be named {show_name(name)} in the model folder (after the key prefix is stripped)")
+        seen.add(name)
+
+
+def plan_shards(tensors: list[TensorInfo], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, *, where: str = "model folder") -> ShardPlan:
     """Split ``tensors`` (in state-dict order) into files the way ``huggingface_hub`` does.
 
     Greedy, in order: a tensor that would push the current file over ``max_shard_size`` starts a
     new one; a tensor larger than the limit gets a file of its own. One file is named
-    ``model.safetensors``, several ``model-0000k-of-0000N.safetensors``.
+    ``model.safetensors``, several ``model-0000k-of-0000N.safetensors``. Names safetensors
+    cannot store are refused first (:func:`check_tensor_names`, a :class:`FormatError`).
     """
     limit = parse_size(max_shard_size)
-    seen: set[str] = set()
+    check_tensor_names((t.name for t in tensors), where)
     groups: list[list[TensorInfo]] = []
     current: list[TensorInfo] = []
     current_size = 0
     for info in tensors:
-        if info.name in seen:
-            raise ShardsafeError(f"tensor {info.name!r} is listed twice")
-        seen.add(info.name)
         if info.nbytes > limit:
             groups.append([info])
             continue
@@ -163,6 +185,7 @@ class SafetensorsStreamWriter:
     def __init__(self, path: Path, tensors: list[TensorInfo], write_behind: bool = True) -> None:
         self.path = path
         self.tensors = tensors
+        check_tensor_names((t.name for t in tensors), str(path))
         prefix, ranges = build_safetensors_header([HeaderEntry(t.name, t.dtype, t.shape) for t in tensors])
         self.size = ranges[-1][1] if ranges else len(prefix)
         self._next = 0
@@ -354,7 +377,8 @@ def export_hf(
             source.tie(hf_tied_aliases(cfg))
         target = dtype if dtype is not None else source.default_dtype
         stored = source.tensors()
-        plan = plan_shards([TensorInfo(t.name, output_dtype(t.dtype, target), t.shape) for t in stored], max_shard_size)
+        where = f"export {getattr(source, 'folder', None) or type(source).__name__} -> {final}"
+        plan = plan_shards([TensorInfo(t.name, output_dtype(t.dtype, target), t.shape) for t in stored], max_shard_size, where=where)
         total_parameters = getattr(source, "total_parameters", None) or sum(numel(t.shape) for t in stored)
         tmp = prepare(Comm(None, 0, 1), final, overwrite)
         try:

@@ -68,7 +68,9 @@ def save_pretrained(
     ``gather_16bit=False``: no weights file; the config, ``checkpoint/`` (a shardsafe checkpoint
     of the model, full precision, any world size can load or export it) and ``EXPORT.md``.
     ``push_to`` (a Hub repo or object-store URL) then uploads the folder with
-    ``shardsafe.hub.push``. Raises :class:`~shardsafe.errors.CheckpointExistsError` when
+    :func:`shardsafe.push` (which runs the guard again on the published folder). The folder is
+    checked by the model-folder guard (:func:`~shardsafe.hf.guard.check_model_folder`: real
+    tensors that fit the architecture in its config.json) before it is published. Raises :class:`~shardsafe.errors.CheckpointExistsError` when
     ``out_dir`` is a non-empty folder and ``overwrite`` is False; on any failure nothing is
     published and every rank raises the same error. Returns ``out_dir``.
     """
@@ -80,7 +82,7 @@ def save_pretrained(
     state: dict[str, Any] = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
     aliases = tied_aliases(module, list(state))
     infos = [TensorInfo(name, output_dtype(t.dtype, dtype), tuple(t.shape)) for name, t in state.items() if name not in aliases]
-    plan = plan_shards(infos, max_shard_size)
+    plan = plan_shards(infos, max_shard_size, where=f"save_pretrained {final}")
     _check_same_plan(comm, plan, aliases)
     total_parameters = sum(p.numel() for p in module.parameters())
 
@@ -134,7 +136,7 @@ def save_pretrained_stream(
     """
     comm = get_comm(process_group)
     final = Path(out_dir).absolute()
-    plan = plan_shards(tensors, max_shard_size)
+    plan = plan_shards(tensors, max_shard_size, where=f"save_pretrained {final}")
     _check_same_plan(comm, plan, {})
 
     def complete(tmp: Path) -> None:
