@@ -296,6 +296,29 @@ def test_push_to_hub_refuses_a_dummy_model(hub: Any, tmp_path: Path, monkeypatch
         trainer.train(resume_from_checkpoint=True)
 
 
+def test_save_model_refuses_the_zero3_dummy_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed failure: config.json and a model.safetensors holding no tensors never lands in output_dir."""
+    from safetensors.torch import save_file
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardsafe.integrations.transformers import ShardsafeTrainer
+
+    config = GPT2Config(vocab_size=64, n_embd=8, n_layer=1, n_head=2, n_positions=8)
+
+    def dummy(self: Any, folder: Path) -> None:
+        folder.mkdir()
+        config.save_pretrained(folder)
+        save_file({}, str(folder / "model.safetensors"))  # an empty state dict saved as safetensors: 16 bytes
+
+    monkeypatch.setattr(ShardsafeTrainer, "_write_model_folder", dummy)
+    out = tmp_path / "out"
+    trainer = ShardsafeTrainer(model=GPT2LMHeadModel(config), args=TrainingArguments(str(out), use_cpu=True, report_to=[]))
+    with pytest.raises(ModelFolderError, match="holds no tensors: looks like a ZeRO-3 save without gathered weights"):
+        trainer.save_model()
+    assert not (out / "model.safetensors").exists()
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [] if out.exists() else True
+
+
 # ----------------------------------------------------------------------------- DeepSpeed ZeRO-3
 
 

@@ -27,6 +27,7 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import get_comm
 from shardsafe.errors import CheckpointNotFoundError, ShardsafeError, StateMismatchError
+from shardsafe.hf.guard import check_model_folder
 from shardsafe.hf.pretrained import save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
 from shardsafe.hf.push import push
 from shardsafe.integrations.transformers.checkpoints import (
@@ -376,6 +377,7 @@ class ShardsafeTrainer(Trainer):
         elif getattr(self.data_collator, "tokenizer", None) is not None:
             self.data_collator.tokenizer.save_pretrained(str(staging))  # type: ignore[union-attr, operator]
         write_small_file(staging / TRAINING_ARGS_NAME, self.args.to_json_string().encode())
+        check_model_folder(staging)  # the guard once more on what becomes visible: never a dummy model in output_dir
         install_model_folder(staging, out)
 
     def _gather_16bit_on_save(self) -> bool:
