@@ -18,7 +18,7 @@ from typing import Any
 
 from shardsafe.api.checkpoint import verify
 from shardsafe.cli.formatting import format_bytes, natural_key, plural, printable, table
-from shardsafe.core.format import MANIFEST_NAME, Manifest, dtype_name
+from shardsafe.core.format import MANIFEST_NAME, Manifest, decode_value, dtype_name
 from shardsafe.errors import FormatError
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.state.adapters import (
@@ -29,7 +29,6 @@ from shardsafe.state.adapters import (
     KIND_STATEFUL,
     KIND_TENSOR,
     KIND_VALUE,
-    tensor_keys_of,
 )
 from shardsafe.state.deepspeed_engine import flat_tensor_shapes
 
@@ -119,10 +118,10 @@ def _describe_entry(name: str, entry: Any, manifest: Manifest, where: str) -> di
         ranks = entry.get("ranks")
         if not isinstance(ranks, list):
             raise FormatError(f"{where}: entry {name!r}: field 'ranks' must be a list (one entry per rank)")
-        keys = tensor_keys_of(ranks)
+        keys = _tensor_keys(ranks, f"{where}: entry {name!r}")
         out["ranks"] = len(ranks)
     else:
-        keys = tensor_keys_of(entry.get("state"))
+        keys = _tensor_keys(entry.get("state"), f"{where}: entry {name!r}")
     unique = list(dict.fromkeys(keys))  # a tensor referred to twice (tied weights) is one tensor
     missing = [k for k in unique if k not in manifest.tensors]
     if missing:
@@ -136,6 +135,14 @@ def _describe_entry(name: str, entry: Any, manifest: Manifest, where: str) -> di
     elif kind == KIND_VALUE:
         out["value"] = entry.get("state")
     return out
+
+
+def _tensor_keys(value: Any, where: str) -> list[str]:
+    """Every tensor key an encoded value refers to, decoded by the format's own decoder (so a
+    malformed tag is refused as load refuses it), with errors naming the file and the entry."""
+    keys: list[str] = []
+    decode_value(value, keys.append, where)
+    return keys
 
 
 def _entry_detail(e: dict[str, Any]) -> str:
@@ -242,9 +249,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     summary = verify(args.path)
+    files = summary["files"] + 2  # the shard files, the state file and the manifest, counted as inspect counts them
     print(
-        f"ok: {printable(summary['path'])}: {plural(summary['tensors'], 'tensor')} in {plural(summary['files'], 'shard file')} "
-        f"({format_bytes(summary['bytes_checked'])} hashed), state and manifest; world size {summary['world_size']}, "
-        f"format v{summary['format_version']}"
+        f"ok: {printable(summary['path'])}: {plural(files, 'file')} checked ({plural(summary['files'], 'shard file')}, the state file "
+        f"and the manifest), {plural(summary['tensors'], 'tensor')}, {format_bytes(summary['bytes_checked'])} hashed; "
+        f"world size {summary['world_size']}, format v{summary['format_version']}"
     )
     return 0

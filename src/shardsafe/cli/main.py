@@ -11,6 +11,10 @@ command raises becomes one ``error: ...`` message on stderr and exit status 1, n
   <Type>: <message> (at <file>:<line>); please report it``, the message cut short, so a bug report
   can name the place without a traceback.
 
+What a command prints goes through the same kind of boundary: while it runs, stdout escapes
+every control character but newline and tab (names, keys, metrics and tags come from files an
+attacker may have written; an ANSI escape or ``\r`` in one could rewrite what the terminal shows).
+
 ``SHARDSAFE_DEBUG=1`` re-raises instead, for the full traceback. Exit codes: 0 success, 1 a
 problem with the input (or a failed demo stage), 2 bad usage (argparse), 130 interrupted.
 """
@@ -18,10 +22,12 @@ problem with the input (or a failed demo stage), 2 bad usage (argparse), 130 int
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TextIO
 
 from shardsafe._version import __version__
 from shardsafe.cli import checkpoints, convert, demo_command, export, inspect, push
@@ -54,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardsafe`` console script; returns the exit status."""
     _tolerate_unencodable_output()
     args = build_parser().parse_args(argv)
+    stdout = sys.stdout
+    sys.stdout = EscapingWriter(stdout)
     try:
         return int(args.func(args))
     except BrokenPipeError:  # `shardsafe inspect ... | head`: not an error worth a message
@@ -67,6 +75,31 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {describe_error(exc, args.command)}", file=sys.stderr)
         return 1
+    finally:
+        sys.stdout = stdout
+
+
+class EscapingWriter(io.TextIOBase):
+    """A text stream that writes to ``inner`` what :func:`printable` makes of it (newlines and tabs kept)."""
+
+    def __init__(self, inner: TextIO) -> None:
+        self._inner = inner
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._inner.write(printable(text, newlines=True))
+        return len(text)
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def isatty(self) -> bool:
+        return self._inner.isatty()
 
 
 def describe_error(exc: BaseException, command: str) -> str:
