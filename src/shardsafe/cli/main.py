@@ -59,11 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardsafe`` console script; returns the exit status."""
     _tolerate_unencodable_output()
-    args = build_parser().parse_args(argv)
-    stdout = sys.stdout
-    sys.stdout = EscapingWriter(stdout)
+    command, stdout = "shardsafe", sys.stdout
     try:
-        return int(args.func(args))
+        args = build_parser().parse_args(argv)  # bad usage: argparse prints it and exits 2
+        command = args.command
+        sys.stdout = EscapingWriter(stdout)
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, inside the boundary, not at interpreter exit
+        return code
     except BrokenPipeError:  # `shardsafe inspect ... | head`: not an error worth a message
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout at exit
         return 1
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        print(f"error: {describe_error(exc, args.command)}", file=sys.stderr)
+        print(f"error: {describe_error(exc, command)}", file=sys.stderr)
         return 1
     finally:
         sys.stdout = stdout

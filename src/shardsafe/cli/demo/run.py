@@ -18,6 +18,7 @@ from shardsafe.api.checkpoint import load, verify
 from shardsafe.cli.demo.settings import CKPT, EVENTS, KEEP_LAST, MARKER, DemoError, DemoSettings
 from shardsafe.cli.demo.summary import Launch, collect, events_of, format_summary
 from shardsafe.cli.demo.worker import warm_imports
+from shardsafe.cli.formatting import plural
 from shardsafe.errors import ShardsafeError
 from shardsafe.manager.manager import list_checkpoints
 
@@ -186,8 +187,9 @@ def _run_stages(settings: DemoSettings) -> dict[str, Any]:
     prepare_out(settings.out)
     n, k, root = settings.nproc, settings.save_every, settings.out / CKPT
     wall = time.perf_counter()
-    _say(f"[1/5] run 1: {n} CPU ranks (gloo, FSDP2) train for {settings.steps} steps; a CheckpointManager saves asynchronously every {k}")
-    _say(f"      steps, keeping the last {KEEP_LAST} and the best by held-out loss; after step {preempt} every rank gets SIGTERM (preemption)")
+    _say(f"[1/5] run 1: {plural(n, 'CPU rank')} (gloo, FSDP2) train for {settings.steps} steps; a CheckpointManager saves")
+    _say(f"      asynchronously every {plural(k, 'step')}, keeping the last {KEEP_LAST} and the best by held-out loss; after step {preempt}")
+    _say("      every rank gets SIGTERM (a preemption)")
     run1 = _run_preempted(settings, preempt)
     after_preemption, _ = _on_disk(root)
     _say(f"[2/5] run 1 saved step {preempt} and exited cleanly; run 2 restores it, and is SIGKILLed after step {crash}")

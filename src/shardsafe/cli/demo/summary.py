@@ -148,12 +148,12 @@ def format_summary(v: dict[str, Any]) -> str:
     (a1, b1), (a2, b2), (a3, b3) = v["run_steps"]
     row(
         "demonstrated",
-        f"a {n}-rank FSDP2 run saving through shardsafe.CheckpointManager (async saves every {v['save_every']} steps, "
+        f"a {n}-rank FSDP2 run saving through shardsafe.CheckpointManager (async saves every {plural(v['save_every'], 'step')}, "
         f"keep_last={v['keep_last']}, keep_best={v['keep_best']} by {v['best_metric']}) was preempted by SIGTERM and resumed, then "
         f"SIGKILLed and resumed from its newest committed async checkpoint; the final {n}-rank checkpoint was resharded onto 1 "
         "process, evaluated and verified.",
     )
-    row("model", f"TinyGPT, {v['parameters'] / 1e6:.2f}M parameters; {n} ranks x {BATCH_PER_RANK} sequences of 64 bytes per step")
+    row("model", f"TinyGPT, {v['parameters'] / 1e6:.2f}M parameters; {plural(n, 'rank')} x {BATCH_PER_RANK} sequences of 64 bytes per step")
     row(
         "preemption",
         f"run 1 did steps {a1}-{b1}; after step {v['preempt_after']} rank 0 sent SIGTERM to {'both' if n == 2 else f'all {n}'} ranks' "
@@ -185,7 +185,7 @@ def format_summary(v: dict[str, Any]) -> str:
     ratio = f"{v['sync_vs_async']:.1f}x the median" if v["sync_vs_async"] is not None else "n/a"
     row(
         "async saves",
-        f"{v['async_saves']} saves blocked the training loop for median {_ms(v['async_blocked_median'])}, max "
+        f"{plural(v['async_saves'], 'save')} blocked the training loop for median {_ms(v['async_blocked_median'])}, max "
         f"{_ms(v['async_blocked_max'])} (step {v['async_blocked_max_step']}{first}); write, hash, commit and retention ran in a "
         f"background thread. One synchronous save of the same state (shardsafe.save after the run) blocked it for "
         f"{_ms(v['sync_save_seconds'])} ({ratio})",
@@ -206,7 +206,7 @@ def format_summary(v: dict[str, Any]) -> str:
     row(f"reshard {n}->1", f"load of {v['final_checkpoint']} into a plain module, no process group: {v['reshard_load_seconds']:.3f} s")
     row(
         "eval loss",
-        f"{v['eval_loss_one_process']:.4f} on held-out text (1 process); the {n} ranks measured {v['eval_loss_ranks']:.4f} "
+        f"{v['eval_loss_one_process']:.4f} on held-out text (1 process); the {plural(n, 'rank')} measured {v['eval_loss_ranks']:.4f} "
         f"(|diff| {abs(v['eval_loss_one_process'] - v['eval_loss_ranks']):.1g})",
     )
     row(
