@@ -53,7 +53,8 @@ def test_inspect_and_verify_count_files_alike(layered: Path, capsys: pytest.Capt
     """Both say 3 files, one of them a shard file (the one verify hashes); no "1 files" anywhere."""
     _, inspected, _ = run(["inspect", str(layered)], capsys)
     _, verified, _ = run(["verify", str(layered)], capsys)
-    assert "in 3 files: 1 shard file, state.json, manifest.json (" in inspected
+    manifest, _ = open_checkpoint(layered)
+    assert f"in 3 files: 1 shard file ({format_bytes(manifest.total_bytes)}), state.json, manifest.json (" in inspected
     assert "files (3)" in inspected
     assert ": 3 files checked (1 shard file, the state file and the manifest), 13 tensors, " in verified
     assert "1 tensor, 12 B" in inspected  # the entry "one"; and "12 tensors" for the model
@@ -75,6 +76,7 @@ def test_list_and_inspect_print_sizes_with_one_formatter(layered: Path, tmp_path
     _, inspected, _ = run(["inspect", str(layered)], capsys)
     shard = next(iter(manifest.files))
     assert f"  {format_bytes(manifest.total_bytes)}  " in listed
+    assert f"1 shard file ({format_bytes(manifest.total_bytes)})" in inspected  # the size list gives, shown by inspect too
     assert re.search(rf"{re.escape(shard)} +0 +{re.escape(format_bytes(manifest.files[shard].size))}$", inspected, re.M)
 
 

@@ -176,9 +176,11 @@ def _block_size(n: int) -> str:
 
 
 def _file_count(info: dict[str, Any]) -> str:
-    """``3 files: 1 shard file, state.json, manifest.json`` (what ``verify`` counts is the shard files)."""
+    """``3 files: 1 shard file (5.3 MB), state.json, manifest.json``: counted as ``verify`` counts
+    them, and the shard bytes shown apart, as ``list`` gives a checkpoint's size."""
+    shards = sum(f["size"] for f in info["files"] if f["kind"] == "shard")
     others = ", ".join(printable(f["name"]) for f in info["files"] if f["kind"] != "shard")
-    return f"{plural(len(info['files']), 'file')}: {plural(info['shard_files'], 'shard file')}, {others}"
+    return f"{plural(len(info['files']), 'file')}: {plural(info['shard_files'], 'shard file')} ({format_bytes(shards)}), {others}"
 
 
 def format_inspection(info: dict[str, Any]) -> str:
