@@ -16,7 +16,7 @@ One ``torch.distributed.run`` launch of 2 ranks (gloo, CPU), FSDP2, fsync on eve
    the next ``optimizer.step()`` (an optimizer step pre-hook), as they must.
 3. **Dedup**: the same MLP with 90% of its parameters frozen (9 of 10 layers, as in a fine-tune);
    bytes written by a ``dedup=True`` save after one more training step vs a full save.
-4. **A checkpoint every step** on the demo model (``shardsafe.demo_model.TinyGPT``, 0.44 M
+4. **A checkpoint every step** on the demo model (``shardsafe.cli.demo.model.TinyGPT``, 0.44 M
    parameters, the demo's training step): steps/second with no checkpointing, with a manager that
    only checks for preemption, and with an async (or overlap) save every step, taking turns in
    short blocks.
@@ -382,10 +382,10 @@ def measure_every_step(r: Rank, mesh: Any, root: Path, blocks: int, steps: int) 
     machine hits them alike. A block ends by waiting for its last save to commit (counted).
     """
     import shardsafe
-    from shardsafe.cli.demo import _build_state, _train_step
-    from shardsafe.cli.demo_model import split_corpus
+    from shardsafe.cli.demo.model import split_corpus
+    from shardsafe.cli.demo.worker import build_state, train_step
 
-    state = _build_state(0, 10_000, mesh)
+    state = build_state(0, 10_000, mesh)
     data, _ = split_corpus()
     managers = {
         "preemption check only (`handle_preemption=True`, no saves)": shardsafe.CheckpointManager(
@@ -401,7 +401,7 @@ def measure_every_step(r: Rank, mesh: Any, root: Path, blocks: int, steps: int) 
     def block(manager: Any) -> float:
         start = _now()
         for _ in range(steps):
-            _train_step(state, data)
+            train_step(state, data)
             counter[0] += 1
             state["step"] = counter[0]
             if manager is not None:
@@ -465,7 +465,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardsafe.cli.demo import warm_imports
+    from shardsafe.cli.demo.worker import warm_imports
 
     warm_imports()
     dist.init_process_group("gloo")

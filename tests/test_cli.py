@@ -201,7 +201,7 @@ def test_demo_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     The orchestrator runs in this process (its three torchrun launches are real subprocesses), which saves
     an interpreter importing torch; capfd also catches what the workers write.
     """
-    from shardsafe.cli.demo_model import GPTConfig, TinyGPT, evaluate, split_corpus
+    from shardsafe.cli.demo.model import GPTConfig, TinyGPT, evaluate, split_corpus
     from shardsafe.manager.catalog import committed_steps
     from shardsafe.manager.naming import step_name
 

@@ -3,17 +3,33 @@
     .venv/bin/python tests/fuzz/fuzz_parsers.py -runs=20000          # what `make stress` runs
     .venv/bin/python tests/fuzz/fuzz_parsers.py -max_total_time=600  # longer, by hand
 
-The first input byte picks a target: ``parse_json``, ``parse_manifest``,
-``parse_safetensors_header`` or ``decode_value``, each fed either the raw remaining bytes or a
-valid seed (a real manifest, a real header) spliced with them, so the fuzzer gets past the JSON
-syntax quickly. Each target may return or raise FormatError; any other exception is a crash that
-libFuzzer reports with the input that caused it.
+The first input byte picks a target, each fed either the raw remaining bytes or a valid seed (a
+real manifest, a real header, a real state file) spliced with them, so the fuzzer gets past the
+JSON syntax quickly:
+
+* the format parsers: ``parse_json``, ``parse_manifest``, ``parse_safetensors_header``,
+  ``decode_value``; each may return or raise FormatError;
+* the CLI's parsers: the ``shardsafe`` argument parser (``build_parser().parse_args`` on fuzzed
+  argv: it may exit, as argparse does on bad usage, and nothing is run), and ``shardsafe
+  inspect``'s reader (``describe_checkpoint`` and ``format_inspection``) on a real checkpoint
+  whose manifest.json, or whose state.json (with the manifest vouching for its size and hash, so
+  the state parser is reached), holds the fuzzed bytes; it may raise a ShardsafeError (the CLI
+  prints its message), and what it prints must hold no terminal control character.
+
+Any other exception is a crash that libFuzzer reports with the input that caused it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import io
 import json
+import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 try:
     import atheris
@@ -24,6 +40,9 @@ except ImportError:  # pragma: no cover - atheris is a dev dependency that may n
 import torch  # not instrumented: only shardsafe's own code is
 
 with atheris.instrument_imports(include=["shardsafe"]):
+    from shardsafe.api.checkpoint import save
+    from shardsafe.cli.inspect import describe_checkpoint, format_inspection
+    from shardsafe.cli.main import build_parser
     from shardsafe.core.format import (
         ChunkEntry,
         FileEntry,
@@ -36,7 +55,9 @@ with atheris.instrument_imports(include=["shardsafe"]):
         parse_manifest,
         parse_safetensors_header,
     )
-    from shardsafe.errors import FormatError
+    from shardsafe.core.integrity import hash_bytes
+    from shardsafe.errors import FormatError, ShardsafeError
+    from shardsafe.state.rng import RNGState
 
 
 def _seed_manifest() -> bytes:
@@ -59,6 +80,65 @@ SEED_HEADER, _ = build_safetensors_header([HeaderEntry("a", torch.float32, (3, 2
 SEED_STATE = json.dumps({"x": {"__pairs__": [[1, {"__tuple__": [1, {"__dtype__": "float32"}]}]]}, "t": {"__tensor__": "k"}}).encode()
 
 
+def _scratch() -> str:
+    """A temporary folder for this run. libFuzzer ends the process without running atexit handlers,
+    so each run also removes the folders that earlier, finished runs left behind."""
+    for old in Path(tempfile.gettempdir()).glob("shardsafe-fuzz-*-*"):
+        pid = old.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    scratch = tempfile.mkdtemp(prefix=f"shardsafe-fuzz-{os.getpid()}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
+def _seed_checkpoint() -> Path:
+    """A real checkpoint (module, optimizer, RNG, a value) for the inspect targets to damage."""
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    folder = Path(_scratch()) / "ckpt"
+    save(folder, {"model": model, "optim": optim, "rng": RNGState(), "step": 3, "names": {"a": [1, 2.5, None]}})
+    return folder
+
+
+CHECKPOINT = _seed_checkpoint()
+SEED_CKPT_MANIFEST = (CHECKPOINT / "manifest.json").read_bytes()
+SEED_CKPT_STATE = (CHECKPOINT / "state.json").read_bytes()
+ARGV_WORDS = "inspect verify list gc export convert push demo --json --dry-run --min-age --steps --save-every --nproc --timeout "
+ARGV_WORDS += "--max-shard-size --dtype --key --tag --for-engine --revision -m --help --version 5GB 0 -1 nan 1e309 x"
+WORDS = ARGV_WORDS.split()
+# What must never reach a terminal from a checkpoint: controls (newline aside), unpaired surrogates, bidi overrides.
+UNSAFE_OUTPUT = {chr(c) for c in [*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000), 0x61C, 0x200E, 0x200F]} - {"\n"}
+UNSAFE_OUTPUT |= {chr(c) for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]}
+
+
+def _fuzz_argv(fdp: atheris.FuzzedDataProvider) -> None:
+    """Parse (never run) a fuzzed ``shardsafe`` command line; argparse may exit on bad usage."""
+    argv = [fdp.PickValueInList(WORDS) if fdp.ConsumeBool() else fdp.ConsumeUnicode(12) for _ in range(fdp.ConsumeIntInRange(0, 8))]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            pass
+
+
+def _fuzz_inspect(manifest: bytes, state: bytes | None) -> None:
+    """``shardsafe inspect`` on the seed checkpoint with this manifest (or this state file)."""
+    if state is not None:
+        raw = json.loads(SEED_CKPT_MANIFEST)
+        raw["state"].update(size=len(state), hash=hash_bytes(state))
+        manifest = json.dumps(raw).encode()
+    (CHECKPOINT / "manifest.json").write_bytes(manifest)
+    (CHECKPOINT / "state.json").write_bytes(SEED_CKPT_STATE if state is None else state)
+    try:
+        info = describe_checkpoint(CHECKPOINT)
+    except ShardsafeError:
+        return
+    text = format_inspection(info) + json.dumps(info)
+    if UNSAFE_OUTPUT & set(text):
+        raise AssertionError(f"inspect prints a control character: {sorted(UNSAFE_OUTPUT & set(text))!r}")
+
+
 def _splice(seed: bytes, fdp: atheris.FuzzedDataProvider) -> bytes:
     at = fdp.ConsumeIntInRange(0, len(seed))
     cut = fdp.ConsumeIntInRange(0, 64)
@@ -67,7 +147,7 @@ def _splice(seed: bytes, fdp: atheris.FuzzedDataProvider) -> bytes:
 
 def test_one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
-    target = fdp.ConsumeIntInRange(0, 3)
+    target = fdp.ConsumeIntInRange(0, 6)
     spliced = fdp.ConsumeBool()
     try:
         if target == 0:
@@ -77,9 +157,15 @@ def test_one_input(data: bytes) -> None:
         elif target == 2:
             size = fdp.ConsumeIntInRange(0, 1 << 20)
             parse_safetensors_header(_splice(SEED_HEADER, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), size, "fuzz")
-        else:
+        elif target == 3:
             value = parse_json(_splice(SEED_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
             decode_value(value, lambda key: key)
+        elif target == 4:
+            _fuzz_argv(fdp)
+        elif target == 5:
+            _fuzz_inspect(_splice(SEED_CKPT_MANIFEST, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), None)
+        else:
+            _fuzz_inspect(b"", _splice(SEED_CKPT_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()))
     except FormatError:
         pass
 

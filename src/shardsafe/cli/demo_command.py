@@ -1,4 +1,4 @@
-"""``shardsafe demo``: its options (the run itself is in :mod:`shardsafe.cli.demo`, imported when it starts)."""
+"""``shardsafe demo``: its options (the run itself is the package :mod:`shardsafe.cli.demo`, imported when it starts)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardsafe.cli.demo import DemoSettings, run_demo  # torch and the demo model only when the demo runs
+    from shardsafe.cli.demo.run import DemoSettings, run_demo  # torch and the demo model only when the demo runs
 
     settings = DemoSettings(
         steps=args.steps,

@@ -1,5 +1,12 @@
 """``shardsafe inspect`` (what a checkpoint holds, from its manifest and state file) and
-``shardsafe verify`` (every byte checked)."""
+``shardsafe verify`` (every byte checked).
+
+``inspect`` reads only manifest.json and state.json, through the library's own parsers, and then
+checks the few things it shows that those parsers leave alone (the creation time, file sizes, the
+state entries' shapes), so a malformed field is one ``FormatError`` naming the file and the field,
+never a Python error from deep inside the formatting. Both commands count files the same way:
+the shard files (what ``verify`` hashes) plus the state file and the manifest.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from shardsafe.api.checkpoint import verify
-from shardsafe.cli.formatting import format_bytes, table
-from shardsafe.core.format import MANIFEST_NAME, STATE_NAME, Manifest, dtype_name
+from shardsafe.cli.formatting import format_bytes, natural_key, plural, printable, table
+from shardsafe.core.format import MANIFEST_NAME, Manifest, decode_value, dtype_name
+from shardsafe.errors import FormatError
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.state.adapters import (
     KIND_DEEPSPEED_ENGINE,
@@ -21,65 +29,106 @@ from shardsafe.state.adapters import (
     KIND_STATEFUL,
     KIND_TENSOR,
     KIND_VALUE,
-    tensor_keys_of,
 )
 from shardsafe.state.deepspeed_engine import flat_tensor_shapes
+
+MAX_FILE_SIZE = (1 << 63) - 1  # off_t: no file system holds a larger file
+MAX_CREATED = 253_370_764_800.0  # 9998-12-31 UTC: inside what datetime can show in any time zone
+TENSOR_KINDS = (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR, KIND_DEEPSPEED_ENGINE)
 
 
 def describe_checkpoint(path: Path) -> dict[str, Any]:
     """A JSON-able description of a committed checkpoint, read through the library's own validation.
 
-    Only the manifest and state file are read (and checked against each other); shard contents are
-    left to ``verify``.
+    Only the manifest and state file are read (and checked against each other: every tensor the
+    state refers to is in the manifest); shard contents are left to ``verify``. Tensors and files
+    are listed in natural order (``layer.2`` before ``layer.10``), state entries as saved.
     """
     folder = Path(path).absolute()
     manifest, tree = open_checkpoint(folder)
-    files = [{"name": name, "rank": f.rank, "size": f.size} for name, f in sorted(manifest.files.items())]
-    files.append({"name": STATE_NAME, "rank": None, "size": manifest.state_size})
-    files.append({"name": MANIFEST_NAME, "rank": None, "size": (folder / MANIFEST_NAME).stat().st_size})
-    real_shapes = {
-        key: shape
-        for name, entry in tree.items()
-        if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE
-        for key, shape in flat_tensor_shapes(entry, name).items()
-    }
+    manifest_where = str(folder / MANIFEST_NAME)
+    state_where = str(folder / manifest.state_file)
+    created = _created(manifest.created, manifest_where)
+    for name, f in manifest.files.items():
+        if f.size > MAX_FILE_SIZE:
+            raise FormatError(f"{manifest_where}: file {name!r} has a size no file can have")
+    files: list[dict[str, Any]] = [
+        {"name": name, "kind": "shard", "rank": manifest.files[name].rank, "size": manifest.files[name].size}
+        for name in sorted(manifest.files, key=natural_key)
+    ]
+    files.append({"name": manifest.state_file, "kind": "state", "rank": None, "size": manifest.state_size})
+    files.append({"name": MANIFEST_NAME, "kind": "manifest", "rank": None, "size": (folder / MANIFEST_NAME).lstat().st_size})
+    real_shapes = _engine_shapes(tree, state_where)
     tensors = [
         {"key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes}
         | ({"param_shape": list(real_shapes[key])} if key in real_shapes else {})
-        for key, t in manifest.tensors.items()
+        for key, t in sorted(manifest.tensors.items(), key=lambda item: natural_key(item[0]))
     ]
-    external = sorted({c.checkpoint for t in manifest.tensors.values() for c in t.chunks if c.checkpoint is not None})
+    external = sorted({c.checkpoint for t in manifest.tensors.values() for c in t.chunks if c.checkpoint is not None}, key=natural_key)
     return {
         "path": str(folder),
         "format_version": manifest.format_version,
         "writer_version": manifest.writer_version,
         "created": manifest.created,
-        "created_iso": datetime.fromtimestamp(manifest.created, tz=timezone.utc).isoformat(timespec="seconds"),
+        "created_iso": created.isoformat(timespec="seconds"),
         "world_size": manifest.world_size,
         "hash_algorithm": manifest.hash_algorithm,
         "hash_block_size": manifest.hash_block_size,
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "total_bytes": sum(f["size"] for f in files),
+        "shard_files": len(manifest.files),
         "tensors": tensors,
         "files": files,
-        "state": [_describe_entry(name, entry, manifest) for name, entry in tree.items()],
+        "state": [_describe_entry(name, entry, manifest, state_where) for name, entry in tree.items()],
         "referenced_checkpoints": external,
         "metadata": manifest.metadata,
     }
 
 
-def _describe_entry(name: str, entry: Any, manifest: Manifest) -> dict[str, Any]:
-    """Kind and a short description of one top-level state.json entry."""
-    kind = entry.get("kind") if isinstance(entry, dict) else None
+def _created(value: float, where: str) -> datetime:
+    """The save time; a value no clock gives (negative, NaN, past year 9998) is a malformed field."""
+    if not 0 <= value <= MAX_CREATED:  # also false for NaN
+        raise FormatError(f"{where}: field 'created' is not a valid time")
+    return datetime.fromtimestamp(value, tz=timezone.utc)
+
+
+def _engine_shapes(tree: dict[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    """Stored key -> parameter shape for the flat tensors of DeepSpeed engine entries (display only).
+
+    ``flat_tensor_shapes`` validates the layout it needs; a shape it does not expect (a list where
+    a table belongs) surfaces as a Python error, reported here as a malformed entry.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, entry in tree.items():
+        if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE:
+            try:
+                shapes.update(flat_tensor_shapes(entry, name))
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+                raise FormatError(f"{where}: entry {name!r} is not a well-formed DeepSpeed engine entry ({type(exc).__name__})") from None
+    return shapes
+
+
+def _describe_entry(name: str, entry: Any, manifest: Manifest, where: str) -> dict[str, Any]:
+    """Kind and a short description of one top-level state.json entry (refusing what load refuses)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+        raise FormatError(f"{where}: entry {name!r} has no kind")
+    kind = entry["kind"]
     out: dict[str, Any] = {"name": name, "kind": kind}
-    if not isinstance(entry, dict):
-        return out
-    if kind in (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR, KIND_DEEPSPEED_ENGINE):
-        keys = tensor_keys_of(entry.get("state"))
-        out["tensors"] = len(keys)
-        out["bytes"] = sum(manifest.tensors[k].nbytes for k in keys if k in manifest.tensors)
-    elif kind == KIND_PER_RANK:
-        out["ranks"] = len(entry.get("ranks") or [])
+    if kind == KIND_PER_RANK:
+        ranks = entry.get("ranks")
+        if not isinstance(ranks, list):
+            raise FormatError(f"{where}: entry {name!r}: field 'ranks' must be a list (one entry per rank)")
+        keys = _tensor_keys(ranks, f"{where}: entry {name!r}")
+        out["ranks"] = len(ranks)
+    else:
+        keys = _tensor_keys(entry.get("state"), f"{where}: entry {name!r}")
+    unique = list(dict.fromkeys(keys))  # a tensor referred to twice (tied weights) is one tensor
+    missing = [k for k in unique if k not in manifest.tensors]
+    if missing:
+        raise FormatError(f"{where}: entry {name!r} refers to tensor {missing[0]!r}, which the manifest does not list")
+    if kind in TENSOR_KINDS:
+        out["tensors"] = len(unique)
+        out["bytes"] = sum(manifest.tensors[k].nbytes for k in unique)
     elif kind == KIND_STATEFUL and isinstance(entry.get("state"), dict):
         out["fields"] = {k: v for k, v in entry["state"].items() if v is None or isinstance(v, (bool, int, float, str))}
         out["field_count"] = len(entry["state"])
@@ -88,18 +137,31 @@ def _describe_entry(name: str, entry: Any, manifest: Manifest) -> dict[str, Any]
     return out
 
 
+def _tensor_keys(value: Any, where: str) -> list[str]:
+    """Every tensor key an encoded value refers to, decoded by the format's own decoder (so a
+    malformed tag is refused as load refuses it), with errors naming the file and the entry."""
+    keys: list[str] = []
+    decode_value(value, keys.append, where)
+    return keys
+
+
 def _entry_detail(e: dict[str, Any]) -> str:
     if "tensors" in e:
-        return f"{e['tensors']} tensors, {format_bytes(e['bytes'])}"
+        return f"{plural(e['tensors'], 'tensor')}, {format_bytes(e['bytes'])}"
     if "ranks" in e:
-        return f"one entry per rank ({e['ranks']} rank{'' if e['ranks'] == 1 else 's'})"
+        return f"one entry per rank ({plural(e['ranks'], 'rank')})"
     if "fields" in e:
-        public = [f"{k}={json.dumps(v)}" for k, v in e["fields"].items() if not k.startswith("_")]
-        return (", ".join(public) + f" ({e['field_count']} fields)").strip()
+        public = [f"{k}={_short_json(v)}" for k, v in e["fields"].items() if not k.startswith("_")]
+        return (", ".join(public) + f" ({plural(e['field_count'], 'field')})").strip()
     if "value" in e:
-        text = json.dumps(e["value"])
-        return text if len(text) <= 60 else text[:57] + "..."
+        return _short_json(e["value"])
     return ""
+
+
+def _short_json(value: Any, limit: int = 60) -> str:
+    """JSON of a value, cut to ``limit`` characters (escaped, so safe on a terminal)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _shape(shape: list[int], param_shape: list[int] | None = None) -> str:
@@ -113,18 +175,27 @@ def _block_size(n: int) -> str:
     return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n} bytes"
 
 
+def _file_count(info: dict[str, Any]) -> str:
+    """``3 files: 1 shard file (5.3 MB), state.json, manifest.json``: counted as ``verify`` counts
+    them, and the shard bytes shown apart, as ``list`` gives a checkpoint's size."""
+    shards = sum(f["size"] for f in info["files"] if f["kind"] == "shard")
+    others = ", ".join(printable(f["name"]) for f in info["files"] if f["kind"] != "shard")
+    return f"{plural(len(info['files']), 'file')}: {plural(info['shard_files'], 'shard file')} ({format_bytes(shards)}), {others}"
+
+
 def format_inspection(info: dict[str, Any]) -> str:
+    """The human form of :func:`describe_checkpoint` (every name from the files printed escaped)."""
     created = datetime.fromtimestamp(info["created"], tz=timezone.utc).astimezone()
     lines = [
-        f"checkpoint    {info['path']}",
-        f"format        shardsafe format v{info['format_version']}, written by shardsafe {info['writer_version'] or '?'}",
+        f"checkpoint    {printable(info['path'])}",
+        f"format        shardsafe format v{info['format_version']}, written by shardsafe {printable(info['writer_version'] or '?')}",
         f"created       {created:%Y-%m-%d %H:%M:%S %Z}",
         f"world size    {info['world_size']}",
-        f"total size    {format_bytes(info['total_bytes'])} in {len(info['files'])} files "
-        f"({format_bytes(info['tensor_bytes'])} of tensors; {info['hash_algorithm']} hash per {_block_size(info['hash_block_size'])} block)",
+        f"total size    {format_bytes(info['total_bytes'])} in {_file_count(info)} ({format_bytes(info['tensor_bytes'])} of tensors; "
+        f"{printable(info['hash_algorithm'])} hash per {_block_size(info['hash_block_size'])} block)",
         "",
         f"state entries ({len(info['state'])})",
-        *table(["name", "kind", "contents"], [[e["name"], str(e["kind"]), _entry_detail(e)] for e in info["state"]]),
+        *table(["name", "kind", "contents"], [[e["name"], e["kind"], _entry_detail(e)] for e in info["state"]]),
         "",
         f"tensors ({len(info['tensors'])})",
         *table(
@@ -141,7 +212,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         ),
     ]
     if info["referenced_checkpoints"]:
-        lines += ["", "chunks stored in sibling checkpoints: " + ", ".join(info["referenced_checkpoints"])]
+        lines += ["", "chunks stored in sibling checkpoints: " + printable(", ".join(info["referenced_checkpoints"]))]
     lines += ["", "metadata"]
     if info["metadata"]:
         lines += ["  " + line for line in json.dumps(info["metadata"], indent=2, sort_keys=True).splitlines()]
@@ -180,8 +251,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     summary = verify(args.path)
+    files = summary["files"] + 2  # the shard files, the state file and the manifest, counted as inspect counts them
     print(
-        f"ok: {summary['path']}: {summary['tensors']} tensors in {summary['files']} files, {format_bytes(summary['bytes_checked'])} "
-        f"hashed; world size {summary['world_size']}, format v{summary['format_version']}"
+        f"ok: {printable(summary['path'])}: {plural(files, 'file')} checked ({plural(summary['files'], 'shard file')}, the state file "
+        f"and the manifest), {plural(summary['tensors'], 'tensor')}, {format_bytes(summary['bytes_checked'])} hashed; "
+        f"world size {summary['world_size']}, format v{summary['format_version']}"
     )
     return 0

@@ -1,0 +1,225 @@
+"""The demo's results: the three runs' event logs and the final checks turned into the flat numbers
+of ``summary.json`` (:func:`collect`) and the printed summary (:func:`format_summary`)."""
+
+from __future__ import annotations
+
+import statistics
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardsafe.cli.demo.settings import BATCH_PER_RANK, BEST_METRIC, CKPT, KEEP_BEST, KEEP_LAST, DemoSettings
+from shardsafe.cli.formatting import format_bytes, plural
+
+SUMMARY_WIDTH = 124
+
+
+@dataclass
+class Launch:
+    """One finished torchrun launch: its exit code, timing, log file and the events rank 0 recorded."""
+
+    run: int
+    returncode: int
+    started: float  # time.time() at launch
+    seconds: float
+    log: Path
+    events: list[dict[str, Any]]
+
+
+def events_of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The events of one kind (``step``, ``save``, ``resume``...) from a launch's log, in order."""
+    return [e for e in events if e["event"] == kind]
+
+
+def _losses(events: list[dict[str, Any]]) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events_of(events, "step")}
+
+
+def collect(
+    settings: DemoSettings,
+    schedule: tuple[int, int],
+    runs: tuple[Launch, Launch, Launch],
+    disk: dict[str, Any],
+    infos: list[Any],
+    evaluation: dict[str, Any],
+    verified: dict[str, Any],
+    total_seconds: float,
+) -> dict[str, Any]:
+    """Turn the three runs' event logs and the checks into the flat numbers of the summary."""
+    preempt, crash = schedule
+    run1, run2, run3 = runs
+    losses = [_losses(r.events) for r in runs]
+    replayed = sorted(set(losses[1]) & set(losses[2]))
+    saves = [s for r in runs for s in events_of(r.events, "save")]
+    async_saves = [s for s in saves if s["mode"] == "async"]
+    final_save = [s for s in saves if s["mode"] == "final"][0]
+    slowest = max(async_saves, key=lambda s: s["seconds"])
+    checks = [e["call_seconds"] for r in runs for e in events_of(r.events, "step") if e.get("saved") is False]
+    sync = events_of(run3.events, "sync_save")[0]
+    resume2, resume3 = events_of(run2.events, "resume")[0], events_of(run3.events, "resume")[0]
+    eval_by_step = {s["step"]: s["eval_loss"] for s in saves}
+    best = [i for i in infos if i.best]
+    latest = infos[-1]
+    kept = [i.step for i in infos]
+    median_blocked = statistics.median(s["seconds"] for s in async_saves)
+    return {
+        "out": str(settings.out),
+        "root": str(settings.out / CKPT),
+        "nproc": settings.nproc,
+        "steps": settings.steps,
+        "save_every": settings.save_every,
+        "keep_last": KEEP_LAST,
+        "keep_best": KEEP_BEST,
+        "best_metric": BEST_METRIC,
+        "parameters": evaluation["parameters"],
+        "preempt_after": preempt,
+        "crash_after": crash,
+        "exit_codes": [r.returncode for r in runs],
+        "run_steps": [[min(ls), max(ls)] for ls in losses],
+        "preempted_step": events_of(run1.events, "preempted")[0]["step"],
+        "final_save_step": final_save["step"],
+        "final_save_seconds": final_save["seconds"],
+        "committed_after_preemption": disk["after_preemption"],
+        "resume1_step": resume2["step"],
+        "resume1_seconds": resume2["seconds"],
+        "committed_at_kill": events_of(run2.events, "kill")[0]["committed"],
+        "committed_after_crash": disk["after_crash"],
+        "leftovers_after_crash": disk["leftovers_after_crash"],
+        "resume2_step": resume3["step"],
+        "resume2_seconds": resume3["seconds"],
+        "resume2_skipped": resume3["skipped"],
+        "replayed_steps": replayed,
+        "replay_max_abs_diff": max((abs(losses[1][s] - losses[2][s]) for s in replayed), default=None),
+        "loss_start": losses[0][min(losses[0])],
+        "loss_end": losses[2][settings.steps],
+        "saves": [{"step": s["step"], "run": s["run"], "mode": s["mode"], "seconds": s["seconds"], "eval_loss": s["eval_loss"]} for s in saves],
+        "async_saves": len(async_saves),
+        "async_blocked_median": median_blocked,
+        "async_blocked_max": slowest["seconds"],
+        "async_blocked_max_step": slowest["step"],
+        "async_blocked_max_first_of_run": slowest["step"] == min(s["step"] for s in async_saves if s["run"] == slowest["run"]),
+        "sync_save_seconds": sync["seconds"],
+        "sync_vs_async": sync["seconds"] / median_blocked if median_blocked > 0 else None,
+        "check_seconds_median": statistics.median(checks) if checks else None,
+        "last_drain_seconds": events_of(run3.events, "drained")[0]["seconds"],
+        "kept_steps": kept,
+        "retired_steps": sorted({s["step"] for s in saves} - set(kept)),
+        "best_step": best[0].step if best else None,
+        "best_eval_loss": best[0].metrics.get(BEST_METRIC) if best else None,
+        "latest_step": latest.step,
+        "eval_by_step": {str(k): v for k, v in sorted(eval_by_step.items())},
+        "checkpoints": [
+            {"name": Path(str(i.path)).name, "step": i.step, "bytes": i.size, "metrics": i.metrics, "best": i.best, "latest": i.latest} for i in infos
+        ],
+        "final_checkpoint": Path(str(latest.path)).name,
+        "reshard_load_seconds": evaluation["load_seconds"],
+        "eval_loss_one_process": evaluation["loss"],
+        "eval_loss_ranks": events_of(run3.events, "eval")[0]["loss"],
+        "verify_passed": True,
+        "verify_tensors": verified["tensors"],
+        "verify_files": verified["files"],
+        "verify_bytes": verified["bytes_checked"],
+        "verify_seconds": verified["seconds"],
+        "run_seconds": [r.seconds for r in runs],
+        "relaunch_to_first_step_seconds": [events_of(r.events, "step")[0]["time"] - r.started for r in runs],
+        "total_seconds": total_seconds,
+    }
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds >= 0.01 else f"{seconds * 1000:.1f} ms"
+
+
+def format_summary(v: dict[str, Any]) -> str:
+    """The human summary of :func:`collect`'s numbers: one labelled paragraph (or table) per fact."""
+    n = v["nproc"]
+    lines = ["", f"shardsafe demo: summary ({v['out']})"]
+
+    def row(label: str, text: str) -> None:
+        wrapped = textwrap.wrap(text, SUMMARY_WIDTH - 16) or [""]
+        lines.append(f"  {label:<14}{wrapped[0]}")
+        lines.extend(f"  {'':<14}{t}" for t in wrapped[1:])
+
+    (a1, b1), (a2, b2), (a3, b3) = v["run_steps"]
+    row(
+        "demonstrated",
+        f"a {n}-rank FSDP2 run saving through shardsafe.CheckpointManager (async saves every {plural(v['save_every'], 'step')}, "
+        f"keep_last={v['keep_last']}, keep_best={v['keep_best']} by {v['best_metric']}) was preempted by SIGTERM and resumed, then "
+        f"SIGKILLed and resumed from its newest committed async checkpoint; the final {n}-rank checkpoint was resharded onto 1 "
+        "process, evaluated and verified.",
+    )
+    row("model", f"TinyGPT, {v['parameters'] / 1e6:.2f}M parameters; {plural(n, 'rank')} x {BATCH_PER_RANK} sequences of 64 bytes per step")
+    row(
+        "preemption",
+        f"run 1 did steps {a1}-{b1}; after step {v['preempt_after']} rank 0 sent SIGTERM to {'both' if n == 2 else f'all {n}'} ranks' "
+        f"processes; at that step boundary the ranks agreed, wrote a final checkpoint of step {v['final_save_step']} synchronously "
+        f"({v['final_save_seconds']:.2f} s) and exited cleanly (torchrun exit code {v['exit_codes'][0]}); committed then: steps "
+        f"{_steps(v['committed_after_preemption'])}",
+    )
+    row("resume 1", f"run 2: restore() loaded step {v['resume1_step']} in {v['resume1_seconds']:.2f} s and did steps {a2}-{b2}")
+    leftovers = v["leftovers_after_crash"]
+    row(
+        "crash",
+        f"run 2 was SIGKILLed after step {v['crash_after']} (torchrun exit code {v['exit_codes'][1]}), no final save; committed on disk "
+        f"afterwards: steps {_steps(v['committed_after_crash'])}"
+        + (f", plus {plural(leftovers, 'hidden unfinished save folder')} (invisible; `shardsafe gc` removes them)" if leftovers else ""),
+    )
+    replay = ""
+    if v["replayed_steps"]:
+        steps = v["replayed_steps"]
+        same = "bitwise identical to" if v["replay_max_abs_diff"] == 0 else f"within {v['replay_max_abs_diff']:.2g} of"
+        replay = f"; steps {steps[0]}-{steps[-1]}, lost in the crash, were redone with losses {same} run 2's"
+    skipped = f" (skipping damaged {_steps(v['resume2_skipped'])})" if v["resume2_skipped"] else ""
+    row(
+        "resume 2",
+        f"run 3: restore() loaded step {v['resume2_step']}, the newest committed checkpoint{skipped}, in {v['resume2_seconds']:.2f} s "
+        f"and did steps {a3}-{b3}{replay}",
+    )
+    row("loss", f"start {v['loss_start']:.3f} (step 1); end {v['loss_end']:.3f} (step {v['steps']})")
+    first = ", the first save of its process" if v["async_blocked_max_first_of_run"] else ""
+    ratio = f"{v['sync_vs_async']:.1f}x the median" if v["sync_vs_async"] is not None else "n/a"
+    row(
+        "async saves",
+        f"{plural(v['async_saves'], 'save')} blocked the training loop for median {_ms(v['async_blocked_median'])}, max "
+        f"{_ms(v['async_blocked_max'])} (step {v['async_blocked_max_step']}{first}); write, hash, commit and retention ran in a "
+        f"background thread. One synchronous save of the same state (shardsafe.save after the run) blocked it for "
+        f"{_ms(v['sync_save_seconds'])} ({ratio})",
+    )
+    if v["check_seconds_median"] is not None:
+        row(
+            "other steps",
+            f"manager.save() on steps without a save took median {_ms(v['check_seconds_median'])} (an all-gather of the preemption "
+            "flag, which also waits for the slowest rank)",
+        )
+    best = f"step {v['best_step']} ({v['best_metric']} {v['best_eval_loss']:.4f})" if v["best_step"] is not None else "none"
+    among = ", the best among them" if v["best_step"] in v["kept_steps"][-v["keep_last"] :] else " plus the best"
+    row(
+        "retention",
+        f"list_checkpoints: steps {_steps(v['kept_steps'])} remain (the last {v['keep_last']}{among}); best {best}, latest step "
+        f"{v['latest_step']}; retired: steps {_steps(v['retired_steps'])}",
+    )
+    row(f"reshard {n}->1", f"load of {v['final_checkpoint']} into a plain module, no process group: {v['reshard_load_seconds']:.3f} s")
+    row(
+        "eval loss",
+        f"{v['eval_loss_one_process']:.4f} on held-out text (1 process); the {plural(n, 'rank')} measured {v['eval_loss_ranks']:.4f} "
+        f"(|diff| {abs(v['eval_loss_one_process'] - v['eval_loss_ranks']):.1g})",
+    )
+    row(
+        "verify",
+        f"passed on {v['final_checkpoint']}: {plural(v['verify_tensors'], 'tensor')} in {plural(v['verify_files'], 'shard file')}, "
+        f"{format_bytes(v['verify_bytes'])} hashed in {v['verify_seconds']:.2f} s",
+    )
+    for i, c in enumerate(v["checkpoints"]):
+        marks = [m for m, on in (("latest", c["latest"]), ("best", c["best"])) if on]
+        metric = c["metrics"].get(v["best_metric"])
+        text = f"{c['name']}  {format_bytes(c['bytes']):>8}  {v['best_metric']} {metric:.4f}" if metric is not None else c["name"]
+        lines.append(f"  {'checkpoints' if i == 0 else '':<14}{text}{'  <- ' + ', '.join(marks) if marks else ''}")
+    secs = v["run_seconds"]
+    row("wall time", f"{v['total_seconds']:.1f} s (run 1 {secs[0]:.1f} s, run 2 {secs[1]:.1f} s, run 3 {secs[2]:.1f} s)")
+    row("details", f"{Path(v['out']) / 'summary.json'}; worker logs in {Path(v['out']) / 'logs'}; `shardsafe list {v['root']}`")
+    return "\n".join(lines)
