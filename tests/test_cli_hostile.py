@@ -216,8 +216,6 @@ MODEL_STATE: Callable[[dict[str, Any]], dict[str, Any]] = lambda s: s["model"]["
 
 HASH_BLOCK_BUG = "verify allocates a hash_block_size buffer before checking the size (issue 11 part 6, another helper)"
 CORE_CREATED_BUG = "core.format.parse_manifest calls float() on an integer 'created' beyond a float's range (core, another helper)"
-MANAGER_SYMLINK_BUG = "manager.read_info reads manifest.json through a symlink (manager, another helper)"
-LIST_CREATED_BUG = "cli/checkpoints.py passes 'created' to time.localtime unchecked (another helper's module)"
 
 CASES = [
     Case("sound-control", nothing, refused=(), accepted=("inspect", "inspect-json", "verify", "export", "list", "list-json", "gc")),
@@ -232,7 +230,6 @@ CASES = [
         edit_manifest(set_(TOP, "created", 1e300)),
         refused=("inspect",),
         tolerated=("verify", "list"),
-        known={"list": LIST_CREATED_BUG},
     ),
     Case("created-nan", edit_manifest(set_(TOP, "created", float("nan"))), refused=("inspect",), tolerated=("verify",)),
     Case("created-negative", edit_manifest(set_(TOP, "created", -1e18)), refused=("inspect",), tolerated=("verify",)),
@@ -290,7 +287,6 @@ CASES = [
         replace_with_symlink("manifest.json", "manifest.json"),
         refused=("inspect", "verify", "export"),
         tolerated=("list", "gc"),
-        known={"list": MANAGER_SYMLINK_BUG, "gc": MANAGER_SYMLINK_BUG},
     ),
     # --- state.json (the manifest vouches for its size and hash, so its own parser is reached)
     Case("state-missing", remove("state.json")),

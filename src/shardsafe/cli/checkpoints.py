@@ -68,7 +68,7 @@ def _cmd_list(args: Any) -> int:
     lines = []
     for i in infos:
         flags = ",".join(f for f, on in (("latest", i.latest), ("best", i.best)) if on)
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created))
+        created = _when(i.created)
         metrics = " ".join(f"{k}={v}" for k, v in i.metrics.items())
         writer = f"{i.run_id} (epoch {i.lease_epoch})" if i.run_id else "-"
         lines.append((i.step, f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {writer:22}  {flags:11}  {metrics}"))
@@ -78,6 +78,14 @@ def _cmd_list(args: Any) -> int:
     if listing.damaged:
         print(f"note: {len(listing.damaged)} damaged checkpoint(s) skipped (not loadable; retention and gc leave them in place)")
     return 0
+
+
+def _when(created: float) -> str:
+    """A manifest's creation time as local time, or '?' when it is not a time this machine can show."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+    except (OverflowError, OSError, ValueError):
+        return "?"
 
 
 def _cmd_gc(args: Any) -> int:

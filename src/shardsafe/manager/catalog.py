@@ -26,7 +26,7 @@ from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse
 from shardsafe.errors import ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
 from shardsafe.protocol.commit import is_committed
-from shardsafe.storage.local import read_small_file
+from shardsafe.storage.local import read_small_file, safe_child
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
@@ -78,7 +78,8 @@ def read_manifest(folder: Root) -> Manifest:
     """Parse and validate ``folder``'s manifest (bounded read; raises FormatError/OSError on damage)."""
     if isinstance(folder, RemoteDir):
         return parse_manifest(folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{folder.url}/{MANIFEST_NAME}")
-    return parse_manifest(read_small_file(folder / MANIFEST_NAME, MAX_JSON_BYTES), str(folder / MANIFEST_NAME))
+    path = safe_child(folder, MANIFEST_NAME)  # never through a symlink out of the folder (its content could end up in an error)
+    return parse_manifest(read_small_file(path, MAX_JSON_BYTES), str(path))
 
 
 def step_folders(root: Root, naming: StepNaming = STEP_NAMING) -> dict[int, str]:
