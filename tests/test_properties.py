@@ -31,15 +31,14 @@ from shardsafe.core.format import (
     Manifest,
     TensorEntry,
     build_safetensors_header,
-    decode_value,
     dump_json,
     element_size,
-    encode_value,
     parse_json,
     parse_manifest,
     parse_safetensors_header,
 )
 from shardsafe.core.integrity import hash_blocks, num_blocks
+from shardsafe.core.values import decode_value, encode_value
 from shardsafe.errors import FormatError
 
 EXAMPLES = 200

@@ -31,11 +31,11 @@ with atheris.instrument_imports(include=["shardsafe"]):
         Manifest,
         TensorEntry,
         build_safetensors_header,
-        decode_value,
         parse_json,
         parse_manifest,
         parse_safetensors_header,
     )
+    from shardsafe.core.values import decode_value
     from shardsafe.errors import FormatError
 
 

@@ -12,8 +12,9 @@ from typing import Any
 from shardsafe.api.checkpoint import verify
 from shardsafe.cli.formatting import format_bytes, table
 from shardsafe.core.format import MANIFEST_NAME, STATE_NAME, Manifest, dtype_name
+from shardsafe.core.values import state_tensor_keys as tensor_keys_of
 from shardsafe.protocol.commit import open_checkpoint
-from shardsafe.state.adapters import (
+from shardsafe.state.base import (
     KIND_DEEPSPEED_ENGINE,
     KIND_MODULE,
     KIND_OPTIMIZER,
@@ -21,7 +22,6 @@ from shardsafe.state.adapters import (
     KIND_STATEFUL,
     KIND_TENSOR,
     KIND_VALUE,
-    tensor_keys_of,
 )
 from shardsafe.state.deepspeed_engine import flat_tensor_shapes
 

@@ -70,7 +70,8 @@ from shardsafe.api.checkpoint import load, save
 from shardsafe.api.source import CHECKPOINT_DIR, TensorInfo
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.faults import crash_point
-from shardsafe.core.format import MANIFEST_NAME, decode_value
+from shardsafe.core.format import MANIFEST_NAME
+from shardsafe.core.values import decode_value
 from shardsafe.errors import CheckpointNotFoundError, ShardsafeError, StateMismatchError
 from shardsafe.hf.export import output_dtype
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE

@@ -47,7 +47,7 @@ from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityErro
 from shardsafe.protocol.commit import is_committed
 from shardsafe.protocol.temppath import DELETING_MARK, OLD_MARK, TMP_MARK
 from shardsafe.protocol.transfer import ReuseMap, reuse_map
-from shardsafe.state.adapters import SaveView
+from shardsafe.state.registry import SaveView
 from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree
 from shardsafe.storage.remote import RemoteDir
 
