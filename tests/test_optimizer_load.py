@@ -56,7 +56,8 @@ def test_fresh_optimizer_gets_exactly_the_saved_state(tmp_path: Path, kind: str,
     fresh_model = _model(dtype)
     fresh_model[3].weight.requires_grad_(False)
     fresh = OPTIMIZERS[kind](fresh_model.parameters())
-    monkeypatch.setattr(optimizer_adapter, "create_state_by_stepping", lambda *a: pytest.fail("torch's dummy step ran; the state should be allocated"))
+    stepped = "torch's dummy step ran; the state should be allocated"
+    monkeypatch.setattr(optimizer_adapter, "create_state_by_stepping", lambda *a: pytest.fail(stepped))
     shardsafe.load(tmp_path / "ckpt", {"model": fresh_model, "optim": fresh})
     saved = torch.load(_reference(tmp_path, model, kind, dtype), weights_only=True)
     assert fresh.state_dict()["state"].keys() == saved["state"].keys()

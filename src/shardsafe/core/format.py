@@ -30,6 +30,9 @@ from shardsafe.errors import FormatError
 FORMAT_NAME = "shardsafe"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# A retired checkpoint whose files later checkpoints still store tensors in (dedup) keeps its
+# manifest under this name: no longer a checkpoint, but readers can check a reference against it.
+RETAINED_MANIFEST_NAME = "manifest.retained.json"
 STATE_NAME = "state.json"
 SHARD_PATTERN = "shard-{rank:05d}.safetensors"
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.faults import crash_point
-from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
 from shardsafe.core.plan import LocalChunk
 from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
 from shardsafe.protocol.commit import is_committed
@@ -150,7 +150,7 @@ def references(root: Root, steps: list[int] | None = None, read: Callable[[Root]
         for entry in manifest.tensors.values():
             for chunk in entry.chunks:
                 if chunk.checkpoint is not None:
-                    out.setdefault(chunk.checkpoint, set()).add(chunk.file)
+                    out.setdefault(chunk.checkpoint, {RETAINED_MANIFEST_NAME}).add(chunk.file)
     return out
 
 
@@ -167,7 +167,7 @@ def retire(root: Root, step: int, keep_files: set[str] | None = None) -> None:
         return
     folder = root / step_name(step)
     if keep_files:
-        (folder / MANIFEST_NAME).unlink()
+        os.replace(folder / MANIFEST_NAME, folder / RETAINED_MANIFEST_NAME)  # kept: readers check references against it
         fsync_dir(folder)
         crash_point("retention:after-rename", 0)
         _remove_unreferenced(folder, keep_files)
@@ -183,6 +183,8 @@ def retire(root: Root, step: int, keep_files: set[str] | None = None) -> None:
 
 def _retire_remote(folder: RemoteDir, keep: set[str]) -> None:
     """No rename on object stores: deleting the manifest (the commit marker) retires it at once."""
+    if keep:  # readers check references into the kept files against the retained manifest
+        folder.write_bytes(RETAINED_MANIFEST_NAME, folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES))
     folder.remove([MANIFEST_NAME])
     crash_point("retention:after-rename", 0)
     folder.remove([name for name in folder.list() if name not in keep])

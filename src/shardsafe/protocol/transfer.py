@@ -25,6 +25,7 @@ from shardsafe.core.format import (
     MANIFEST_NAME,
     MAX_HEADER_BYTES,
     MAX_JSON_BYTES,
+    RETAINED_MANIFEST_NAME,
     ChunkEntry,
     HeaderEntry,
     Manifest,
@@ -131,13 +132,16 @@ class LocalSource:
         pread_into(handle, views, offset, where)
 
     def sibling_manifest(self, checkpoint: str) -> tuple[bytes, str]:
-        """(bytes, path) of the manifest of sibling checkpoint ``checkpoint``; FileNotFoundError when
-        that is no committed checkpoint folder."""
+        """(bytes, path) of the manifest of sibling checkpoint ``checkpoint`` (or the one it kept when
+        retired with referenced files); FileNotFoundError when it has neither."""
         folder = safe_child(self.folder.parent, checkpoint)
         if not folder.is_dir():
             raise FileNotFoundError(folder)
-        path = safe_child(folder, MANIFEST_NAME)
-        return read_small_file(path, MAX_JSON_BYTES), str(path)
+        for name in (MANIFEST_NAME, RETAINED_MANIFEST_NAME):
+            path = safe_child(folder, name)
+            if os.path.lexists(path):
+                return read_small_file(path, MAX_JSON_BYTES), str(path)
+        raise FileNotFoundError(folder / MANIFEST_NAME)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -174,7 +178,8 @@ class RemoteSource:
 
     def sibling_manifest(self, checkpoint: str) -> tuple[bytes, str]:
         folder = self._dir(checkpoint)
-        return folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{folder.url}/{MANIFEST_NAME}"
+        name = MANIFEST_NAME if folder.exists(MANIFEST_NAME) else RETAINED_MANIFEST_NAME
+        return folder.read_bytes(name, MAX_JSON_BYTES), f"{folder.url}/{name}"
 
     def close(self) -> None:
         self._sizes.clear()
@@ -234,11 +239,14 @@ class ChunkReader:
 
     def _sibling_size(self, checkpoint: str, file: str, where: str) -> int:
         """The size a committed sibling checkpoint's manifest gives ``file``: a dedup reference may
-        only point into a checkpoint of the same root that lists the file."""
+        only point into a checkpoint of the same root that lists the file (or a retired one that
+        kept its manifest as ``manifest.retained.json`` because later checkpoints use its files)."""
         try:
             data, manifest_where = self.source.sibling_manifest(checkpoint)
         except FileNotFoundError:
-            raise IntegrityError(f"{where}: refers to checkpoint {checkpoint!r}, which is not a committed checkpoint next to this one") from None
+            raise IntegrityError(
+                f"{where}: a chunk refers to checkpoint {checkpoint!r}, which is not a committed checkpoint next to this one"
+            ) from None
         entry = parse_manifest(data, manifest_where).files.get(file)
         if entry is None:
             raise IntegrityError(f"{where}: checkpoint {checkpoint!r} does not list {file!r} among its files")
