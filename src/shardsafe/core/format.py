@@ -24,7 +24,7 @@ import torch
 
 from shardsafe.core.dtypes import dtype_from_name, dtype_from_safetensors_name, dtype_name, element_size, safetensors_dtype
 from shardsafe.core.integrity import HASH_ALGORITHM, HASH_BLOCK_SIZE, num_blocks
-from shardsafe.core.jsonsafe import MAX_JSON_BYTES, check_json_keys, dump_json, parse_json
+from shardsafe.core.jsonsafe import MAX_JSON_BYTES, check_plain_json, dump_json, parse_json
 from shardsafe.errors import FormatError
 
 FORMAT_NAME = "shardsafe"
@@ -418,7 +418,7 @@ def check_metadata(metadata: Any, where: str = "metadata") -> None:
     that survives :func:`parse_manifest` (depth counted where it sits in the manifest)."""
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: must be a dict, got {type(metadata).__name__}")
-    check_json_keys(metadata, where)
+    check_plain_json(metadata, where)
     probe = Manifest(world_size=1, tensors={}, files={}, state_size=0, state_hash="", metadata=metadata)
     data = dump_json(probe.to_json(), where)
     parse_manifest(data, where)

@@ -8,12 +8,14 @@ so a save fails before writing rather than with a TypeError or RecursionError ha
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from shardsafe.errors import FormatError
 
 MAX_JSON_BYTES = 1 << 30
 MAX_JSON_DEPTH = 64
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -64,18 +66,29 @@ def dump_json(value: Any, where: str = "JSON") -> bytes:
         raise FormatError(f"{where}: cannot be stored as JSON ({exc})") from None
 
 
-def check_json_keys(value: Any, where: str) -> None:
-    """Refuse dict keys that are not strings in a plain-JSON value (user metadata): json.dumps would
-    silently turn ``1`` into ``"1"`` (and ``{1: a, "1": b}`` into a duplicate key that every reader refuses)."""
+def check_json_string(text: str, where: str) -> None:
+    """Refuse a string JSON cannot give back as it is: a high surrogate followed by a low one is
+    written as two escapes that every reader decodes as one character. (Lone surrogates survive.)"""
+    if not text.isascii() and _SURROGATE_PAIR.search(text):
+        raise FormatError(f"{where}: {text[:40]!r} holds a surrogate pair (two code points JSON reads back as one character)")
+
+
+def check_plain_json(value: Any, where: str) -> None:
+    """Refuse what json.dumps would silently change in a plain-JSON value (user metadata): dict keys
+    that are not strings (``1`` becomes ``"1"``, and ``{1: a, "1": b}`` a duplicate key that every
+    reader refuses) and strings holding surrogate pairs."""
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise FormatError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(item, dict):
+            raise FormatError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels (or circular)")
+        if isinstance(item, str):
+            check_json_string(item, where)
+        elif isinstance(item, dict):
             for k, v in item.items():
                 if not isinstance(k, str):
                     raise FormatError(f"{where}: dict key {k!r:.60} is a {type(k).__name__}; JSON keys must be strings")
+                check_json_string(k, where)
                 stack.append((v, depth + 1))
         elif isinstance(item, (list, tuple)):
             stack.extend((v, depth + 1) for v in item)

@@ -14,7 +14,7 @@ import torch
 
 from shardsafe.core.dtypes import dtype_from_name, dtype_name
 from shardsafe.core.format import STATE_NAME, Manifest, check_tensor_key
-from shardsafe.core.jsonsafe import MAX_JSON_DEPTH, dump_json, parse_json
+from shardsafe.core.jsonsafe import MAX_JSON_DEPTH, check_json_string, dump_json, parse_json
 from shardsafe.errors import FormatError
 
 TENSOR_REF = "__tensor__"
@@ -32,7 +32,10 @@ def encode_value(value: Any, path: str, tensor_ref: Any, depth: int = 0) -> Any:
     """
     if depth > MAX_JSON_DEPTH:
         raise FormatError(f"state value at {path[:200]!r}: nested deeper than {MAX_JSON_DEPTH} levels (or circular); readers refuse deeper JSON")
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, str):
+        check_json_string(value, f"state value at {path[:200]!r}")
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, torch.Tensor):
         return {TENSOR_REF: tensor_ref(path, value)}
@@ -43,13 +46,14 @@ def encode_value(value: Any, path: str, tensor_ref: Any, depth: int = 0) -> Any:
     if isinstance(value, list):
         return [encode_value(v, f"{path}/{i}", tensor_ref, depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
+        for k in value:
+            if isinstance(k, str):
+                check_json_string(k, f"state value at {path[:200]!r}: dict key")
+            elif not isinstance(k, (int, float, bool)) and k is not None:
+                raise FormatError(f"state value at {path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored")
         if all(isinstance(k, str) for k in value) and not any(t in value for t in _TAGS):
             return {k: encode_value(v, f"{path}/{k}", tensor_ref, depth + 1) for k, v in value.items()}
-        pairs = []
-        for k, v in value.items():
-            if not isinstance(k, (str, int, float, bool)) and k is not None:
-                raise FormatError(f"state value at {path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored")
-            pairs.append([k, encode_value(v, f"{path}/{k}", tensor_ref, depth + 3)])
+        pairs = [[k, encode_value(v, f"{path}/{k}", tensor_ref, depth + 3)] for k, v in value.items()]
         return {PAIRS_TAG: pairs}
     if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "shape", None) == ():
         return value.item()  # numpy scalar

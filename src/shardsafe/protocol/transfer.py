@@ -226,15 +226,16 @@ class ChunkReader:
         """Open (once) a file of this checkpoint (or of sibling ``checkpoint``) and check it before any
         byte of it is used: its size (the manifest's, or the sibling manifest's, and at least
         ``needed``), the sibling's commit, and that its safetensors header agrees with the manifest."""
-        handle, size = self.source.open(checkpoint, file)
         ident = (checkpoint, file)
-        if ident not in self._checked:
-            where = self.source.describe(checkpoint, file)
-            expected = self.manifest.files[file].size if checkpoint is None else self._sibling_size(checkpoint, file, where)
-            if size != expected or size < needed:
-                raise IntegrityError(f"{where}: file is {size} bytes, the manifest expects {max(expected, needed)} (truncated or altered)")
-            self._check_header(checkpoint, file, handle, size, where)
-            self._checked.add(ident)
+        if ident in self._checked:
+            return self.source.open(checkpoint, file)[0]
+        where = self.source.describe(checkpoint, file)
+        expected = self.manifest.files[file].size if checkpoint is None else self._sibling_size(checkpoint, file, where)
+        handle, size = self.source.open(checkpoint, file)
+        if size != expected or size < needed:
+            raise IntegrityError(f"{where}: file is {size} bytes, the manifest expects {max(expected, needed)} (truncated or altered)")
+        self._check_header(checkpoint, file, handle, size, where)  # every chunk in the file: their ends included
+        self._checked.add(ident)
         return handle
 
     def _sibling_size(self, checkpoint: str, file: str, where: str) -> int:
