@@ -33,8 +33,7 @@ from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.state.base import LoadStep
-from shardsafe.state.deepspeed_engine import fresh_engine_optimizers
-from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, prepare_steps
+from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps
 from shardsafe.storage.remote import RemoteDir
 
 
@@ -76,8 +75,7 @@ def load(
     folder = location(path)
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
-    fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
-    fresh += fresh_engine_optimizers(state.values())
+    fresh = fresh_optimizers(state)
     problem: Exception | None = None
     opened: tuple[Manifest, dict[str, Any], LoadBinding] | None = None
     try:

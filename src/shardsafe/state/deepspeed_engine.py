@@ -374,6 +374,9 @@ class DeepSpeedEngineAdapter:
     def matches(self, value: Any) -> bool:
         return is_deepspeed_engine(value)
 
+    def fresh_optimizers(self, value: Any) -> list[torch.optim.Optimizer]:
+        return fresh_engine_optimizers([value])
+
     def describe(self, name: str, value: Any, ctx: SaveContext) -> Described:
         entry, chunks = describe_engine(value, name)
         for c in chunks:

@@ -169,6 +169,9 @@ class OptimizerAdapter:
     def matches(self, value: Any) -> bool:
         return isinstance(value, torch.optim.Optimizer)
 
+    def fresh_optimizers(self, value: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+        return [] if value.state else [value]
+
     def describe(self, name: str, value: Any, ctx: SaveContext) -> Described:
         osd = optimizer_state(owner_module(ctx.state, value, name), value)
         chunks: list[Any] = []

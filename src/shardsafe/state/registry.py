@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from shardsafe.core.format import Manifest
 from shardsafe.core.plan import LocalChunk
 from shardsafe.core.values import encode_state, state_tensor_keys
@@ -160,6 +162,16 @@ def _compare_tensor(key: str, manifest: Manifest, target: ReadTarget, strict: bo
     if entry.dtype != target.tensor.dtype and strict:
         return [f"dtype mismatch for {key}: checkpoint {entry.dtype}, model {target.tensor.dtype} (strict=False casts)"]
     return []
+
+
+def fresh_optimizers(state: dict[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers in ``state`` that have not stepped (a DeepSpeed engine's inner one included):
+    binding gives them state tensors to read into, which a failed load must take back."""
+    out: list[torch.optim.Optimizer] = []
+    for value in state.values():
+        fresh = getattr(adapter_for(value), "fresh_optimizers", None)
+        out += fresh(value) if fresh is not None else []
+    return out
 
 
 def prepare_steps(binding: LoadBinding, lookup: Lookup) -> list[LoadStep]:
