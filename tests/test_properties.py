@@ -15,6 +15,7 @@ The normal run tries ``EXAMPLES`` examples per property; ``-m stress`` runs each
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import math
@@ -400,11 +401,10 @@ metadata_values = st.dictionaries(save_text, _values(save_scalars, save_text | s
 
 
 def _scratch() -> Iterator[Path]:
+    """A fresh folder per example, under one temporary folder removed at exit."""
     base = Path(tempfile.mkdtemp(prefix="shardsafe-prop-"))
-    try:
-        yield from (base / str(i) for i in itertools.count())
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    atexit.register(shutil.rmtree, base, True)
+    return (base / str(i) for i in itertools.count())
 
 
 def _refused_or_round_trips(folder: Path, state_value: Any, metadata: Any) -> None:

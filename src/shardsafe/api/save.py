@@ -126,13 +126,26 @@ def write_checkpoint(
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank) for rank, r in enumerate(results) if r.file is not None}
-        manifest = new_manifest(comm.world_size, files, state_bytes, metadata, __version__)
+        manifest = CheckedManifest(**vars(new_manifest(comm.world_size, files, state_bytes, metadata, __version__)))
         manifest.tensors = _tensor_entries(results)
+        manifest.state_file = target.state_name()
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
 
     agree_and_publish(comm, target, result, lambda results: build([r[1] for r in results]))
     return final
+
+
+class CheckedManifest(Manifest):
+    """A manifest whose bytes are made once: the bytes the reader's parser checked before the
+    commit are the bytes the commit writes (indented JSON is slow to make for many tensors)."""
+
+    _made: tuple[str, bytes] | None = None
+
+    def to_bytes(self) -> bytes:
+        if self._made is None or self._made[0] != self.state_file:
+            self._made = (self.state_file, super().to_bytes())
+        return self._made[1]
 
 
 def _plan(comm: Comm, specs: list[ChunkSpec]) -> list[int]:

@@ -46,8 +46,12 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     return _DTYPES[dtype][1]
 
 
+_SIZES = {dtype: dtype.itemsize for dtype in _DTYPES}
+
+
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    size = _SIZES.get(dtype)
+    return size if size is not None else torch.empty((), dtype=dtype).element_size()
 
 
 def dtype_from_safetensors_name(name: object, where: str) -> torch.dtype:

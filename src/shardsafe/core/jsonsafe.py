@@ -28,15 +28,17 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _check_depth(value: Any, where: str) -> None:
-    stack: list[tuple[Any, int]] = [(value, 0)]
+    """No value deeper than :data:`MAX_JSON_DEPTH` (the root is at depth 0); only containers are
+    walked, so a wide document costs one pass over its containers."""
+    stack: list[tuple[Any, int]] = [(value, 0)] if isinstance(value, (dict, list)) else []
     while stack:
         item, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
+        children = item.values() if isinstance(item, dict) else item
+        if not children:
+            continue
+        if depth >= MAX_JSON_DEPTH:
             raise FormatError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
+        stack.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
 
 
 def parse_json(data: bytes, where: str) -> Any:
@@ -55,11 +57,12 @@ def parse_json(data: bytes, where: str) -> Any:
     return value
 
 
-def dump_json(value: Any, where: str = "JSON") -> bytes:
-    """Encode ``value``; anything json cannot write faithfully is a FormatError naming ``where``
-    (an int of more than 4300 digits, a circular or absurdly deep value, an unsupported type)."""
+def dump_json(value: Any, where: str = "JSON", compact: bool = False) -> bytes:
+    """Encode ``value`` (indented, for people reading the files; ``compact``: one line, json's fast C
+    encoder); anything json cannot write faithfully is a FormatError naming ``where`` (an int of
+    more than 4300 digits, a circular or absurdly deep value, an unsupported type)."""
     try:
-        return json.dumps(value, indent=1, sort_keys=False).encode()
+        return json.dumps(value, indent=None if compact else 1, sort_keys=False).encode()
     except RecursionError:
         raise FormatError(f"{where}: value nested too deeply to store (at most {MAX_JSON_DEPTH} levels)") from None
     except (ValueError, TypeError) as exc:

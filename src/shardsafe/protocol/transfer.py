@@ -106,14 +106,19 @@ class LocalSource:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._fds: dict[tuple[str | None, str], int] = {}
+        self._paths: dict[tuple[str | None, str], Path] = {}
 
     def describe(self, checkpoint: str | None, file: str) -> str:
         return str(self._path(checkpoint, file))
 
     def _path(self, checkpoint: str | None, file: str) -> Path:
-        if checkpoint is None:
-            return safe_child(self.folder, file)
-        return safe_child(safe_child(self.folder.parent, checkpoint), file)
+        """The checked path (resolved once per file: errors name it on every read)."""
+        ident = (checkpoint, file)
+        path = self._paths.get(ident)
+        if path is None:
+            folder = self.folder if checkpoint is None else safe_child(self.folder.parent, checkpoint)
+            path = self._paths[ident] = safe_child(folder, file)
+        return path
 
     def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
         ident = (checkpoint, file)

@@ -82,7 +82,7 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
         else:
             view.per_rank[name] = described.per_rank
         view.chunks += described.chunks
-    encode_state({**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}})
+    encode_state({**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}}, compact=True)
     seen: set[str] = set()
     for chunk in view.chunks:
         shown = chunk_name(chunk)
