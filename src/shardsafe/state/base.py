@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from shardsafe.core.dtypes import dtype_name
 from shardsafe.core.format import MAX_DIMS, MAX_NUMEL, Manifest, check_tensor_key, numel
 from shardsafe.core.plan import LocalChunk
 from shardsafe.core.values import encode_value
@@ -105,7 +106,12 @@ class LoadContext:
 
 
 class StateAdapter(Protocol):
-    """One kind of state value. Every method but ``matches`` and ``summarize`` is given the live value."""
+    """One kind of state value. Every method but ``matches`` and ``summarize`` is given the live value.
+
+    Two optional methods, looked up by the registry where an adapter has them:
+    ``fresh_optimizers(value)`` (optimizers that binding gives state, which a failed load empties
+    again) and ``display_shapes(name, entry)`` (stored key -> the shape ``inspect`` shows).
+    """
 
     kind: str
     in_place: bool  # its tensors are read into the live tensors (keys compared with the checkpoint's)
@@ -155,8 +161,6 @@ def placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tupl
 
 def check_storable(key: str, tensor: torch.Tensor, global_shape: tuple[int, ...]) -> None:
     """Refuse, before anything is written, a tensor the manifest parser would refuse on load."""
-    from shardsafe.core.dtypes import dtype_name
-
     where = f"tensor {key!r:.200}"
     check_tensor_key(key, where)
     dtype_name(tensor.dtype)

@@ -107,10 +107,6 @@ class LoadBinding:
         """Every in-place read target, by tensor key."""
         return {key: t for b in self.bound.values() for key, t in b.targets.items()}
 
-    @property
-    def names(self) -> dict[str, str]:
-        """State name -> the kind it is loaded as."""
-        return {name: b.adapter.kind for name, b in self.bound.items()}
 
 
 def bind_for_load(
