@@ -121,7 +121,7 @@ def train_step(model: Any, optim: Any, batch: int, width: int, gen: Any) -> None
 
 def local_tensors(state: dict[str, Any]) -> list[Any]:
     """Exactly the local tensors a shardsafe save of ``state`` copies (its chunks)."""
-    from shardsafe.state.adapters import describe_for_save
+    from shardsafe.state.registry import describe_for_save
 
     return [c.tensor.detach() for c in describe_for_save(state, 0).chunks]
 

@@ -80,6 +80,14 @@ def _manifest_bytes(tmp_path: Path) -> bytes:
         (lambda m: m.update(format="pickle"), "not a shardsafe manifest"),
         (lambda m: m["files"].update({"x/../y": {"size": 1, "rank": 0}}), "unsafe"),
         (lambda m: m["tensors"]["model/0.weight"]["chunks"].append(dict(m["tensors"]["model/0.weight"]["chunks"][0])), "elements"),
+        (lambda m: m.update(hash_block_size=2048), "not a power of two between"),
+        (lambda m: m.update(hash_block_size=(1 << 20) + 4096), "not a power of two between"),
+        (lambda m: m.update(hash_block_size=1 << 31), "not a power of two between"),
+        (lambda m: m["tensors"]["model/0.weight"]["chunks"][0].update(checkpoint=".step-1.shardsafe-tmp-abc"), "hidden folder"),
+        (lambda m: m["tensors"]["model/0.weight"]["chunks"][0].update(checkpoint="a/b"), "unsafe"),
+        (lambda m: m["tensors"].update({"model/copy": m["tensors"]["model/0.weight"]}), "claim the same bytes"),
+        (lambda m: m["tensors"].update({"__metadata__": m["tensors"].pop("model/0.weight")}), "invalid tensor key"),
+        (lambda m: m["tensors"].update({"": m["tensors"].pop("model/0.weight")}), "invalid tensor key"),
     ],
 )
 def test_hostile_manifests_are_refused(tmp_path: Path, edit, message: str) -> None:
@@ -87,6 +95,25 @@ def test_hostile_manifests_are_refused(tmp_path: Path, edit, message: str) -> No
     edit(raw)
     with pytest.raises(FormatError, match=message):
         parse_manifest(json.dumps(raw).encode())
+
+
+def test_chunks_overlapping_in_a_file_are_refused(tmp_path: Path) -> None:
+    """Two tensors whose byte ranges overlap by one element (not only identical ranges)."""
+    raw = json.loads(_manifest_bytes(tmp_path))
+    bias = raw["tensors"]["model/0.bias"]["chunks"][0]
+    weight = raw["tensors"]["model/0.weight"]["chunks"][0]
+    bias.update(begin=weight["end"] - 4, end=weight["end"] - 4 + (bias["end"] - bias["begin"]))
+    with pytest.raises(FormatError, match="claim the same bytes"):
+        parse_manifest(json.dumps(raw).encode())
+
+
+def test_safetensors_header_builder_refuses_what_readers_would_misread() -> None:
+    """A second entry of the same name (or the reserved one) would silently replace the first in the
+    header JSON, leaving its bytes unlisted: refused before a file is written."""
+    with pytest.raises(FormatError, match="two entries named"):
+        build_safetensors_header([HeaderEntry("a@1,0", torch.float32, (2,)), HeaderEntry("a@1,0", torch.float32, (2,))])
+    with pytest.raises(FormatError, match="two entries named"):
+        build_safetensors_header([HeaderEntry("__metadata__", torch.float32, (2,))])
 
 
 def test_duplicate_keys_and_deep_json_are_refused(tmp_path: Path) -> None:

@@ -10,7 +10,10 @@ ShardsafeError (or, where the damage does not touch what is read, load exactly),
 
 test_format.py covers the parser-level cases (``..`` in chunk file names, huge shapes, unknown
 dtypes, duplicate top-level keys, deep manifests, a symlinked shard, ...); these go through the
-public API on whole checkpoint folders.
+public API on whole checkpoint folders. Format-aware cases aim at each check a load shares with
+verify: shard headers (every file a load opens), dedup references (only into committed
+siblings that list the file), the hash block size, chunks sharing bytes, tensor keys and the
+state tree's structure. test_load_bounds.py and test_load_atomic_state.py go deeper on each.
 """
 
 from __future__ import annotations
@@ -230,11 +233,132 @@ def offsets_past_end_and_size_lie(path: Path) -> Any:
 
 
 def header_length_past_end(path: Path) -> Any:
-    """Only verify reads the shard header; load reads by the manifest's ranges (and still loads exactly)."""
+    """Load checks the header of every shard it opens, as verify does."""
     data = bytearray((path / SHARD).read_bytes())
     data[:8] = struct.pack("<Q", len(data) * 4)
     (path / SHARD).write_bytes(bytes(data))
     return (IntegrityError, FormatError), "header length", []
+
+
+def _shard_header(path: Path) -> tuple[bytearray, int, dict[str, Any]]:
+    data = bytearray((path / SHARD).read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    return data, length, json.loads(data[8 : 8 + length])
+
+
+def _rewrite_header(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit the shard's header JSON in place, padded to its old length (nothing else moves)."""
+    data, length, header = _shard_header(path)
+    edit(header)
+    body = json.dumps(header, separators=(",", ":")).encode()
+    assert len(body) <= length
+    data[8 : 8 + length] = body + b" " * (length - len(body))
+    (path / SHARD).write_bytes(bytes(data))
+
+
+def header_dtype_relabelled(path: Path) -> Any:
+    _rewrite_header(path, lambda h: h[KEY].update(dtype="I32"))  # what safetensors would read: other numbers
+    return FormatError, "header disagrees with the manifest", []
+
+
+def header_shape_transposed(path: Path) -> Any:
+    _rewrite_header(path, lambda h: h[KEY].update(shape=[7, 13]))
+    return FormatError, "header disagrees with the manifest", []
+
+
+def header_entry_renamed_and_moved(path: Path) -> Any:
+    def edit(h: dict[str, Any]) -> None:
+        entry = h.pop(KEY)
+        h["other"] = dict(entry, data_offsets=[entry["data_offsets"][0], entry["data_offsets"][1] - 4], shape=[90])
+
+    _rewrite_header(path, edit)
+    return FormatError, "no entry", []
+
+
+def header_names_metadata_twice(path: Path) -> Any:
+    data = (path / SHARD).read_bytes()
+    (path / SHARD).write_bytes(data.replace(f'"{KEY}"'.encode(), b'"__metadata__"' + b" " * (len(KEY) + 2 - 14), 1))
+    return FormatError, "duplicate", []
+
+
+def header_not_utf8(path: Path) -> Any:
+    data, _, _ = _shard_header(path)
+    data[data.index(b"dtype")] = 0xFF
+    (path / SHARD).write_bytes(bytes(data))
+    return FormatError, "not valid JSON", []
+
+
+def chunk_in_sibling_without_manifest(path: Path) -> Any:
+    (path.parent / "loose").mkdir()
+    (path.parent / "loose" / SHARD).write_bytes((path / SHARD).read_bytes())
+    _edit(path, lambda m: _chunk(m).update(checkpoint="loose"))
+    return IntegrityError, "not a committed checkpoint", []
+
+
+def chunk_in_hidden_sibling(path: Path) -> Any:
+    _edit(path, lambda m: _chunk(m).update(checkpoint=".ckpt.shardsafe-old-0123456789ab"))
+    return FormatError, "hidden folder", []
+
+
+def chunk_in_sibling_not_listing_it(path: Path) -> Any:
+    sibling = path.parent / "other"
+    shardsafe.save(sibling, {"x": 1})  # committed, but holds no shard file
+    (sibling / SHARD).write_bytes((path / SHARD).read_bytes())
+    _edit(path, lambda m: _chunk(m).update(checkpoint="other"))
+    return IntegrityError, "does not list", []
+
+
+def hash_block_size_not_a_power_of_two(path: Path) -> Any:
+    _edit(path, lambda m: m.update(hash_block_size=3 << 20))
+    return FormatError, "not a power of two", []
+
+
+def hash_block_size_beyond_a_gib(path: Path) -> Any:
+    _edit(path, lambda m: m.update(hash_block_size=1 << 40))
+    return FormatError, "not a power of two between", []
+
+
+def two_tensors_share_bytes(path: Path) -> Any:
+    _edit(path, lambda m: m["tensors"].update({"model/alias": m["tensors"][KEY]}))
+    return FormatError, "claim the same bytes", []
+
+
+def tensor_key_is_header_metadata(path: Path) -> Any:
+    _edit(path, lambda m: m["tensors"].update({"__metadata__": m["tensors"].pop("tag")}))
+    return FormatError, "invalid tensor key", []
+
+
+def tensor_key_lone_surrogate(path: Path) -> Any:
+    text = (path / "manifest.json").read_text()
+    assert text.count('"tag"') == 1
+    _write_manifest(path, text.replace('"tag"', '"tag\\ud800"').encode())  # JSON escape of a lone surrogate
+    return FormatError, "not valid UTF-8", []
+
+
+def _edit_state(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    tree = json.loads((path / "state.json").read_text())
+    edit(tree)
+    _set_state(path, json.dumps(tree).encode())
+
+
+def state_reference_not_a_string(path: Path) -> Any:
+    _edit_state(path, lambda t: t["note"].update(state={"__tensor__": 7}))
+    return FormatError, "bad tensor reference", []
+
+
+def state_entry_not_an_object(path: Path) -> Any:
+    _edit_state(path, lambda t: t.update(extra=5))
+    return FormatError, "has no kind", []
+
+
+def state_per_rank_without_ranks(path: Path) -> Any:
+    _edit_state(path, lambda t: t.update(rng={"kind": "per_rank", "ranks": []}))
+    return FormatError, "no per-rank entries", []
+
+
+def state_bad_dtype_tag(path: Path) -> Any:
+    _edit_state(path, lambda t: t["note"].update(state={"__dtype__": "float128"}))
+    return FormatError, "unknown dtype", []
 
 
 def dtype_relabelled(path: Path) -> Any:
@@ -336,9 +460,15 @@ CASES: dict[str, Callable[[Path], Any]] = {f.__name__: f for f in [
     header_length_past_end, dtype_relabelled, shape_transposed, deep_state, huge_manifest, huge_state_claim, huge_integer,
     created_not_a_number, unhashable_pair_key, state_refers_to_missing_tensor, overlapping_chunks_beyond_64,
     manifest_is_a_pickle, state_is_a_pickle, shard_is_a_pickle_of_the_same_size, checkpoint_is_a_pickle_file,
+    header_dtype_relabelled, header_shape_transposed, header_entry_renamed_and_moved, header_names_metadata_twice,
+    header_not_utf8, chunk_in_sibling_without_manifest, chunk_in_hidden_sibling, chunk_in_sibling_not_listing_it,
+    hash_block_size_not_a_power_of_two, hash_block_size_beyond_a_gib, two_tensors_share_bytes, tensor_key_is_header_metadata,
+    tensor_key_lone_surrogate, state_reference_not_a_string, state_entry_not_an_object, state_per_rank_without_ranks,
+    state_bad_dtype_tag,
 ]}  # fmt: skip
-# Damage that load does not read (it reads by the manifest's byte ranges): load may succeed, exactly.
-LOAD_MAY_SUCCEED = {"header_length_past_end"}
+# Damage that load does not read: load may succeed, exactly. None left since load checks every
+# header it opens (it used to hold header_length_past_end).
+LOAD_MAY_SUCCEED: set[str] = set()
 
 
 def test_the_pickle_payload_is_live(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe.errors import StateMismatchError
-from shardsafe.state import adapters
+from shardsafe.state import optimizer as optimizer_adapter
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
@@ -56,7 +56,8 @@ def test_fresh_optimizer_gets_exactly_the_saved_state(tmp_path: Path, kind: str,
     fresh_model = _model(dtype)
     fresh_model[3].weight.requires_grad_(False)
     fresh = OPTIMIZERS[kind](fresh_model.parameters())
-    monkeypatch.setattr(adapters, "_create_state_by_stepping", lambda *a: pytest.fail("torch's dummy step ran; the state should be allocated"))
+    stepped = "torch's dummy step ran; the state should be allocated"
+    monkeypatch.setattr(optimizer_adapter, "create_state_by_stepping", lambda *a: pytest.fail(stepped))
     shardsafe.load(tmp_path / "ckpt", {"model": fresh_model, "optim": fresh})
     saved = torch.load(_reference(tmp_path, model, kind, dtype), weights_only=True)
     assert fresh.state_dict()["state"].keys() == saved["state"].keys()
@@ -120,8 +121,8 @@ def test_state_larger_than_its_parameter_is_created_the_optimizers_way(tmp_path:
     expected = _train(model, optimizer, 2, seed=2)
 
     stepped = []
-    create = adapters._create_state_by_stepping
-    monkeypatch.setattr(adapters, "_create_state_by_stepping", lambda *a: (stepped.append(1), create(*a)))
+    create = optimizer_adapter.create_state_by_stepping
+    monkeypatch.setattr(optimizer_adapter, "create_state_by_stepping", lambda *a: (stepped.append(1), create(*a)))
     fresh_model = _model(torch.float32)
     fresh = _TracingSGD(fresh_model.parameters(), lr=0.01, momentum=0.9)
     shardsafe.load(tmp_path / "ckpt", {"model": fresh_model, "optim": fresh})

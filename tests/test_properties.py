@@ -4,7 +4,10 @@ On any input - random bytes, random JSON, and mutations of valid manifests and h
 parsers either return a valid object or raise FormatError; never any other exception. And the
 encoders round-trip: ``decode_value(encode_value(x)) == x`` (types included, through JSON too),
 ``parse_safetensors_header(build_safetensors_header(e))`` gives back every entry, and
-``parse_manifest(m.to_bytes())`` gives back ``m``.
+``parse_manifest(m.to_bytes())`` gives back ``m``. And end to end: ``shardsafe.save`` of arbitrary
+JSON-able values (nested containers, big ints, NaN and infinities, surrogates, deep nesting, long
+strings, non-string keys) and metadata either refuses with a ShardsafeError before writing
+anything, or round-trips exactly through ``shardsafe.load``.
 
 The normal run tries ``EXAMPLES`` examples per property; ``-m stress`` runs each again with
 ``STRESS_EXAMPLES``.
@@ -12,10 +15,16 @@ The normal run tries ``EXAMPLES`` examples per property; ``-m stress`` runs each
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import json
 import math
+import os
+import shutil
 import struct
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +32,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import shardsafe
 from reliability import record
 from shardsafe.core.format import (
     ChunkEntry,
@@ -31,16 +41,15 @@ from shardsafe.core.format import (
     Manifest,
     TensorEntry,
     build_safetensors_header,
-    decode_value,
     dump_json,
     element_size,
-    encode_value,
     parse_json,
     parse_manifest,
     parse_safetensors_header,
 )
 from shardsafe.core.integrity import hash_blocks, num_blocks
-from shardsafe.errors import FormatError
+from shardsafe.core.values import decode_value, encode_value
+from shardsafe.errors import FormatError, ShardsafeError
 
 EXAMPLES = 200
 STRESS_EXAMPLES = 2000
@@ -322,7 +331,13 @@ PROPERTIES: list[tuple[str, tuple[st.SearchStrategy[Any], ...], Callable[..., No
 ]  # fmt: skip
 
 
-def _run(prop: Callable[..., None], strategies: tuple[st.SearchStrategy[Any], ...], examples: int, name: str) -> None:
+def _run(
+    prop: Callable[..., None],
+    strategies: tuple[st.SearchStrategy[Any], ...],
+    examples: int,
+    name: str,
+    category: str = "property tests of the parsers (hypothesis examples)",
+) -> None:
     count = 0
 
     def counted(args: tuple[Any, ...]) -> None:
@@ -334,7 +349,7 @@ def _run(prop: Callable[..., None], strategies: tuple[st.SearchStrategy[Any], ..
         given(st.tuples(*strategies))(counted)
     )
     test()
-    record("property tests of the parsers (hypothesis examples)", cases=count, note=name)
+    record(category, cases=count, note=name)
 
 
 @pytest.mark.parametrize("name, strategies, prop", PROPERTIES, ids=[p[0] for p in PROPERTIES])
@@ -346,3 +361,82 @@ def test_property(name: str, strategies: tuple[st.SearchStrategy[Any], ...], pro
 @pytest.mark.parametrize("name, strategies, prop", PROPERTIES, ids=[p[0] for p in PROPERTIES])
 def test_property_sweep(name: str, strategies: tuple[st.SearchStrategy[Any], ...], prop: Callable[..., None]) -> None:
     _run(prop, strategies, STRESS_EXAMPLES, name)
+
+
+# ----------------------------------------------------------------------------- save: refuse or round-trip
+
+odd_text = st.sampled_from(["\ud800", "\udfff", "\ud83d\ude00", "a\udc80b", "\x00", "\u2028", "\U0001f600", "__tensor__", "__pairs__"])
+save_text = (
+    st.text(max_size=12)
+    | st.builds(lambda a, odd, b: a + odd + b, st.text(max_size=4), odd_text, st.text(max_size=4))
+    | st.integers(0, 300_000).map(lambda n: "y" * n)
+)
+# digits around the 4300 that Python's int <-> str conversion allows (json refuses more, both ways)
+big_ints = st.builds(lambda digits, sign: sign * 10 ** (digits - 1), st.sampled_from([4299, 4300, 4301, 5000]), st.sampled_from([1, -1]))
+save_ints = st.integers(-(2**70), 2**70) | big_ints
+save_scalars = st.none() | st.booleans() | save_ints | st.floats() | save_text
+save_keys = st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats() | save_text
+
+
+def _nested(depth: int, kind: str, inner: Any) -> Any:
+    value = inner
+    for i in range(depth):
+        value = {"list": [value], "tuple": (value,), "dict": {f"k{i}": value}, "pairs": {i: value}}[kind]
+    return value
+
+
+def _values(leaves: st.SearchStrategy[Any], keys: st.SearchStrategy[Any], tuples: bool) -> st.SearchStrategy[Any]:
+    def extend(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        out = st.lists(inner, max_size=4) | st.dictionaries(save_text, inner, max_size=4) | st.dictionaries(keys, inner, max_size=4)
+        return out | st.lists(inner, max_size=4).map(tuple) if tuples else out
+
+    shallow = st.recursive(leaves, extend, max_leaves=30)
+    kinds = ["list", "tuple", "dict", "pairs"] if tuples else ["list", "dict"]
+    deep = st.builds(_nested, st.integers(1, 90), st.sampled_from(kinds), shallow)
+    return shallow | deep
+
+
+save_values = _values(save_scalars, save_keys, tuples=True)
+metadata_values = st.dictionaries(save_text, _values(save_scalars, save_text | st.integers(0, 3), tuples=False), max_size=4)
+
+
+def _scratch() -> Iterator[Path]:
+    """A fresh folder per example, under one temporary folder removed at exit."""
+    base = Path(tempfile.mkdtemp(prefix="shardsafe-prop-"))
+    atexit.register(shutil.rmtree, base, True)
+    return (base / str(i) for i in itertools.count())
+
+
+def _refused_or_round_trips(folder: Path, state_value: Any, metadata: Any) -> None:
+    """Either the save refuses (a ShardsafeError, nothing on disk), or the load gives back exactly
+    what was saved: the value (types included; NaN compared by its repr) and the metadata."""
+    folder.mkdir()
+    try:
+        shardsafe.save(folder / "ckpt", {"v": state_value}, metadata=metadata, fsync=False)
+    except ShardsafeError:
+        assert os.listdir(folder) == [], f"a refused save left {os.listdir(folder)}"
+        return
+    state: dict[str, Any] = {"v": None}
+    got = shardsafe.load(folder / "ckpt", state)
+    assert repr(_typed(state["v"])) == repr(_typed(state_value))
+    assert repr(_typed(got)) == repr(_typed(metadata or {}))
+    shutil.rmtree(folder)
+
+
+SAVE_PROPERTIES: list[tuple[str, tuple[st.SearchStrategy[Any], ...], Callable[..., None]]] = [
+    ("save-state-value", (save_values,), lambda value: _refused_or_round_trips(next(SCRATCH), value, None)),
+    ("save-metadata", (metadata_values,), lambda metadata: _refused_or_round_trips(next(SCRATCH), 0, metadata)),
+]
+SCRATCH = _scratch()
+SAVE_CATEGORY = "property test: save of arbitrary values refuses before writing or round-trips (hypothesis examples)"
+
+
+@pytest.mark.parametrize("name, strategies, prop", SAVE_PROPERTIES, ids=[p[0] for p in SAVE_PROPERTIES])
+def test_save_property(name: str, strategies: tuple[st.SearchStrategy[Any], ...], prop: Callable[..., None]) -> None:
+    _run(prop, strategies, EXAMPLES, name, SAVE_CATEGORY)
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("name, strategies, prop", SAVE_PROPERTIES, ids=[p[0] for p in SAVE_PROPERTIES])
+def test_save_property_sweep(name: str, strategies: tuple[st.SearchStrategy[Any], ...], prop: Callable[..., None]) -> None:
+    _run(prop, strategies, STRESS_EXAMPLES, name, SAVE_CATEGORY)

@@ -50,12 +50,12 @@ with atheris.instrument_imports(include=["shardsafe"]):
         Manifest,
         TensorEntry,
         build_safetensors_header,
-        decode_value,
         parse_json,
         parse_manifest,
         parse_safetensors_header,
     )
     from shardsafe.core.integrity import hash_bytes
+    from shardsafe.core.values import decode_value
     from shardsafe.errors import FormatError, ShardsafeError
     from shardsafe.state.rng import RNGState
 

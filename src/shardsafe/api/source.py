@@ -18,11 +18,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from shardsafe.core.format import MANIFEST_NAME, TensorEntry, dtype_from_name, element_size, numel
+from shardsafe.core.values import state_tensor_keys as tensor_keys_of
 from shardsafe.errors import CheckpointNotFoundError, FormatError
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import ChunkReader
-from shardsafe.state.adapters import tensor_keys_of
-from shardsafe.state.deepspeed_engine import KIND_DEEPSPEED_ENGINE, engine_model_tensors
+from shardsafe.state.engine_entry import KIND_DEEPSPEED_ENGINE, engine_model_tensors
 from shardsafe.storage.local import safe_child
 
 log = logging.getLogger(__name__)

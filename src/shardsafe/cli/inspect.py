@@ -18,10 +18,11 @@ from typing import Any
 
 from shardsafe.api.checkpoint import verify
 from shardsafe.cli.formatting import format_bytes, natural_key, plural, printable, table
-from shardsafe.core.format import MANIFEST_NAME, Manifest, decode_value, dtype_name
+from shardsafe.core.format import MANIFEST_NAME, Manifest, dtype_name
+from shardsafe.core.values import decode_value
 from shardsafe.errors import FormatError
 from shardsafe.protocol.commit import open_checkpoint
-from shardsafe.state.adapters import (
+from shardsafe.state.base import (
     KIND_DEEPSPEED_ENGINE,
     KIND_MODULE,
     KIND_OPTIMIZER,

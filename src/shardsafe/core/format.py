@@ -22,63 +22,26 @@ from typing import Any
 
 import torch
 
+from shardsafe.core.dtypes import dtype_from_name, dtype_from_safetensors_name, dtype_name, element_size, safetensors_dtype
 from shardsafe.core.integrity import HASH_ALGORITHM, HASH_BLOCK_SIZE, num_blocks
+from shardsafe.core.jsonsafe import MAX_JSON_BYTES, check_plain_json, dump_json, parse_json
 from shardsafe.errors import FormatError
 
 FORMAT_NAME = "shardsafe"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# A retired checkpoint whose files later checkpoints still store tensors in (dedup) keeps its
+# manifest under this name: no longer a checkpoint, but readers can check a reference against it.
+RETAINED_MANIFEST_NAME = "manifest.retained.json"
 STATE_NAME = "state.json"
 SHARD_PATTERN = "shard-{rank:05d}.safetensors"
 
-MAX_JSON_BYTES = 1 << 30
 MAX_HEADER_BYTES = 256 << 20
 MAX_NUMEL = 1 << 48
 MAX_DIMS = 16
-MAX_JSON_DEPTH = 64
-
-# torch dtype <-> (manifest name, safetensors name)
-_DTYPES: dict[torch.dtype, tuple[str, str]] = {
-    torch.float64: ("float64", "F64"),
-    torch.float32: ("float32", "F32"),
-    torch.float16: ("float16", "F16"),
-    torch.bfloat16: ("bfloat16", "BF16"),
-    torch.int64: ("int64", "I64"),
-    torch.int32: ("int32", "I32"),
-    torch.int16: ("int16", "I16"),
-    torch.int8: ("int8", "I8"),
-    torch.uint8: ("uint8", "U8"),
-    torch.bool: ("bool", "BOOL"),
-    torch.float8_e4m3fn: ("float8_e4m3fn", "F8_E4M3"),
-    torch.float8_e5m2: ("float8_e5m2", "F8_E5M2"),
-    torch.uint16: ("uint16", "U16"),
-    torch.uint32: ("uint32", "U32"),
-    torch.uint64: ("uint64", "U64"),
-    torch.complex64: ("complex64", "C64"),
-}
-_BY_NAME = {name: dtype for dtype, (name, _) in _DTYPES.items()}
-_BY_ST_NAME = {st: dtype for dtype, (_, st) in _DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPES[dtype][0]
-    except KeyError:
-        raise FormatError(f"dtype {dtype} cannot be stored by shardsafe") from None
-
-
-def dtype_from_name(name: object, where: str) -> torch.dtype:
-    if not isinstance(name, str) or name not in _BY_NAME:
-        raise FormatError(f"{where}: unknown dtype {name!r}")
-    return _BY_NAME[name]
-
-
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    return _DTYPES[dtype][1]
-
-
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+MIN_HASH_BLOCK_SIZE = 4 << 10
+MAX_HASH_BLOCK_SIZE = 1 << 30
+RESERVED_HEADER_NAME = "__metadata__"
 
 
 def check_component(name: object, where: str) -> str:
@@ -112,48 +75,16 @@ def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-# ----------------------------------------------------------------------------- JSON safety
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise FormatError(f"duplicate JSON key {key!r}")
-        out[key] = value
-    return out
-
-
-def _check_depth(value: Any, where: str) -> None:
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise FormatError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-
-
-def parse_json(data: bytes, where: str) -> Any:
-    """Parse untrusted JSON: bounded size and depth, no duplicate keys."""
-    if len(data) > MAX_JSON_BYTES:
-        raise FormatError(f"{where}: {len(data)} bytes of JSON is more than the {MAX_JSON_BYTES} allowed")
+def check_tensor_key(key: object, where: str) -> str:
+    """A tensor key every reader can use: a non-empty string that is valid UTF-8 (a lone surrogate
+    makes a safetensors header other readers refuse) and not the safetensors metadata name."""
+    if not isinstance(key, str) or not key or key == RESERVED_HEADER_NAME:
+        raise FormatError(f"{where}: invalid tensor key {key!r:.80}")
     try:
-        value = json.loads(data, object_pairs_hook=_reject_duplicates)
-    except FormatError as exc:
-        raise FormatError(f"{where}: {exc}") from None
-    except RecursionError:
-        raise FormatError(f"{where}: JSON nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{where}: not valid JSON ({exc})") from None
-    _check_depth(value, where)
-    return value
-
-
-def dump_json(value: Any) -> bytes:
-    return json.dumps(value, indent=1, sort_keys=False).encode()
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FormatError(f"{where}: tensor key {key!r:.80} is not valid UTF-8 (a lone surrogate?)") from None
+    return key
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -271,6 +202,8 @@ def _parse_chunk(raw: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...],
     checkpoint = raw.get("checkpoint")
     if checkpoint is not None:
         check_component(checkpoint, where)
+        if checkpoint.startswith("."):  # hidden temporaries and retired folders are never committed siblings
+            raise FormatError(f"{where}: chunk refers to hidden folder {checkpoint!r}, not a committed sibling checkpoint")
     begin = _expect(raw, "begin", int, where)
     end = _expect(raw, "end", int, where)
     nbytes = numel(cshape) * element_size(dtype)
@@ -320,6 +253,23 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: list[ChunkEntry]) 
         active.append(b)
 
 
+def _check_disjoint_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
+    """No two chunks share a byte of a file (as every writer lays them out). Without this, 10,000
+    tensor entries could name the same bytes and make a reader allocate 10,000 copies of them:
+    with it, what the chunks hold adds up to at most the bytes of the files they lie in."""
+    by_file: dict[tuple[str | None, str], list[tuple[int, int, str]]] = {}
+    for key, entry in tensors.items():
+        for c in entry.chunks:
+            if c.end > c.begin:
+                by_file.setdefault((c.checkpoint, c.file), []).append((c.begin, c.end, key))
+    for (checkpoint, file), ranges in by_file.items():
+        ranges.sort()
+        for (_, end, key), (begin, _, other) in zip(ranges, ranges[1:]):
+            if begin < end:
+                shown = f"{checkpoint}/{file}" if checkpoint is not None else file
+                raise FormatError(f"{where}: tensors {key!r:.100} and {other!r:.100} claim the same bytes of {shown} (from {begin})")
+
+
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     raw = parse_json(data, where)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
@@ -331,8 +281,8 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     if algorithm != HASH_ALGORITHM:
         raise FormatError(f"{where}: unknown hash algorithm {algorithm!r}")
     block = _expect(raw, "hash_block_size", int, where)
-    if block < 4096:
-        raise FormatError(f"{where}: hash block size {block} is too small")
+    if not MIN_HASH_BLOCK_SIZE <= block <= MAX_HASH_BLOCK_SIZE or block & (block - 1):
+        raise FormatError(f"{where}: hash block size {block} is not a power of two between {MIN_HASH_BLOCK_SIZE} and {MAX_HASH_BLOCK_SIZE}")
     world_size = _expect(raw, "world_size", int, where)
     if world_size < 1:
         raise FormatError(f"{where}: world size {world_size} is invalid")
@@ -353,7 +303,8 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         raise FormatError(f"{where}: state size {state_size} is out of range")
     tensors: dict[str, TensorEntry] = {}
     for key, entry in _expect(raw, "tensors", dict, where).items():
-        twhere = f"{where} tensor {key!r}"
+        twhere = f"{where} tensor {key!r:.200}"
+        check_tensor_key(key, where)
         dtype = dtype_from_name(_expect(entry, "dtype", str, twhere), twhere)
         shape = _int_list(_expect(entry, "shape", list, twhere), twhere)
         if numel(shape) > MAX_NUMEL:
@@ -361,6 +312,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         chunks = [_parse_chunk(c, key, dtype, shape, files, block) for c in _expect(entry, "chunks", list, twhere)]
         _check_coverage(key, shape, chunks)
         tensors[key] = TensorEntry(dtype, shape, tuple(chunks))
+    _check_disjoint_ranges(tensors, where)
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: metadata must be an object")
@@ -410,16 +362,20 @@ def build_safetensors_header(entries: list[HeaderEntry]) -> tuple[bytes, list[tu
     Shapes are known before any byte is written, so the header is computed up front and tensor
     bytes can be streamed straight after it.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "shardsafe"}}
+    header: dict[str, Any] = {RESERVED_HEADER_NAME: {"format": "pt", "writer": "shardsafe"}}
     relative: list[tuple[int, int]] = []
     pos = 0
     for e in entries:
+        if e.name in header:  # a second entry would silently replace the first: its bytes unlisted
+            raise FormatError(f"safetensors header: two entries named {e.name!r:.100} (a tensor key containing '@'?), or the reserved name")
         size = numel(e.shape) * element_size(e.dtype)
         header[e.name] = {"dtype": safetensors_dtype(e.dtype), "shape": list(e.shape), "data_offsets": [pos, pos + size]}
         relative.append((pos, pos + size))
         pos += size
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
+    if len(body) > MAX_HEADER_BYTES:
+        raise FormatError(f"safetensors header: {len(body)} bytes for {len(entries)} entries is more than the {MAX_HEADER_BYTES} readers accept")
     prefix = struct.pack("<Q", len(body)) + body
     return prefix, [(len(prefix) + b, len(prefix) + e) for b, e in relative]
 
@@ -442,13 +398,10 @@ def parse_safetensors_header(head: bytes, file_size: int, where: str) -> dict[st
     out = {}
     base = 8 + length
     for name, entry in raw.items():
-        if name == "__metadata__":
+        if name == RESERVED_HEADER_NAME:
             continue
         ewhere = f"{where} entry {name!r}"
-        st = _expect(entry, "dtype", str, ewhere)
-        if st not in _BY_ST_NAME:
-            raise FormatError(f"{ewhere}: unknown dtype {st!r}")
-        dtype = _BY_ST_NAME[st]
+        dtype = dtype_from_safetensors_name(_expect(entry, "dtype", str, ewhere), ewhere)
         shape = _int_list(_expect(entry, "shape", list, ewhere), ewhere)
         offsets = _int_list(_expect(entry, "data_offsets", list, ewhere), ewhere, max_len=2)
         if len(offsets) != 2:
@@ -460,65 +413,12 @@ def parse_safetensors_header(head: bytes, file_size: int, where: str) -> dict[st
     return out
 
 
-# ----------------------------------------------------------------------------- state tree
-
-TENSOR_REF = "__tensor__"
-TUPLE_TAG = "__tuple__"
-PAIRS_TAG = "__pairs__"
-DTYPE_TAG = "__dtype__"
-_TAGS = (TENSOR_REF, TUPLE_TAG, PAIRS_TAG, DTYPE_TAG)
-
-
-def encode_value(value: Any, path: str, tensor_ref: Any) -> Any:
-    """Turn a nested Python value into JSON; ``tensor_ref(path, tensor)`` returns a tensor's key."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.Tensor):
-        return {TENSOR_REF: tensor_ref(path, value)}
-    if isinstance(value, torch.dtype):
-        return {DTYPE_TAG: dtype_name(value)}
-    if isinstance(value, (tuple, torch.Size)):
-        return {TUPLE_TAG: [encode_value(v, f"{path}/{i}", tensor_ref) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [encode_value(v, f"{path}/{i}", tensor_ref) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not any(t in value for t in _TAGS):
-            return {k: encode_value(v, f"{path}/{k}", tensor_ref) for k, v in value.items()}
-        pairs = []
-        for k, v in value.items():
-            if not isinstance(k, (str, int, float, bool)) and k is not None:
-                raise FormatError(f"state value at {path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored")
-            pairs.append([k, encode_value(v, f"{path}/{k}", tensor_ref)])
-        return {PAIRS_TAG: pairs}
-    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "shape", None) == ():
-        return value.item()  # numpy scalar
-    raise FormatError(
-        f"state value at {path!r} has type {type(value).__name__}, which shardsafe cannot store without pickle; "
-        "convert it to tensors, numbers, strings, lists or dicts"
-    )
-
-
-def decode_value(value: Any, tensor_lookup: Any, where: str = STATE_NAME) -> Any:
-    """Inverse of :func:`encode_value`; ``tensor_lookup(key)`` returns the loaded tensor."""
-    if isinstance(value, list):
-        return [decode_value(v, tensor_lookup, where) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if len(value) == 1:
-        ((tag, inner),) = value.items()
-        if tag == TENSOR_REF:
-            if not isinstance(inner, str):
-                raise FormatError(f"{where}: bad tensor reference {inner!r:.60}")
-            return tensor_lookup(inner)
-        if tag == TUPLE_TAG and isinstance(inner, list):
-            return tuple(decode_value(v, tensor_lookup, where) for v in inner)
-        if tag == DTYPE_TAG:
-            return dtype_from_name(inner, where)
-        if tag == PAIRS_TAG and isinstance(inner, list):
-            out = {}
-            for pair in inner:
-                if not isinstance(pair, list) or len(pair) != 2 or not (pair[0] is None or isinstance(pair[0], (str, int, float))):
-                    raise FormatError(f"{where}: bad key/value pair {pair!r:.60}")
-                out[pair[0]] = decode_value(pair[1], tensor_lookup, where)
-            return out
-    return {k: decode_value(v, tensor_lookup, where) for k, v in value.items()}
+def check_metadata(metadata: Any, where: str = "metadata") -> None:
+    """User metadata a manifest can carry and every reader accepts: a JSON object with string keys
+    that survives :func:`parse_manifest` (depth counted where it sits in the manifest)."""
+    if not isinstance(metadata, dict):
+        raise FormatError(f"{where}: must be a dict, got {type(metadata).__name__}")
+    check_plain_json(metadata, where)
+    probe = Manifest(world_size=1, tensors={}, files={}, state_size=0, state_hash="", metadata=metadata)
+    data = dump_json(probe.to_json(), where)
+    parse_manifest(data, where)

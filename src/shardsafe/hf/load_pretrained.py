@@ -28,7 +28,7 @@ from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import element_size, parse_safetensors_header
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
-from shardsafe.state.adapters import local_placement, unwrap_module
+from shardsafe.state.base import placement, unwrap_module
 from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes
 
 READ_BUDGET = 64 << 20  # bytes read per step (at least one row of the tensor)
@@ -164,7 +164,7 @@ def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool) -> t
     targets = []
     for name, stored_name in matched.items():
         stored = layout[stored_name]
-        local, shape, offsets = local_placement(tensors[name])
+        local, shape, offsets = placement(tensors[name])
         if tuple(shape) != stored.shape:
             problems.append(f"{name}: the model has shape {list(shape)}, {stored.file} stores {stored_name} as {list(stored.shape)}")
         elif stored.dtype.is_floating_point != local.dtype.is_floating_point and stored.dtype != local.dtype:

@@ -52,17 +52,16 @@ from shardsafe.api.source import DTYPE_CHOICES, CheckpointSource, TensorInfo, fi
 from shardsafe.core.comm import Comm
 from shardsafe.core.format import (
     MANIFEST_NAME,
-    TENSOR_REF,
     ChunkEntry,
     FileEntry,
     HeaderEntry,
     TensorEntry,
     build_safetensors_header,
     dump_json,
-    encode_value,
     numel,
 )
 from shardsafe.core.integrity import HASH_BLOCK_SIZE
+from shardsafe.core.values import TENSOR_REF, encode_value
 from shardsafe.errors import CheckpointNotFoundError, FormatError, ShardsafeError
 from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
 from shardsafe.state.deepspeed_engine import KIND_DEEPSPEED_ENGINE, SECTIONS, engine_meta, tensor_key

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardsafe.api.checkpoint import location
-from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
 from shardsafe.errors import ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
 from shardsafe.protocol.commit import is_committed
@@ -154,7 +154,7 @@ class Catalog:
             for entry in manifest.tensors.values() if manifest is not None else ():
                 for chunk in entry.chunks:
                     if chunk.checkpoint is not None:
-                        out.setdefault(chunk.checkpoint, set()).add(chunk.file)
+                        out.setdefault(chunk.checkpoint, {RETAINED_MANIFEST_NAME}).add(chunk.file)
         return out
 
 

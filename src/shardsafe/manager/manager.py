@@ -54,7 +54,7 @@ from shardsafe.manager.naming import step_name
 from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.manager.staging import Copy, StagingBuffers, copy_all
 from shardsafe.protocol.transfer import ReuseMap, reuse_map
-from shardsafe.state.adapters import SaveView
+from shardsafe.state.registry import SaveView
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardsafe.core.faults import crash_point
-from shardsafe.core.format import MANIFEST_NAME
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME
 from shardsafe.manager.catalog import CheckpointInfo, ranked
 from shardsafe.protocol.temppath import DELETING_MARK, hidden_sibling
 from shardsafe.storage.local import fsync_dir, remove_tree
@@ -67,19 +67,22 @@ def retire(folder: Path | RemoteDir, keep_files: set[str] | None = None) -> None
 
     Unreferenced: rename to a hidden ``deleting`` sibling, remove its manifest (no part of it can
     pass for a checkpoint again), then the rest; a crash in between leaves only a hidden folder
-    for ``gc``. Referenced by a kept checkpoint (``keep_files``, stored-once data): remove its
-    manifest first (it is no longer a checkpoint), then every file nothing points into. On an
+    for ``gc``. Referenced by a kept checkpoint (``keep_files``, stored-once data): rename its
+    manifest to ``manifest.retained.json`` first (it is no longer a checkpoint, but a load that
+    follows a dedup reference checks the file against it), then delete every file nothing points into. On an
     object store (no rename) deleting the manifest, the commit marker, retires it at once.
     """
     crash_point("retention:before-rename", 0)
     if isinstance(folder, RemoteDir):
+        if keep_files:  # readers check references into the kept files against the retained manifest
+            folder.write_bytes(RETAINED_MANIFEST_NAME, folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES))
         folder.remove([MANIFEST_NAME])
         crash_point("retention:after-rename", 0)
         keep = keep_files or set()
         folder.remove([name for name in folder.list() if name not in keep])
         return
     if keep_files:
-        (folder / MANIFEST_NAME).unlink()
+        os.replace(folder / MANIFEST_NAME, folder / RETAINED_MANIFEST_NAME)  # kept: readers check references against it
         fsync_dir(folder)
         crash_point("retention:after-rename", 0)
         remove_unreferenced(folder, keep_files)

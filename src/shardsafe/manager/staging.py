@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardsafe.core.plan import LocalChunk
-from shardsafe.state.adapters import SaveView
+from shardsafe.state.registry import SaveView
 
 Copy = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, source)
 

@@ -4,6 +4,12 @@ Writes stream each chunk straight from its tensor to the file (header computed u
 hash it on the way. Reads use positional reads straight into the destination tensor's memory;
 to verify a partial read they also read the rest of the first and last hash block into small
 scratch buffers, so no read ever needs more than two blocks of extra memory.
+
+Every file a reader opens is checked first, the same way for ``load`` and ``verify``: its size
+against the manifest, its safetensors header (it must parse, and list every chunk the manifest
+places in the file with the same byte range, dtype and shape), and, for a chunk stored in another
+checkpoint of the same root (dedup), that checkpoint must be committed and its manifest must list
+the file with the size it has.
 """
 
 from __future__ import annotations
@@ -15,11 +21,25 @@ from typing import Any, Protocol
 
 import torch
 
-from shardsafe.core.format import ChunkEntry, HeaderEntry, Manifest, TensorEntry, build_safetensors_header, element_size, numel
+from shardsafe.core.format import (
+    MANIFEST_NAME,
+    MAX_HEADER_BYTES,
+    MAX_JSON_BYTES,
+    RETAINED_MANIFEST_NAME,
+    ChunkEntry,
+    HeaderEntry,
+    Manifest,
+    TensorEntry,
+    build_safetensors_header,
+    element_size,
+    numel,
+    parse_manifest,
+    parse_safetensors_header,
+)
 from shardsafe.core.integrity import BlockHasher, hash_blocks
 from shardsafe.core.plan import LocalChunk, ReadOp, contiguous_span, plan_reads
 from shardsafe.errors import FormatError, IntegrityError
-from shardsafe.storage.local import open_regular, pread_into, safe_child, tensor_bytes, tensor_pieces
+from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes, tensor_pieces
 from shardsafe.storage.remote import RemoteDir
 
 
@@ -86,14 +106,19 @@ class LocalSource:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._fds: dict[tuple[str | None, str], int] = {}
+        self._paths: dict[tuple[str | None, str], Path] = {}
 
     def describe(self, checkpoint: str | None, file: str) -> str:
         return str(self._path(checkpoint, file))
 
     def _path(self, checkpoint: str | None, file: str) -> Path:
-        if checkpoint is None:
-            return safe_child(self.folder, file)
-        return safe_child(safe_child(self.folder.parent, checkpoint), file)
+        """The checked path (resolved once per file: errors name it on every read)."""
+        ident = (checkpoint, file)
+        path = self._paths.get(ident)
+        if path is None:
+            folder = self.folder if checkpoint is None else safe_child(self.folder.parent, checkpoint)
+            path = self._paths[ident] = safe_child(folder, file)
+        return path
 
     def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
         ident = (checkpoint, file)
@@ -110,6 +135,18 @@ class LocalSource:
 
     def read_into(self, handle: Any, views: list[memoryview], offset: int, where: str) -> None:
         pread_into(handle, views, offset, where)
+
+    def sibling_manifest(self, checkpoint: str) -> tuple[bytes, str]:
+        """(bytes, path) of the manifest of sibling checkpoint ``checkpoint`` (or the one it kept when
+        retired with referenced files); FileNotFoundError when it has neither."""
+        folder = safe_child(self.folder.parent, checkpoint)
+        if not folder.is_dir():
+            raise FileNotFoundError(folder)
+        for name in (MANIFEST_NAME, RETAINED_MANIFEST_NAME):
+            path = safe_child(folder, name)
+            if os.path.lexists(path):
+                return read_small_file(path, MAX_JSON_BYTES), str(path)
+        raise FileNotFoundError(folder / MANIFEST_NAME)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -144,11 +181,17 @@ class RemoteSource:
         folder, file = handle
         folder.read_into(file, views, offset, where)
 
+    def sibling_manifest(self, checkpoint: str) -> tuple[bytes, str]:
+        folder = self._dir(checkpoint)
+        name = MANIFEST_NAME if folder.exists(MANIFEST_NAME) else RETAINED_MANIFEST_NAME
+        return folder.read_bytes(name, MAX_JSON_BYTES), f"{folder.url}/{name}"
+
     def close(self) -> None:
         self._sizes.clear()
 
 
 REMOTE_CACHE_BYTES = 64 << 20
+HEAD_READ_BYTES = 64 << 10  # the first read of a shard file: its header length and, usually, the whole header
 
 
 class ChunkReader:
@@ -160,6 +203,7 @@ class ChunkReader:
         self.verify = verify
         self.block = manifest.hash_block_size
         self._checked: set[tuple[str | None, str]] = set()
+        self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
         self._scratch = memoryview(bytearray(0))
         # Object stores only: verified blocks kept for the second pass of an atomic load, so a small
@@ -180,16 +224,70 @@ class ChunkReader:
         return self.source.describe(chunk.checkpoint, chunk.file)
 
     def open(self, chunk: ChunkEntry) -> Any:
-        """Open (once) the file holding ``chunk``, checking it is as large as the manifest says."""
-        handle, size = self.source.open(chunk.checkpoint, chunk.file)
-        ident = (chunk.checkpoint, chunk.file)
-        if ident not in self._checked:
-            expected = self.manifest.files[chunk.file].size if chunk.checkpoint is None else None
-            if (expected is not None and size != expected) or size < chunk.end:
-                shown = expected if expected is not None else chunk.end
-                raise IntegrityError(f"{self.path_of(chunk)}: file is {size} bytes, the manifest expects {shown} (truncated or altered)")
-            self._checked.add(ident)
+        """Open (once) the file holding ``chunk``, checked as :meth:`open_file` says."""
+        return self.open_file(chunk.checkpoint, chunk.file, chunk.end)
+
+    def open_file(self, checkpoint: str | None, file: str, needed: int = 0) -> Any:
+        """Open (once) a file of this checkpoint (or of sibling ``checkpoint``) and check it before any
+        byte of it is used: its size (the manifest's, or the sibling manifest's, and at least
+        ``needed``), the sibling's commit, and that its safetensors header agrees with the manifest."""
+        ident = (checkpoint, file)
+        if ident in self._checked:
+            return self.source.open(checkpoint, file)[0]
+        where = self.source.describe(checkpoint, file)
+        expected = self.manifest.files[file].size if checkpoint is None else self._sibling_size(checkpoint, file, where)
+        handle, size = self.source.open(checkpoint, file)
+        if size != expected or size < needed:
+            raise IntegrityError(f"{where}: file is {size} bytes, the manifest expects {max(expected, needed)} (truncated or altered)")
+        self._check_header(checkpoint, file, handle, size, where)  # every chunk in the file: their ends included
+        self._checked.add(ident)
         return handle
+
+    def _sibling_size(self, checkpoint: str, file: str, where: str) -> int:
+        """The size a committed sibling checkpoint's manifest gives ``file``: a dedup reference may
+        only point into a checkpoint of the same root that lists the file (or a retired one that
+        kept its manifest as ``manifest.retained.json`` because later checkpoints use its files)."""
+        try:
+            data, manifest_where = self.source.sibling_manifest(checkpoint)
+        except FileNotFoundError:
+            raise IntegrityError(
+                f"{where}: a chunk refers to checkpoint {checkpoint!r}, which is not a committed checkpoint next to this one"
+            ) from None
+        entry = parse_manifest(data, manifest_where).files.get(file)
+        if entry is None:
+            raise IntegrityError(f"{where}: checkpoint {checkpoint!r} does not list {file!r} among its files")
+        return entry.size
+
+    def _check_header(self, checkpoint: str | None, file: str, handle: Any, size: int, where: str) -> None:
+        """The file's safetensors header parses and lists every chunk the manifest places in it with
+        the same byte range, dtype and shape (what a safetensors reader of the file sees is what is loaded)."""
+        first = memoryview(bytearray(min(size, HEAD_READ_BYTES)))
+        self.source.read_into(handle, [first], 0, where)
+        length = int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
+        if len(first) < 8 or length > MAX_HEADER_BYTES or 8 + length > size:
+            raise FormatError(f"{where}: safetensors header length {length} runs past the end of the file ({size} bytes)")
+        head = bytes(first[: 8 + length])
+        if 8 + length > len(first):
+            rest = memoryview(bytearray(8 + length - len(first)))
+            self.source.read_into(handle, [rest], len(first), where)
+            head += bytes(rest)
+        by_range = {(begin, end): (dtype, shape) for dtype, shape, begin, end in parse_safetensors_header(head, size, where).values()}
+        for key, dtype, chunk in self._chunks_in(checkpoint, file):
+            found = by_range.get((chunk.begin, chunk.end))
+            if found is None or found[0] != dtype or tuple(found[1]) != chunk.shape:
+                shown = "no entry" if found is None else f"{found[0]} {list(found[1])}"
+                raise FormatError(
+                    f"{where}: the safetensors header disagrees with the manifest for tensor {key!r} chunk at {list(chunk.offsets)} "
+                    f"(bytes [{chunk.begin}, {chunk.end}): manifest {dtype} {list(chunk.shape)}, header {shown})"
+                )
+
+    def _chunks_in(self, checkpoint: str | None, file: str) -> list[tuple[str, torch.dtype, ChunkEntry]]:
+        if self._by_file is None:
+            self._by_file = {}
+            for key, entry in self.manifest.tensors.items():
+                for c in entry.chunks:
+                    self._by_file.setdefault((c.checkpoint, c.file), []).append((key, entry.dtype, c))
+        return self._by_file.get((checkpoint, file), [])
 
     @property
     def remote(self) -> bool:

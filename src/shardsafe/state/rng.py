@@ -13,7 +13,9 @@ class RNGState:
 
     Put an instance in the state dict (``{"rng": shardsafe.RNGState()}``); every rank saves its
     own generators (``per_rank``), and on load each rank gets back the state it saved. Loading
-    onto more ranks than were saved reuses saved ranks round-robin.
+    onto more ranks than were saved reuses saved ranks round-robin. A load first checks every
+    saved generator state on a scratch generator (:meth:`check_state_dict`), so a bad one is
+    refused before anything, the global generators included, is modified.
     """
 
     per_rank = True
@@ -36,6 +38,33 @@ class RNGState:
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
+
+    def check_state_dict(self, state: Any) -> list[str]:
+        """Problems with ``state``, found by the generators' own setters on scratch generators."""
+        if not isinstance(state, dict) or "python" not in state or "torch" not in state:
+            return ["an RNG state needs 'python' and 'torch' entries"]
+        problems = []
+        try:
+            version, internal, gauss = state["python"]
+            random.Random().setstate((version, tuple(internal), gauss))
+        except Exception as exc:
+            problems.append(f"python RNG state: {type(exc).__name__}: {exc}")
+        try:
+            torch.Generator().set_state(state["torch"])
+        except Exception as exc:
+            problems.append(f"torch RNG state: {type(exc).__name__}: {exc}")
+        if "numpy" in state:
+            try:
+                import numpy as np
+
+                n = state["numpy"]
+                np.random.RandomState().set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+            except Exception as exc:
+                problems.append(f"numpy RNG state: {type(exc).__name__}: {exc}")
+        cuda = state.get("cuda")
+        if cuda is not None and not (isinstance(cuda, list) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
+            problems.append("cuda RNG state: not a list of uint8 tensors")
+        return problems
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version, internal, gauss = state["python"]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from shardsafe.core.format import MANIFEST_NAME, decode_value
+from shardsafe.core.format import MANIFEST_NAME
+from shardsafe.core.values import decode_value
 from shardsafe.manager.catalog import CheckpointInfo, committed_steps
 from shardsafe.manager.naming import StepNaming
 from shardsafe.manager.retention import choose_kept, retire

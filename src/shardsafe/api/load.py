@@ -1,0 +1,193 @@
+"""``load``: check everything, agree, then apply - user code first (undoable), tensors last.
+
+The phases, each ended by an agreement of every rank (so all raise, or none):
+
+1. *Check.* Manifest and state tree parsed and cross-checked; every live value bound and its
+   saved entry compared with it (keys, shapes, dtypes, optimizer groups and hyper-parameter
+   types, engine layout). Nothing is modified (a fresh optimizer gets state tensors to read into,
+   which a failure takes back).
+2. *Prepare.* With ``atomic``, every byte range to be read in place is checked (files opened and
+   sized, headers checked, hash blocks verified); every other value is decoded whole (its tensors
+   read once each, verified) and validated (``check_state_dict``). Nothing is modified.
+3. *User code.* Each stateful / per-rank object's ``load_state_dict`` runs, after a snapshot of
+   its ``state_dict()``. If any raises, on any rank, every rank restores the objects it had loaded:
+   no tensor has been written yet.
+4. *Tensors and values.* Tensors read in place, then the optimizer's hyper-parameters and plain
+   state, JSON values and the DeepSpeed engine's refresh, all validated in phase 1/2.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardsafe.api.location import location, shown
+from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.format import Manifest
+from shardsafe.core.plan import plan_reads
+from shardsafe.core.values import check_state_tree
+from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
+from shardsafe.protocol.commit import open_checkpoint
+from shardsafe.protocol.transfer import ChunkReader
+from shardsafe.state.base import LoadStep
+from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps
+from shardsafe.storage.remote import RemoteDir
+
+
+def load(
+    path: str | os.PathLike[str] | RemoteDir,
+    state: dict[str, Any],
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    verify: bool = True,
+    atomic: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``state`` in place. Collective: every rank calls it.
+
+    Works across world sizes: each rank reads only the stored byte ranges that overlap what it
+    owns, straight into its tensors. All problems (missing/unexpected keys, shape or dtype
+    mismatches, optimizer groups or hyper-parameters of another type, a stateful object's state
+    of another type with ``strict``) are collected and raised together, on every rank, before
+    anything is modified. JSON-able values are replaced in ``state``. ``verify`` checks block
+    hashes of what is read. Returns the checkpoint's user metadata.
+
+    A failed load leaves ``state`` as it was: everything that is not read in place (optimizer
+    groups, schedulers and other ``load_state_dict`` values, RNG states, JSON values) is decoded
+    and validated first; ``load_state_dict`` calls run before any tensor is written, and if one
+    raises (on any rank), every rank restores the objects it had loaded from snapshots of their
+    ``state_dict()``.
+
+    ``atomic`` (default): a load that fails on damaged or missing stored data also leaves the
+    tensors exactly as they were. Every rank first checks the byte ranges it will read (files
+    opened and sized; with ``verify``, each hash block touched is read into one block-sized
+    scratch buffer and hashed), the ranks agree, and only then is anything written. The cost is a
+    second read of this rank's share: from the page cache on a local or shared filesystem when it
+    fits in free memory (the second pass reuses the open files and skips hashing); on an object
+    store the first 64 MiB of verified blocks are kept in memory and the rest is downloaded again
+    and re-verified. ``atomic=False`` reads once, straight into the destinations: faster, but a
+    hash mismatch found midway leaves the tensors read before it overwritten.
+    """
+    comm = get_comm(process_group)
+    folder = location(path)
+    # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
+    # fails before reading must take that back, or the next step would differ (step count 1).
+    fresh = fresh_optimizers(state)
+    problem: Exception | None = None
+    opened: tuple[Manifest, dict[str, Any], LoadBinding] | None = None
+    try:
+        manifest, tree = open_checkpoint(folder)
+        check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
+        binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest), strict)
+        problems = check_binding(binding, manifest, tree, strict)
+        if problems:
+            raise describe_mismatch(problems)
+        opened = (manifest, tree, binding)
+    except Exception as exc:  # shared with every rank below, so none waits alone
+        problem = exc
+    _agree(comm, problem, reset=fresh)
+    assert opened is not None
+    manifest, tree, binding = opened
+    steps: list[LoadStep] = []
+    with ChunkReader(folder, manifest, verify) as reader:
+        try:
+            if atomic:  # check everything this rank will read in place, nothing written
+                _check_sources(reader, manifest, binding)
+            steps = prepare_steps(binding, SharedLookup(reader, manifest))
+        except Exception as exc:
+            problem = exc
+        _agree(comm, problem, reset=fresh)
+        if atomic:  # the blocks are verified; local re-reads go through the same open files (page cache)
+            reader.verify = verify and reader.remote
+        applied: list[LoadStep] = []
+        try:
+            for step in (s for s in steps if s.undo is not None):
+                applied.append(step)  # a load_state_dict that raises midway is undone too
+                step.apply()
+        except Exception as exc:
+            problem = exc
+        _agree(comm, problem, reset=fresh, undo=applied, default=StateMismatchError)
+        try:
+            _read_targets(reader, manifest, binding)
+            for step in (s for s in steps if s.undo is None):
+                step.apply()
+        except Exception as exc:
+            problem = exc
+    _agree(comm, problem, undo=applied)
+    return manifest.metadata
+
+
+class SharedLookup:
+    """Stored tensors by key, each read whole at most once per load: repeated references in
+    ``state.json`` share one tensor, so what is allocated is bounded by the bytes the files hold
+    (the manifest parser refuses chunks that share bytes)."""
+
+    def __init__(self, reader: ChunkReader, manifest: Manifest) -> None:
+        self.reader, self.manifest = reader, manifest
+        self._read: dict[str, torch.Tensor] = {}
+
+    def __call__(self, key: str) -> torch.Tensor:
+        tensor = self._read.get(key)
+        if tensor is None:
+            entry = self.manifest.tensors.get(key)
+            if entry is None:
+                raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
+            tensor = self._read[key] = self.reader.read_tensor(key, entry)
+        return tensor
+
+
+def _layout_of(manifest: Manifest) -> Any:
+    def layout(key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        entry = manifest.tensors.get(key)
+        return None if entry is None else (tuple(entry.shape), entry.dtype)
+
+    return layout
+
+
+def _agree(
+    comm: Comm,
+    problem: Exception | None,
+    reset: Sequence[torch.optim.Optimizer] = (),
+    undo: Sequence[LoadStep] = (),
+    default: type[ShardsafeError] = ShardsafeError,
+) -> None:
+    """:meth:`Comm.agree`; on failure, undo ``undo`` (the objects loaded so far, last first) and
+    empty ``reset`` (optimizers whose state the load created), so a failed load changes nothing."""
+    try:
+        comm.agree(problem, default=default)
+    except ShardsafeError as exc:
+        failed = []
+        for step in reversed(undo):
+            try:
+                assert step.undo is not None
+                step.undo()
+            except Exception as undo_exc:
+                failed.append(f"{step.name!r}: {type(undo_exc).__name__}: {undo_exc}")
+        for optimizer in reset:
+            optimizer.state.clear()
+        if failed:
+            raise type(exc)(f"{exc}\nand restoring what was loaded before the failure failed for " + "; ".join(failed)) from exc
+        raise
+
+
+def _read_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> None:
+    with torch.no_grad():
+        for key, target in binding.targets.items():
+            entry = manifest.tensors.get(key)
+            if entry is None:
+                continue
+            for op in plan_reads(entry, target.offsets, tuple(target.tensor.shape)):
+                reader.read_into(key, op, entry.dtype, target.tensor, target.offsets)
+
+
+def _check_sources(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> None:
+    """The first pass of an atomic load: everything the in-place reads will read, checked, nothing written."""
+    for key, target in binding.targets.items():
+        entry = manifest.tensors.get(key)
+        if entry is None:
+            continue
+        for op in plan_reads(entry, target.offsets, tuple(target.tensor.shape)):
+            reader.check_read(key, op, entry.dtype)

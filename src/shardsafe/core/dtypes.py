@@ -1,0 +1,60 @@
+"""The dtypes a checkpoint can hold: torch dtype <-> manifest name <-> safetensors name."""
+
+from __future__ import annotations
+
+import torch
+
+from shardsafe.errors import FormatError
+
+# torch dtype <-> (manifest name, safetensors name)
+_DTYPES: dict[torch.dtype, tuple[str, str]] = {
+    torch.float64: ("float64", "F64"),
+    torch.float32: ("float32", "F32"),
+    torch.float16: ("float16", "F16"),
+    torch.bfloat16: ("bfloat16", "BF16"),
+    torch.int64: ("int64", "I64"),
+    torch.int32: ("int32", "I32"),
+    torch.int16: ("int16", "I16"),
+    torch.int8: ("int8", "I8"),
+    torch.uint8: ("uint8", "U8"),
+    torch.bool: ("bool", "BOOL"),
+    torch.float8_e4m3fn: ("float8_e4m3fn", "F8_E4M3"),
+    torch.float8_e5m2: ("float8_e5m2", "F8_E5M2"),
+    torch.uint16: ("uint16", "U16"),
+    torch.uint32: ("uint32", "U32"),
+    torch.uint64: ("uint64", "U64"),
+    torch.complex64: ("complex64", "C64"),
+}
+_BY_NAME = {name: dtype for dtype, (name, _) in _DTYPES.items()}
+_BY_ST_NAME = {st: dtype for dtype, (_, st) in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPES[dtype][0]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} cannot be stored by shardsafe") from None
+
+
+def dtype_from_name(name: object, where: str) -> torch.dtype:
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise FormatError(f"{where}: unknown dtype {name!r}")
+    return _BY_NAME[name]
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    return _DTYPES[dtype][1]
+
+
+_SIZES = {dtype: dtype.itemsize for dtype in _DTYPES}
+
+
+def element_size(dtype: torch.dtype) -> int:
+    size = _SIZES.get(dtype)
+    return size if size is not None else torch.empty((), dtype=dtype).element_size()
+
+
+def dtype_from_safetensors_name(name: object, where: str) -> torch.dtype:
+    if not isinstance(name, str) or name not in _BY_ST_NAME:
+        raise FormatError(f"{where}: unknown dtype {name!r:.40}")
+    return _BY_ST_NAME[name]

@@ -1,0 +1,97 @@
+"""JSON in and out, bounded: what every reader of a checkpoint's JSON files accepts.
+
+Size at most :data:`MAX_JSON_BYTES`, depth at most :data:`MAX_JSON_DEPTH`, no duplicate keys. The
+writer side (:func:`dump_json`) turns everything json cannot write faithfully into a FormatError,
+so a save fails before writing rather than with a TypeError or RecursionError halfway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from shardsafe.errors import FormatError
+
+MAX_JSON_BYTES = 1 << 30
+MAX_JSON_DEPTH = 64
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise FormatError(f"duplicate JSON key {key!r}")
+        out[key] = value
+    return out
+
+
+def _check_depth(value: Any, where: str) -> None:
+    """No value deeper than :data:`MAX_JSON_DEPTH` (the root is at depth 0); only containers are
+    walked, so a wide document costs one pass over its containers."""
+    stack: list[tuple[Any, int]] = [(value, 0)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if not children:
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise FormatError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        stack.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
+
+
+def parse_json(data: bytes, where: str) -> Any:
+    """Parse untrusted JSON: bounded size and depth, no duplicate keys."""
+    if len(data) > MAX_JSON_BYTES:
+        raise FormatError(f"{where}: {len(data)} bytes of JSON is more than the {MAX_JSON_BYTES} allowed")
+    try:
+        value = json.loads(data, object_pairs_hook=_reject_duplicates)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    except RecursionError:
+        raise FormatError(f"{where}: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{where}: not valid JSON ({exc})") from None
+    _check_depth(value, where)
+    return value
+
+
+def dump_json(value: Any, where: str = "JSON", compact: bool = False) -> bytes:
+    """Encode ``value`` (indented, for people reading the files; ``compact``: one line, json's fast C
+    encoder); anything json cannot write faithfully is a FormatError naming ``where`` (an int of
+    more than 4300 digits, a circular or absurdly deep value, an unsupported type)."""
+    try:
+        return json.dumps(value, indent=None if compact else 1, sort_keys=False).encode()
+    except RecursionError:
+        raise FormatError(f"{where}: value nested too deeply to store (at most {MAX_JSON_DEPTH} levels)") from None
+    except (ValueError, TypeError) as exc:
+        raise FormatError(f"{where}: cannot be stored as JSON ({exc})") from None
+
+
+def check_json_string(text: str, where: str) -> None:
+    """Refuse a string JSON cannot give back as it is: a high surrogate followed by a low one is
+    written as two escapes that every reader decodes as one character. (Lone surrogates survive.)"""
+    if not text.isascii() and _SURROGATE_PAIR.search(text):
+        raise FormatError(f"{where}: {text[:40]!r} holds a surrogate pair (two code points JSON reads back as one character)")
+
+
+def check_plain_json(value: Any, where: str) -> None:
+    """Refuse what json.dumps would silently change in a plain-JSON value (user metadata): dict keys
+    that are not strings (``1`` becomes ``"1"``, and ``{1: a, "1": b}`` a duplicate key that every
+    reader refuses) and strings holding surrogate pairs."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise FormatError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels (or circular)")
+        if isinstance(item, str):
+            check_json_string(item, where)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    raise FormatError(f"{where}: dict key {k!r:.60} is a {type(k).__name__}; JSON keys must be strings")
+                check_json_string(k, where)
+                stack.append((v, depth + 1))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)

@@ -1,0 +1,137 @@
+"""The state tree: nested Python values <-> JSON with tagged tensors, tuples, non-string keys, dtypes.
+
+``state.json`` holds one entry per state name, ``{"kind": ..., "state": <encoded value>}`` (or
+``"ranks": [...]`` for per-rank values). :func:`encode_value` and :func:`decode_value` are exact
+inverses for what they accept (types included); :func:`check_state_tree` is what every reader
+requires of a tree, and :func:`encode_state` runs it on the bytes a save is about to write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardsafe.core.dtypes import dtype_from_name, dtype_name
+from shardsafe.core.format import STATE_NAME, Manifest, check_tensor_key
+from shardsafe.core.jsonsafe import MAX_JSON_DEPTH, check_json_string, dump_json, parse_json
+from shardsafe.errors import FormatError
+
+TENSOR_REF = "__tensor__"
+TUPLE_TAG = "__tuple__"
+PAIRS_TAG = "__pairs__"
+DTYPE_TAG = "__dtype__"
+_TAGS = (TENSOR_REF, TUPLE_TAG, PAIRS_TAG, DTYPE_TAG)
+
+
+def encode_value(value: Any, path: str, tensor_ref: Any, depth: int = 0) -> Any:
+    """Turn a nested Python value into JSON; ``tensor_ref(path, tensor)`` returns a tensor's key.
+
+    ``depth`` is the JSON depth of ``value`` (tags count): deeper than :data:`MAX_JSON_DEPTH` is
+    refused here, as the reader would refuse it (and before a circular value recurses forever).
+    """
+    if depth > MAX_JSON_DEPTH:
+        raise FormatError(f"state value at {path[:200]!r}: nested deeper than {MAX_JSON_DEPTH} levels (or circular); readers refuse deeper JSON")
+    if isinstance(value, str):
+        check_json_string(value, f"state value at {path[:200]!r}")
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return {TENSOR_REF: tensor_ref(path, value)}
+    if isinstance(value, torch.dtype):
+        return {DTYPE_TAG: dtype_name(value)}
+    if isinstance(value, (tuple, torch.Size)):
+        return {TUPLE_TAG: [encode_value(v, f"{path}/{i}", tensor_ref, depth + 2) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode_value(v, f"{path}/{i}", tensor_ref, depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        for k in value:
+            if isinstance(k, str):
+                check_json_string(k, f"state value at {path[:200]!r}: dict key")
+            elif not isinstance(k, (int, float, bool)) and k is not None:
+                raise FormatError(f"state value at {path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored")
+        if all(isinstance(k, str) for k in value) and not any(t in value for t in _TAGS):
+            return {k: encode_value(v, f"{path}/{k}", tensor_ref, depth + 1) for k, v in value.items()}
+        pairs = [[k, encode_value(v, f"{path}/{k}", tensor_ref, depth + 3)] for k, v in value.items()]
+        return {PAIRS_TAG: pairs}
+    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "shape", None) == ():
+        return value.item()  # numpy scalar
+    raise FormatError(
+        f"state value at {path!r} has type {type(value).__name__}, which shardsafe cannot store without pickle; "
+        "convert it to tensors, numbers, strings, lists or dicts"
+    )
+
+
+def decode_value(value: Any, tensor_lookup: Any, where: str = STATE_NAME) -> Any:
+    """Inverse of :func:`encode_value`; ``tensor_lookup(key)`` returns the loaded tensor."""
+    if isinstance(value, list):
+        return [decode_value(v, tensor_lookup, where) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        ((tag, inner),) = value.items()
+        if tag == TENSOR_REF:
+            if not isinstance(inner, str):
+                raise FormatError(f"{where}: bad tensor reference {inner!r:.60}")
+            return tensor_lookup(inner)
+        if tag == TUPLE_TAG and isinstance(inner, list):
+            return tuple(decode_value(v, tensor_lookup, where) for v in inner)
+        if tag == DTYPE_TAG:
+            return dtype_from_name(inner, where)
+        if tag == PAIRS_TAG and isinstance(inner, list):
+            out = {}
+            for pair in inner:
+                if not isinstance(pair, list) or len(pair) != 2 or not (pair[0] is None or isinstance(pair[0], (str, int, float))):
+                    raise FormatError(f"{where}: bad key/value pair {pair!r:.60}")
+                out[pair[0]] = decode_value(pair[1], tensor_lookup, where)
+            return out
+    return {k: decode_value(v, tensor_lookup, where) for k, v in value.items()}
+
+
+def state_tensor_keys(entry: Any, where: str = STATE_NAME) -> list[str]:
+    """Every tensor key referenced inside an encoded value, in order (decoding it checks its tags)."""
+    keys: list[str] = []
+
+    def collect(key: str) -> None:
+        keys.append(key)
+
+    decode_value(entry, collect, where)
+    return keys
+
+
+def check_state_tree(tree: Any, where: str = STATE_NAME, manifest: Manifest | None = None) -> dict[str, list[str]]:
+    """What every reader requires of a state tree: an object of entries, each an object with a
+    string ``kind``; a per-rank entry has a non-empty list of ``ranks``; every tag decodes, and
+    every tensor it refers to is a valid key (listed in ``manifest``, when given). Returns each
+    entry's tensor keys. Run by load and verify on what they read, and by save on what it is
+    about to write (:func:`encode_state`), so neither direction accepts what the other refuses."""
+    if not isinstance(tree, dict):
+        raise FormatError(f"{where}: not an object")
+    keys: dict[str, list[str]] = {}
+    for name, entry in tree.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+            raise FormatError(f"{where}: entry {name!r:.100} has no kind")
+        if "ranks" in entry and "state" not in entry:
+            ranks = entry["ranks"]
+            if not isinstance(ranks, list) or not ranks:
+                raise FormatError(f"{where}: {name!r:.100} has no per-rank entries")
+            keys[name] = [k for r in ranks for k in state_tensor_keys(r, where)]
+        else:
+            keys[name] = state_tensor_keys(entry.get("state"), where)
+        for key in keys[name]:
+            check_tensor_key(key, f"{where}: {name!r:.100}")
+            if manifest is not None and key not in manifest.tensors:
+                raise FormatError(f"{where}: {name!r:.100} refers to tensor {key!r:.200}, which the manifest does not list")
+    return keys
+
+
+def encode_state(tree: dict[str, Any], where: str = STATE_NAME, compact: bool = False) -> bytes:
+    """``state.json`` bytes for ``tree``, checked with the very parser and checks a load runs on them.
+
+    ``compact``: without indentation (json's C encoder, several times faster), for a check before
+    anything is written; the bytes then differ from the file's only in whitespace (the final,
+    indented bytes are checked again before the commit: the size limit applies to those)."""
+    data = dump_json(tree, where, compact)
+    check_state_tree(parse_json(data, where), where)
+    return data

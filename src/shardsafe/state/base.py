@@ -1,0 +1,289 @@
+"""What every state adapter is: the interface of one kind of ``state`` value, and the typed pieces
+that pass between an adapter, the registry and the api.
+
+A save asks each value's adapter to :meth:`~StateAdapter.describe` it (a JSON entry plus the
+tensor chunks this rank holds). A load asks it to :meth:`~StateAdapter.bind` (the tensors read in
+place), :meth:`~StateAdapter.check` the saved entry against the live value (problems, nothing
+modified), and :meth:`~StateAdapter.prepare` a :class:`LoadStep`: everything decoded and validated,
+to be applied only once every rank has prepared. Tensor keys are ``<state name>/<path>``, named by
+the same function on save and on load.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from shardsafe.core.dtypes import dtype_name
+from shardsafe.core.format import MAX_DIMS, MAX_NUMEL, Manifest, check_tensor_key, numel
+from shardsafe.core.plan import LocalChunk
+from shardsafe.core.values import encode_value
+from shardsafe.errors import FormatError, ShardsafeError
+from shardsafe.protocol.transfer import ReadTarget
+
+log = logging.getLogger("shardsafe")
+
+KIND_MODULE = "module"
+KIND_OPTIMIZER = "optimizer"
+KIND_STATEFUL = "stateful"
+KIND_PER_RANK = "per_rank"
+KIND_TENSOR = "tensor"
+KIND_VALUE = "value"
+KIND_DEEPSPEED_ENGINE = "deepspeed_engine"
+
+Lookup = Callable[[str], torch.Tensor]
+"""A stored tensor by key, read whole (each key at most once per load: repeated references share it)."""
+
+SavedLayout = Callable[[str], "tuple[tuple[int, ...], torch.dtype] | None"]
+"""Global shape and dtype of a stored tensor key (None when the checkpoint lacks it)."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Stands for a tensor reference while a saved entry is checked (nothing read yet)."""
+
+    key: str
+
+
+@dataclass
+class Described:
+    """What one state value contributes to a save: a shared entry (the coordinator's copy is
+    saved) or this rank's per-rank entry, and the chunks this rank holds."""
+
+    entry: dict[str, Any] | None = None
+    per_rank: Any = None
+    chunks: list[LocalChunk] = field(default_factory=list)
+
+
+@dataclass
+class Bound:
+    """A live value bound for loading: the tensors read into it in place, and what its adapter
+    needs again when checking and preparing (``context``: the owner module, the engine layout)."""
+
+    name: str
+    value: Any
+    adapter: StateAdapter
+    targets: dict[str, ReadTarget] = field(default_factory=dict)
+    context: Any = None
+
+
+@dataclass
+class LoadStep:
+    """A validated change to one live value, applied only after every rank prepared its own.
+
+    ``undo`` is set for steps that run user code (``load_state_dict``), which may raise: they are
+    applied first, before any tensor is written, and undone (on every rank) if any of them fails.
+    Steps without ``undo`` only assign values checked already; ``after_tensors`` ones run once the
+    in-place tensors are read (a DeepSpeed engine refreshes its 16-bit copies from them).
+    """
+
+    name: str
+    apply: Callable[[], None]
+    undo: Callable[[], None] | None = None
+    after_tensors: bool = False
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    state: dict[str, Any]
+    rank: int
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    state: dict[str, Any]
+    rank: int
+    saved: Any  # this name's entry in the checkpoint's state tree (None when absent)
+    layout: SavedLayout | None
+    strict: bool = True
+
+
+class StateAdapter(Protocol):
+    """One kind of state value. Every method but ``matches`` and ``summarize`` is given the live value.
+
+    Two optional methods, looked up by the registry where an adapter has them:
+    ``fresh_optimizers(value)`` (optimizers that binding gives state, which a failed load empties
+    again) and ``display_shapes(name, entry)`` (stored key -> the shape ``inspect`` shows).
+    """
+
+    kind: str
+    in_place: bool  # its tensors are read into the live tensors (keys compared with the checkpoint's)
+
+    def matches(self, value: Any) -> bool: ...
+
+    def describe(self, name: str, value: Any, ctx: SaveContext) -> Described: ...
+
+    def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound: ...
+
+    def check(self, bound: Bound, ctx: LoadContext, manifest: Manifest) -> list[str]: ...
+
+    def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep: ...
+
+    def summarize(self, entry: dict[str, Any], manifest: Manifest) -> dict[str, Any]: ...
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def is_dtensor(tensor: object) -> bool:
+    """isinstance(tensor, DTensor) without importing torch.distributed.tensor (over a second of a
+    CLI start): a DTensor can only exist once that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local data, global shape, global offsets of the local data) of a tensor or DTensor."""
+    if is_dtensor(tensor):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        assert isinstance(tensor, DTensor)
+        if any(not (p.is_shard() or isinstance(p, Replicate)) for p in tensor.placements):
+            raise ShardsafeError(f"cannot save a DTensor with placements {tensor.placements}: reduce partial values first")
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(tensor.shape), tuple(int(o) for o in offsets)
+    return tensor, tuple(tensor.shape), (0,) * tensor.dim()
+
+
+def check_storable(key: str, tensor: torch.Tensor, global_shape: tuple[int, ...]) -> None:
+    """Refuse, before anything is written, a tensor the manifest parser would refuse on load."""
+    where = f"tensor {key!r:.200}"
+    check_tensor_key(key, where)
+    dtype_name(tensor.dtype)
+    if len(global_shape) > MAX_DIMS or numel(global_shape) > MAX_NUMEL:
+        raise FormatError(f"{where}: shape {list(global_shape)} has more than {MAX_DIMS} dimensions or {MAX_NUMEL} elements")
+
+
+def unique_paths(name: str) -> Callable[[str], None]:
+    """Refuse a second tensor under the same key: a dict key containing '/' can spell another entry's
+    path (``{"a/0": t1, "a": [t2]}``), and one of the two tensors would silently take the other's place."""
+    seen: set[str] = set()
+
+    def check(path: str) -> None:
+        if path in seen:
+            raise ShardsafeError(f"state[{name!r}]: two tensors map to the checkpoint key {path!r} (a dict key containing '/'?); rename one")
+        seen.add(path)
+
+    return check
+
+
+def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
+    """Encode ``value``, adding this rank's chunk of every tensor in it to ``chunks``."""
+    unique = unique_paths(name)
+
+    def ref(path: str, tensor: torch.Tensor) -> str:
+        unique(path)
+        local, global_shape, offsets = placement(tensor)
+        check_storable(path, local, global_shape)
+        if local.numel() or not any(global_shape):
+            chunks.append(LocalChunk(path, local, global_shape, offsets))
+        return path
+
+    return encode_value(value, name, ref)
+
+
+def bind_tensors(targets: dict[str, ReadTarget], value: Any, name: str) -> None:
+    """Every tensor in ``value`` as an in-place read target, keyed as :func:`encode_with_chunks` names it."""
+    unique = unique_paths(name)
+
+    def ref(path: str, tensor: torch.Tensor) -> str:
+        unique(path)
+        local, global_shape, offsets = placement(tensor)
+        targets[path] = ReadTarget(path, local, global_shape, offsets)
+        return path
+
+    encode_value(value, name, ref)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    inner = getattr(module, "module", None)
+    if isinstance(module, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
+        return inner
+    return module
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """Parameter id -> FQN; a tied parameter gets its first name, as torch's get_optimizer_state_dict keys it."""
+    names: dict[int, str] = {}
+    for name, p in unwrap_module(module).named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+# ----------------------------------------------------------------------------- checking saved values
+
+
+def kind_of(value: Any) -> str:
+    """A coarse type for comparing a saved value with a live one: numbers are one kind (1 and 1.0)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (torch.Tensor, StoredTensor)):
+        return "tensor"
+    if isinstance(value, (list, tuple)):
+        return "sequence"
+    if isinstance(value, dict):
+        return "dict"
+    return type(value).__name__
+
+
+def type_problems(current: Any, saved: Any, where: str, same_length: bool = False) -> list[str]:
+    """Where ``saved`` has a different kind of value than ``current`` (None matches anything).
+
+    Dicts are compared on their shared keys; sequences element by element when their lengths
+    agree, and with ``same_length`` (hyper-parameters such as ``betas``) a length change is a problem.
+    """
+    if current is None or saved is None:
+        return []
+    a, b = kind_of(current), kind_of(saved)
+    if a != b:
+        return [f"{where} is a {b} in the checkpoint, a {a} here"]
+    if isinstance(current, dict):
+        return [p for k in current.keys() & saved.keys() for p in type_problems(current[k], saved[k], f"{where}[{k!r}]", same_length)]
+    if isinstance(current, (list, tuple)):
+        if len(current) != len(saved):
+            return [f"{where} has {len(saved)} elements in the checkpoint, {len(current)} here"] if same_length else []
+        return [p for i, (c, s) in enumerate(zip(current, saved)) for p in type_problems(c, s, f"{where}[{i}]", same_length)]
+    return []
+
+
+def snapshot(obj: Any, name: str) -> Callable[[], None] | None:
+    """An undo for ``obj.load_state_dict``: a deep copy of its current ``state_dict()``, put back on undo.
+
+    The cost is one copy of the object's state (a scheduler or RNG state: a few KB). An object
+    whose state cannot be deep-copied loads without an undo (logged): a failure elsewhere then
+    leaves it loaded.
+    """
+    try:
+        saved = copy.deepcopy(obj.state_dict())
+    except Exception as exc:
+        log.warning("shardsafe: state[%r]: cannot snapshot its state_dict() (%s); a failed load cannot restore it", name, exc)
+        return None
+
+    def undo() -> None:
+        obj.load_state_dict(saved)
+
+    return undo
+
+
+def tensor_summary(keys: list[str], manifest: Manifest) -> dict[str, Any]:
+    unique = sorted(set(keys))
+    return {"tensors": len(unique), "bytes": sum(manifest.tensors[k].nbytes for k in unique if k in manifest.tensors)}

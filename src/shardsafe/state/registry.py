@@ -1,0 +1,208 @@
+"""The one table of state adapters, and everything that dispatches through it.
+
+Each ``state`` value is handled by the first adapter in :data:`ADAPTERS` that matches it (a
+DeepSpeed engine before ``nn.Module``, since an engine is one; a per-rank stateful before a plain
+one; a plain value last), and a saved entry by the adapter of its ``kind``. Save
+(:func:`describe_for_save`), load (:func:`bind_for_load`, :func:`check_binding`,
+:func:`prepare_steps`) and ``inspect`` (:func:`summarize_entry`, :func:`display_shapes`) all go
+through this table; no other module branches on kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardsafe.core.format import Manifest
+from shardsafe.core.plan import LocalChunk
+from shardsafe.core.values import encode_state, state_tensor_keys
+from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
+from shardsafe.protocol.transfer import ReadTarget, chunk_name
+from shardsafe.state.adapters import ModuleAdapter, PerRankAdapter, StatefulAdapter, TensorAdapter, ValueAdapter
+from shardsafe.state.base import KIND_PER_RANK, Bound, LoadContext, LoadStep, Lookup, SaveContext, SavedLayout, StateAdapter
+from shardsafe.state.deepspeed_engine import ENGINE_ADAPTER
+from shardsafe.state.optimizer import OptimizerAdapter
+
+ADAPTERS: tuple[StateAdapter, ...] = (
+    ENGINE_ADAPTER,
+    ModuleAdapter(),
+    OptimizerAdapter(),
+    PerRankAdapter(),
+    TensorAdapter(),
+    StatefulAdapter(),
+    ValueAdapter(),
+)
+_BY_KIND: dict[str, StateAdapter] = {a.kind: a for a in ADAPTERS}
+
+
+def adapter_for(value: Any) -> StateAdapter:
+    """The adapter of a live value (the value adapter takes anything)."""
+    return next(a for a in ADAPTERS if a.matches(value))
+
+
+def adapter_for_kind(kind: object) -> StateAdapter | None:
+    """The adapter of a saved entry's ``kind`` (None for a kind this version does not know)."""
+    return _BY_KIND.get(kind) if isinstance(kind, str) else None
+
+
+def check_name(name: object) -> None:
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ShardsafeError(f"state keys must be non-empty strings without '/', got {name!r}")
+
+
+# ----------------------------------------------------------------------------- save
+
+
+@dataclass
+class SaveView:
+    """What this rank contributes to a save."""
+
+    chunks: list[LocalChunk] = field(default_factory=list)
+    tree: dict[str, Any] = field(default_factory=dict)  # shared entries (coordinator's copy is saved)
+    per_rank: dict[str, Any] = field(default_factory=dict)  # this rank's per-rank entries
+
+
+def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
+    """This rank's view of ``state``, refused (FormatError) if any reader would refuse what it holds.
+
+    The shared entries, and this rank's per-rank entries as they will sit in ``state.json``, are
+    encoded and run through the very checks a load runs on the file (size, depth, tags, tensor
+    keys); every chunk name this rank may write is unique in its shard file. So a save refuses,
+    before anything is written, what a load would refuse.
+    """
+    view = SaveView()
+    ctx = SaveContext(state, rank)
+    for name, value in state.items():
+        check_name(name)
+        described = adapter_for(value).describe(name, value, ctx)
+        if described.entry is not None:
+            view.tree[name] = described.entry
+        else:
+            view.per_rank[name] = described.per_rank
+        view.chunks += described.chunks
+    encode_state({**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}}, compact=True)
+    seen: set[str] = set()
+    for chunk in view.chunks:
+        shown = chunk_name(chunk)
+        if shown in seen:
+            raise FormatError(f"tensor {chunk.key!r:.200}: its shard-file entry name {shown!r:.200} is another chunk's too (a key containing '@'?)")
+        seen.add(shown)
+    return view
+
+
+# ----------------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadBinding:
+    """Every live value bound for loading, with what its adapter was told about the checkpoint."""
+
+    bound: dict[str, Bound] = field(default_factory=dict)
+    contexts: dict[str, LoadContext] = field(default_factory=dict)
+
+    @property
+    def targets(self) -> dict[str, ReadTarget]:
+        """Every in-place read target, by tensor key."""
+        return {key: t for b in self.bound.values() for key, t in b.targets.items()}
+
+
+def bind_for_load(
+    state: dict[str, Any], rank: int, saved_tree: dict[str, Any] | None = None, layout: SavedLayout | None = None, strict: bool = True
+) -> LoadBinding:
+    """Destinations for loading into ``state``; with the checkpoint's tree and ``layout``, a fresh
+    optimizer first gets state tensors shaped like the stored ones."""
+    binding = LoadBinding()
+    for name, value in state.items():
+        check_name(name)
+        ctx = LoadContext(state, rank, saved_tree.get(name) if saved_tree is not None else None, layout, strict)
+        binding.bound[name] = adapter_for(value).bind(name, value, ctx)
+        binding.contexts[name] = ctx
+    return binding
+
+
+def check_binding(binding: LoadBinding, manifest: Manifest, tree: dict[str, Any], strict: bool = True) -> list[str]:
+    """Every reason the checkpoint does not fit the bound state (nothing is modified): a missing or
+    differently kinded entry, missing or unexpected tensors (``strict``), shapes and dtypes, and
+    each adapter's own checks of the saved entry against the live value."""
+    problems: list[str] = []
+    for name, bound in binding.bound.items():
+        adapter = bound.adapter
+        if name not in tree:
+            problems.append(f"{name!r}: not in the checkpoint (it holds {sorted(tree)})")
+            continue
+        saved_kind = tree[name].get("kind") if isinstance(tree[name], dict) else None
+        if saved_kind != adapter.kind:
+            problems.append(f"{name!r}: saved as {saved_kind}, loading into a {adapter.kind}")
+            continue
+        if adapter.in_place:
+            saved = set(state_tensor_keys(tree[name].get("state")))
+            missing, unexpected = sorted(bound.targets.keys() - saved), sorted(saved - bound.targets.keys())
+            if strict:
+                problems += [f"missing in checkpoint: {k}" for k in missing]
+                problems += [f"unexpected in checkpoint: {k}" for k in unexpected]
+            for key in sorted(bound.targets.keys() & saved):
+                problems += _compare_tensor(key, manifest, bound.targets[key], strict)
+        problems += adapter.check(bound, binding.contexts[name], manifest)
+    return problems
+
+
+def _compare_tensor(key: str, manifest: Manifest, target: ReadTarget, strict: bool) -> list[str]:
+    entry = manifest.tensors.get(key)
+    if entry is None:
+        return [f"{key}: referenced by state.json but not in the manifest"]
+    if entry.shape != target.global_shape:
+        return [f"shape mismatch for {key}: checkpoint {list(entry.shape)}, model {list(target.global_shape)}"]
+    if entry.dtype != target.tensor.dtype and strict:
+        return [f"dtype mismatch for {key}: checkpoint {entry.dtype}, model {target.tensor.dtype} (strict=False casts)"]
+    return []
+
+
+def fresh_optimizers(state: dict[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers in ``state`` that have not stepped (a DeepSpeed engine's inner one included):
+    binding gives them state tensors to read into, which a failed load must take back."""
+    out: list[torch.optim.Optimizer] = []
+    for value in state.values():
+        fresh = getattr(adapter_for(value), "fresh_optimizers", None)
+        out += fresh(value) if fresh is not None else []
+    return out
+
+
+def prepare_steps(binding: LoadBinding, lookup: Lookup) -> list[LoadStep]:
+    """Every bound value's change, decoded and validated (tensors it takes whole read through
+    ``lookup``); nothing is modified."""
+    return [b.adapter.prepare(b, binding.contexts[name], lookup) for name, b in binding.bound.items()]
+
+
+def describe_mismatch(problems: list[str]) -> StateMismatchError:
+    shown = "\n  ".join(problems[:50])
+    more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+    return StateMismatchError(f"checkpoint does not fit the state ({len(problems)} problems):\n  {shown}{more}")
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def summarize_entry(name: str, entry: Any, manifest: Manifest) -> dict[str, Any]:
+    """Kind and a short description of one top-level ``state.json`` entry (for ``inspect``):
+    ``tensors``/``bytes`` for in-place kinds, ``ranks`` for per-rank ones, ``fields``/``field_count``
+    for stateful objects, ``value`` for plain values; only name and kind for an unknown kind."""
+    kind = entry.get("kind") if isinstance(entry, dict) else None
+    out: dict[str, Any] = {"name": name, "kind": kind}
+    adapter = adapter_for_kind(kind)
+    if adapter is not None and isinstance(entry, dict):
+        out.update(adapter.summarize(entry, manifest))
+    return out
+
+
+def display_shapes(tree: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Stored key -> the shape to show for it, where that differs from the stored one (a DeepSpeed
+    engine stores its parameters flattened); empty for malformed entries."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, entry in tree.items():
+        adapter = adapter_for_kind(entry.get("kind") if isinstance(entry, dict) else None)
+        shapes = getattr(adapter, "display_shapes", None)
+        if shapes is not None:
+            out.update(shapes(name, entry))
+    return out
