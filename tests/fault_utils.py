@@ -20,6 +20,7 @@ import shardsafe
 from dist_utils import assert_tensors_equal, full_model_state, make_model, seeded_values, set_model_values, shard
 from shardsafe.errors import CheckpointNotFoundError
 from shardsafe.manager.catalog import committed_steps, references
+from shardsafe.manager.lease import LEASE_DIR
 from shardsafe.manager.naming import STEP_RE, step_name
 from shardsafe.storage.remote import RemoteDir
 
@@ -133,4 +134,4 @@ def _visible(location: Path | RemoteDir) -> list[str]:
 
 def _hidden(location: Path | RemoteDir) -> list[str]:
     names = location.list() if isinstance(location, RemoteDir) else [p.name for p in location.iterdir()] if location.is_dir() else []
-    return sorted(n for n in names if n.startswith("."))
+    return sorted(n for n in names if n.startswith(".") and n != LEASE_DIR)  # the run's lease record is not a leftover

@@ -168,15 +168,21 @@ def chunk_in_sibling(folder: Path) -> None:
 
 
 def hostile_names(folder: Path) -> None:
-    """A tensor key and a state entry name made of terminal escapes, a bidi override and a lone surrogate."""
+    """Metadata and state entry names made of terminal escapes and a bidi override (accepted, shown escaped)."""
     manifest = load_json(folder / "manifest.json")
-    manifest["tensors"]["\x1b[2J\u202e\ud800evil"] = dict(first_tensor(manifest))
     manifest["metadata"] = {"note\x1b]0;owned\x07": "\x1b[31mred\r"}
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
     state = load_json(folder / "state.json")
     state["\x1b[1;1Hname\r"] = {"kind": "value", "state": "\x1b[5mblink\u202e"}
     state["opts\x1b"] = {"kind": "stateful", "state": {"mode\x1b[2J": "\x1b[0m", "_hidden": 1}}
     write_state(folder, json.dumps(state).encode())
+
+
+def lone_surrogate_name(folder: Path) -> None:
+    """A tensor key holding a lone surrogate: not valid UTF-8, so save refuses it and so do the readers."""
+    manifest = load_json(folder / "manifest.json")
+    manifest["tensors"]["\x1b[2J\ud800evil"] = dict(first_tensor(manifest))
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
 def engine_entry(state_part: Any, meta: Any) -> Callable[[Path], None]:
@@ -333,6 +339,7 @@ CASES = [
     Case("chunk-in-sibling-folder", chunk_in_sibling, refused=("verify", "export"), tolerated=("inspect", "list", "gc")),
     # --- names and text meant for the terminal
     Case("names-with-escapes", hostile_names, refused=(), accepted=("inspect", "inspect-json", "verify", "list")),
+    Case("name-lone-surrogate", lone_surrogate_name, refused=("inspect", "inspect-json", "verify", "export")),
     # --- manager roots (list, gc)
     Case(
         "metrics-not-numbers",

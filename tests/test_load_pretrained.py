@@ -65,7 +65,6 @@ def test_plain_model_equals_from_pretrained(tmp_path: Path, tie: bool, shard_siz
     result = shardsafe.load_pretrained(model, folder)
     assert result["missing_keys"] == [] and result["unexpected_keys"] == []
     assert_equal({k: v.detach() for k, v in model.state_dict().items()}, reference_state(folder))
-    assert any((tmp_path / "hf-cache").rglob("model.safetensors"))
     if tie:
         assert model.lm_head.weight is model.model.embed_tokens.weight
 

@@ -38,7 +38,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: object, where: str) -> torch.dtype:
     if not isinstance(name, str) or name not in _BY_NAME:
-        raise FormatError(f"{where}: unknown dtype {name!r}")
+        # The value is file content: say what it is, not what it says (it could be anything, a secret included).
+        what = f"a {len(name)}-character string" if isinstance(name, str) else f"a {type(name).__name__}"
+        raise FormatError(f"{where}: unknown dtype ({what}; expected one of {', '.join(sorted(_BY_NAME))})")
     return _BY_NAME[name]
 
 
@@ -56,5 +58,6 @@ def element_size(dtype: torch.dtype) -> int:
 
 def dtype_from_safetensors_name(name: object, where: str) -> torch.dtype:
     if not isinstance(name, str) or name not in _BY_ST_NAME:
-        raise FormatError(f"{where}: unknown dtype {name!r:.40}")
+        what = f"a {len(name)}-character string" if isinstance(name, str) else f"a {type(name).__name__}"
+        raise FormatError(f"{where}: unknown dtype (safetensors name, {what}; expected one of {', '.join(sorted(_BY_ST_NAME))})")
     return _BY_ST_NAME[name]

@@ -279,7 +279,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         raise FormatError(f"{where}: format version {version} is newer than this shardsafe understands ({FORMAT_VERSION}); upgrade shardsafe")
     algorithm = _expect(raw, "hash_algorithm", str, where)
     if algorithm != HASH_ALGORITHM:
-        raise FormatError(f"{where}: unknown hash algorithm {algorithm!r}")
+        raise FormatError(f"{where}: unknown hash algorithm (a {len(algorithm)}-character string; expected {HASH_ALGORITHM})")
     block = _expect(raw, "hash_block_size", int, where)
     if not MIN_HASH_BLOCK_SIZE <= block <= MAX_HASH_BLOCK_SIZE or block & (block - 1):
         raise FormatError(f"{where}: hash block size {block} is not a power of two between {MIN_HASH_BLOCK_SIZE} and {MAX_HASH_BLOCK_SIZE}")
