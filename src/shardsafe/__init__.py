@@ -18,7 +18,7 @@ from shardsafe.errors import (  # noqa: E402
 from shardsafe.hf.export import export_hf  # noqa: E402
 from shardsafe.hf.pretrained import save_pretrained  # noqa: E402
 from shardsafe.hf.push import push  # noqa: E402
-from shardsafe.interop.deepspeed import convert_deepspeed  # noqa: E402
+from shardsafe.interop.deepspeed_convert import convert_deepspeed  # noqa: E402
 from shardsafe.manager.manager import CheckpointManager, collect_garbage, list_checkpoints  # noqa: E402
 from shardsafe.state.rng import RNGState  # noqa: E402
 
