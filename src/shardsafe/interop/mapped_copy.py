@@ -69,7 +69,8 @@ def copy_out(dest: torch.Tensor, src: torch.Tensor, mapping: FileMapping | None,
     """
     for tensor in (dest, src):
         if tensor.device.type != "cpu" or tensor.is_meta or tensor.layout != torch.strided:
-            raise FormatError(f"{where}: a {tensor.device.type} {tensor.layout} tensor; only CPU tensors with their bytes in the file are read")
+            kind = tensor.device.type if tensor.layout == torch.strided else f"{tensor.device.type} ({tensor.layout})"
+            raise FormatError(f"{where}: a tensor on {kind}; only CPU tensors with their bytes in the file are read")
     if dest.numel() != src.numel():
         raise FormatError(f"{where}: a slice of {src.numel()} elements where {dest.numel()} are needed")
     if mapping is None or not mapping.holds(src) or dest.dtype != src.dtype or not dest.is_contiguous():

@@ -138,10 +138,9 @@ class _Scan:
 
     def run(self, ops: Iterable[tuple[Any, Any, int | None]], size: int) -> None:
         stopped = False
+        pos = 0
         for count, (opcode, arg, at) in enumerate(ops):
             pos = at or 0
-            if stopped:
-                raise self.refuse(pos, "bytes after STOP")
             if count >= MAX_OPCODES:
                 raise self.refuse(pos, f"more than {MAX_OPCODES} opcodes")
             name = opcode.name
@@ -155,6 +154,8 @@ class _Scan:
             self.report.opcodes = count + 1
         if not stopped:
             raise FormatError(f"{self.where}: refused pickle: no STOP within its {size} bytes")
+        if pos + 1 != size:  # genops and the unpickler stop at STOP; torch.save writes nothing after it
+            raise self.refuse(pos, f"{size - pos - 1} bytes after STOP")
         if len(self.stack) != 1 or self.marks:
             raise FormatError(f"{self.where}: refused pickle: {len(self.stack)} values left at STOP")
 

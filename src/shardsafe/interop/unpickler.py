@@ -287,7 +287,7 @@ class _Unpickler(pickle.Unpickler):
     """Globals only from :data:`GLOBALS`; storages only from the archive's records."""
 
     def __init__(self, data: bytes, storage: Callable[[Any], _Stored]) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(io.BytesIO(data), fix_imports=False)
         self._storage = storage
 
     def find_class(self, module: str, name: str) -> Any:

@@ -1,0 +1,108 @@
+"""Coverage-guided fuzzing of the DeepSpeed reader's restricted unpickler with atheris (libFuzzer).
+
+    .venv/bin/python tests/fuzz/fuzz_deepspeed_unpickler.py -runs=20000          # what `make stress` may run
+    .venv/bin/python tests/fuzz/fuzz_deepspeed_unpickler.py -max_total_time=600  # longer, by hand
+
+The first input byte picks a target, each fed either the raw remaining bytes or a real seed (the
+pickle or the whole archive of a sound ZeRO-3 optimizer file written by ``ds_scripts/craft.py``)
+spliced with them, so the fuzzer starts from what DeepSpeed writes:
+
+0. :func:`scan_pickle` alone on a pickle stream;
+1. :func:`load_file` on an archive holding that pickle (scan, unpickle, tensor checks, value graph);
+2. :func:`load_file` on mutated archive bytes (zip directory, local headers, records, CRC);
+3. the mutated archive as rank 0's optimizer file of a sound two-rank folder, read through
+   :class:`DeepSpeedCheckpoint` (every tensor, every optimizer state entry, the param groups).
+
+Each may return or raise :class:`ShardsafeError` (FormatError, CheckpointNotFoundError); any other
+exception is a crash that libFuzzer reports with its input; a segfault stops the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+try:
+    import atheris
+except ImportError:  # pragma: no cover - atheris is a dev dependency that may not build everywhere
+    print("atheris is not installed (pip install atheris); skipping the DeepSpeed unpickler fuzzing")
+    sys.exit(0)
+
+import torch  # not instrumented: only shardsafe's own code is
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for ds_scripts
+from ds_scripts.craft import write_archive, zero3_folder  # noqa: E402
+
+with atheris.instrument_imports(include=["shardsafe"]):
+    from shardsafe.errors import ShardsafeError
+    from shardsafe.interop.deepspeed_reader import DeepSpeedCheckpoint
+    from shardsafe.interop.pickle_scan import scan_pickle
+    from shardsafe.interop.unpickler import RULES, load_file
+
+WORK = Path(tempfile.mkdtemp(prefix="shardsafe-fuzz-ds-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+SOUND = zero3_folder(WORK / "sound")
+OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+SEED_ARCHIVE = (SOUND.tag_folder / OPTIM).read_bytes()
+with zipfile.ZipFile(io.BytesIO(SEED_ARCHIVE)) as _z:
+    SEED_PICKLE = _z.read("archive/data.pkl")
+    SEED_RECORDS = {n.split("/data/", 1)[1]: _z.read(n) for n in _z.namelist() if "/data/" in n}
+FOLDER = WORK / "folder"
+shutil.copytree(SOUND.root, FOLDER)
+TARGET = FOLDER / SOUND.tag_folder.name / OPTIM
+SCRATCH = WORK / "one.pt"
+
+
+def _splice(seed: bytes, fdp: atheris.FuzzedDataProvider) -> bytes:
+    at = fdp.ConsumeIntInRange(0, len(seed))
+    cut = fdp.ConsumeIntInRange(0, 64)
+    return seed[:at] + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64)) + seed[at + cut :]
+
+
+def _read_all() -> None:
+    with DeepSpeedCheckpoint(FOLDER) as ckpt:
+        for name in ckpt.names():
+            ckpt.read(name)
+        for name in ckpt.trainable:
+            for key in ckpt.optimizer_state_spec(name):
+                ckpt.optimizer_state(name, key)
+        ckpt.param_groups()
+        ckpt.flat_groups()
+
+
+def test_one_input(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    target = fdp.ConsumeIntInRange(0, 3)
+    spliced = fdp.ConsumeBool()
+    try:
+        if target in (0, 1):
+            stream = _splice(SEED_PICKLE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
+            if target == 0:
+                scan_pickle(stream, "fuzz", RULES)
+            else:
+                load_file(write_archive(SCRATCH, stream, SEED_RECORDS), mmap=fdp.ConsumeBool())
+        else:
+            raw = _splice(SEED_ARCHIVE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
+            if target == 2:
+                SCRATCH.write_bytes(raw)
+                load_file(SCRATCH, mmap=fdp.ConsumeBool())
+            else:
+                TARGET.write_bytes(raw)
+                _read_all()
+    except ShardsafeError:
+        pass
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    atexit.register(shutil.rmtree, WORK, True)  # libFuzzer ends the process with exit(), past any `finally`
+    atheris.Setup(sys.argv, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
