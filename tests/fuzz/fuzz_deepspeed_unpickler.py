@@ -7,11 +7,13 @@ The first input byte picks a target, each fed either the raw remaining bytes or 
 pickle or the whole archive of a sound ZeRO-3 optimizer file written by ``ds_scripts/craft.py``)
 spliced with them, so the fuzzer starts from what DeepSpeed writes:
 
-0. :func:`scan_pickle` alone on a pickle stream;
-1. :func:`load_file` on an archive holding that pickle (scan, unpickle, tensor checks, value graph);
+0. :func:`scan_pickle` alone on a pickle stream (seed: the optimizer file's pickle);
+1. :func:`load_file` on an archive holding that pickle and the seed's records (scan, unpickle,
+   tensor checks, value graph);
 2. :func:`load_file` on mutated archive bytes (zip directory, local headers, records, CRC);
-3. the mutated archive as rank 0's optimizer file of a sound two-rank folder, read through
-   :class:`DeepSpeedCheckpoint` (every tensor, every optimizer state entry, the param groups).
+3. and 4. an archive of the mutated optimizer (3) or model (4) pickle, with the seed's records, as
+   rank 0's file of a sound two-rank folder, read through :class:`DeepSpeedCheckpoint` (every
+   tensor, every optimizer state entry, the param groups): the reader's own checks on values.
 
 Each may return or raise :class:`ShardsafeError` (FormatError, CheckpointNotFoundError); any other
 exception is a crash that libFuzzer reports with its input; a segfault stops the run.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import logging
 import shutil
 import sys
 import tempfile
@@ -46,14 +49,18 @@ with atheris.instrument_imports(include=["shardsafe"]):
 
 WORK = Path(tempfile.mkdtemp(prefix="shardsafe-fuzz-ds-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
 SOUND = zero3_folder(WORK / "sound")
-OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+OPTIM, MODEL = "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"
 SEED_ARCHIVE = (SOUND.tag_folder / OPTIM).read_bytes()
-with zipfile.ZipFile(io.BytesIO(SEED_ARCHIVE)) as _z:
-    SEED_PICKLE = _z.read("archive/data.pkl")
-    SEED_RECORDS = {n.split("/data/", 1)[1]: _z.read(n) for n in _z.namelist() if "/data/" in n}
+
+
+def _parts(name: str) -> tuple[bytes, dict[str, bytes]]:
+    with zipfile.ZipFile(io.BytesIO((SOUND.tag_folder / name).read_bytes())) as z:
+        return z.read("archive/data.pkl"), {n.split("/data/", 1)[1]: z.read(n) for n in z.namelist() if "/data/" in n}
+
+
+SEEDS = {OPTIM: _parts(OPTIM), MODEL: _parts(MODEL)}
 FOLDER = WORK / "folder"
 shutil.copytree(SOUND.root, FOLDER)
-TARGET = FOLDER / SOUND.tag_folder.name / OPTIM
 SCRATCH = WORK / "one.pt"
 
 
@@ -76,29 +83,35 @@ def _read_all() -> None:
 
 def test_one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
-    target = fdp.ConsumeIntInRange(0, 3)
+    target = fdp.ConsumeIntInRange(0, 4)
     spliced = fdp.ConsumeBool()
+    name = MODEL if target == 4 else OPTIM
+    seed_pickle, records = SEEDS[name]
     try:
-        if target in (0, 1):
-            stream = _splice(SEED_PICKLE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
-            if target == 0:
-                scan_pickle(stream, "fuzz", RULES)
-            else:
-                load_file(write_archive(SCRATCH, stream, SEED_RECORDS), mmap=fdp.ConsumeBool())
+        if target == 2:
+            SCRATCH.write_bytes(_splice(SEED_ARCHIVE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()))
+            load_file(SCRATCH, mmap=fdp.ConsumeBool())
+            return
+        mmap = fdp.ConsumeBool()
+        stream = _splice(seed_pickle, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
+        if target == 0:
+            scan_pickle(stream, "fuzz", RULES)
+        elif target == 1:
+            load_file(write_archive(SCRATCH, stream, records), mmap=mmap)
         else:
-            raw = _splice(SEED_ARCHIVE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
-            if target == 2:
-                SCRATCH.write_bytes(raw)
-                load_file(SCRATCH, mmap=fdp.ConsumeBool())
-            else:
-                TARGET.write_bytes(raw)
+            target_file = FOLDER / SOUND.tag_folder.name / name
+            write_archive(target_file, stream, records)
+            try:
                 _read_all()
+            finally:
+                write_archive(target_file, seed_pickle, records)
     except ShardsafeError:
         pass
 
 
 def main() -> None:
     torch.set_num_threads(1)
+    logging.disable(logging.WARNING)  # the reader's warnings about entries it leaves out, once per input
     atexit.register(shutil.rmtree, WORK, True)  # libFuzzer ends the process with exit(), past any `finally`
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()

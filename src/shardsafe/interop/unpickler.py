@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from shardsafe.errors import CheckpointNotFoundError, FormatError
+from shardsafe.interop import pickle_scan
 from shardsafe.interop.mapped_copy import FileMapping
 from shardsafe.interop.pickle_scan import MAX_DIMS, GlobalRules, check_value_graph, scan_pickle
 
@@ -321,6 +322,8 @@ def load_file(path: Path, mmap: bool = True) -> LoadedFile:
             raise FormatError(f"{path}: not a regular file")
         os.set_blocking(fd, True)
         return _load(path, fd, info.st_size, mmap)
+    except OSError as exc:  # a seek or read the zip directory sends astray, an I/O error
+        raise FormatError(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
     finally:
         os.close(fd)
 
@@ -334,6 +337,8 @@ def _load(path: Path, fd: int, size: int, use_mmap: bool) -> LoadedFile:
                 "false writes the legacy format, which this reader does not read): save it again with serialization on"
             )
         pickle_at, pickle_info, records = _archive(path, f, size)
+        if pickle_info.file_size > pickle_scan.MAX_PICKLE_BYTES:  # before reading it
+            raise FormatError(f"{path}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} allowed")
         f.seek(pickle_at)
         data = f.read(pickle_info.file_size)
     if len(data) != pickle_info.file_size or zlib.crc32(data) != pickle_info.CRC:
@@ -398,6 +403,8 @@ def _archive(path: Path, f: Any, size: int) -> tuple[int, zipfile.ZipInfo, dict[
     for entry in entries:
         if entry.compress_type != zipfile.ZIP_STORED or entry.flag_bits & 1 or entry.file_size != entry.compress_size:
             raise FormatError(f"{path}: archive entry {entry.filename[:120]!r} is compressed or encrypted; torch.save stores entries as they are")
+        if not 0 <= entry.header_offset <= size - _LOCAL_HEADER.size:
+            raise FormatError(f"{path}: archive entry {entry.filename[:120]!r} lies past the end of the file")
         f.seek(entry.header_offset)
         header = f.read(_LOCAL_HEADER.size)
         if len(header) != _LOCAL_HEADER.size:
