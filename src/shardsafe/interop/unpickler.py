@@ -243,6 +243,9 @@ class _StateDict(OrderedDict[Any, Any]):
         if not isinstance(state, dict) or set(state) - {"_metadata"}:
             raise FormatError("an OrderedDict with attributes other than a state dict's _metadata")
 
+    def __reduce__(self) -> Any:  # pickled again (torch.save of a loaded state) as the plain OrderedDict it stands for
+        return (OrderedDict, (), None, None, iter(self.items()))
+
 
 def _ordered_dict(*args: Any) -> OrderedDict[Any, Any]:
     if args:
