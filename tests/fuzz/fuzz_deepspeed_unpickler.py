@@ -21,9 +21,9 @@ exception is a crash that libFuzzer reports with its input; a segfault stops the
 
 from __future__ import annotations
 
-import atexit
 import io
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -47,7 +47,23 @@ with atheris.instrument_imports(include=["shardsafe"]):
     from shardsafe.interop.pickle_scan import scan_pickle
     from shardsafe.interop.unpickler import RULES, load_file
 
-WORK = Path(tempfile.mkdtemp(prefix="shardsafe-fuzz-ds-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+_BASE = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+def _clean_stale() -> None:
+    """libFuzzer ends the process with exit() from C, past atexit: remove the folders of earlier runs whose process is gone."""
+    for old in _BASE.glob("shardsafe-fuzz-ds-*"):
+        try:
+            os.kill(int(old.name.rsplit("-", 1)[1]), 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(old, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+_clean_stale()
+WORK = _BASE / f"shardsafe-fuzz-ds-{os.getpid()}"
+shutil.rmtree(WORK, ignore_errors=True)
 SOUND = zero3_folder(WORK / "sound")
 OPTIM, MODEL = "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"
 SEED_ARCHIVE = (SOUND.tag_folder / OPTIM).read_bytes()
@@ -112,7 +128,6 @@ def test_one_input(data: bytes) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # the reader's warnings about entries it leaves out, once per input
-    atexit.register(shutil.rmtree, WORK, True)  # libFuzzer ends the process with exit(), past any `finally`
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()
 
