@@ -34,14 +34,10 @@ from shardsafe.api.source import CheckpointSource
 from shardsafe.cli.convert import add_parser as add_convert_command
 from shardsafe.errors import CheckpointNotFoundError, FormatError
 from shardsafe.hf.export import export_hf, iter_output
-from shardsafe.interop.deepspeed import (
-    STAND_INS,
-    DeepSpeedCheckpoint,
-    convert_deepspeed,
-    is_deepspeed_checkpoint,
-    load_pt,
-    open_source,
-)
+from shardsafe.interop.deepspeed_convert import convert_deepspeed
+from shardsafe.interop.deepspeed_files import is_deepspeed_checkpoint
+from shardsafe.interop.deepspeed_reader import DeepSpeedCheckpoint, open_source
+from shardsafe.interop.unpickler import STAND_INS, load_pt
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import ChunkReader
 

@@ -2,7 +2,7 @@
 
 A :class:`TensorSource` lists named tensors (:class:`TensorInfo`) and returns each whole tensor on
 ``read(name)``; :class:`CheckpointSource` implements it over a shardsafe checkpoint, and the
-DeepSpeed reader (``shardsafe.interop.deepspeed``) over DeepSpeed's own ZeRO checkpoints, so the
+DeepSpeed reader (``shardsafe.interop.deepspeed_reader``) over DeepSpeed's own ZeRO checkpoints, so the
 Hugging Face export above both layers needs neither's details.
 """
 

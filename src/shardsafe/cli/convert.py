@@ -8,7 +8,7 @@ from typing import Any
 
 from shardsafe.api.source import DTYPE_CHOICES
 from shardsafe.errors import CheckpointExistsError, ShardsafeError
-from shardsafe.interop.deepspeed import convert_deepspeed
+from shardsafe.interop.deepspeed_convert import convert_deepspeed
 from shardsafe.protocol.commit import open_checkpoint
 
 

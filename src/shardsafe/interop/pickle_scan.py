@@ -1,0 +1,308 @@
+"""Is this pickle stream within what the restricted loader accepts? Checked before and after unpickling.
+
+:func:`scan_pickle` walks the opcodes (``pickletools.genops``) of a ``torch.save`` pickle without
+running any of them, keeping a symbolic stack: which opcodes occur (an exact allow-list: protocol 2,
+the opcodes ``torch.save`` emits for dicts, lists, tuples, strings, numbers, globals and persistent
+storage ids), which globals are named (an exact list, each either a value, a callable that REDUCE may
+call, or a class that NEWOBJ may instantiate and BUILD may fill), what REDUCE calls, what NEWOBJ builds
+and what BUILD fills, memo indices (dense: a ``LONG_BINPUT 0xffffffff`` would make the C unpickler
+allocate a 32 GiB memo), integer sizes (at most 64 bits), strings (valid UTF-8) and the counts
+(bytes, opcodes, nesting). So no ``bytearray``/``eval``/``os.system`` call, no INST/OBJ/EXT code
+path, no out-of-band buffer reaches the unpickler, and the objects it builds are bounded by the
+pickle's bytes.
+
+:func:`check_value_graph` walks what was unpickled (iteratively) and refuses cycles, nesting deeper
+than :data:`MAX_NESTING` and sharing that would expand into more than :data:`MAX_EXPANDED` values when
+walked as a tree (``x = [y, y]; y = [z, z]; ...`` is small in the file, exponential to its readers).
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardsafe.errors import FormatError
+
+MAX_PICKLE_BYTES = 64 << 20  # DeepSpeed's pickles hold names, shapes and hyper-parameters: kilobytes to a few MiB
+MAX_OPCODES = 4_000_000  # about 30 per tensor: 100,000+ tensors in one file
+MAX_NESTING = 64  # DeepSpeed nests 8 deep; the ds_config a few more
+MAX_EXPANDED = 8_000_000  # values seen when the object graph is walked as a tree (shared values counted per use)
+MAX_DIMS = 64  # dimensions of a shape
+
+# The opcodes the protocol-2 pickler emits for the values torch.save writes; nothing else is unpickled.
+ALLOWED_OPCODES = frozenset(
+    {
+        "PROTO", "STOP", "MARK", "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT",
+        "BINUNICODE", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "APPEND",
+        "APPENDS", "SETITEM", "SETITEMS", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", "GLOBAL", "REDUCE",
+        "NEWOBJ", "BUILD", "BINPERSID",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GlobalRules:
+    """The globals a pickle may name (``"module.name"``), by what the pickle may do with them."""
+
+    values: frozenset[str]  # used as plain values only (dtypes, storage types, the tensor type)
+    callables: frozenset[str]  # what REDUCE may call (each a checking wrapper, see the unpickler)
+    classes: frozenset[str]  # what NEWOBJ may instantiate and BUILD may then fill with a dict
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values or name in self.callables or name in self.classes
+
+
+@dataclass
+class _Sym:
+    """What the scan knows about one stack value: its kind, the global it came from, its length, its nesting."""
+
+    kind: str  # "mark", "global", "dict", "list", "tuple", "call", "new", "pid", "leaf"
+    name: str = ""
+    length: int = 0
+    depth: int = 1
+
+
+_MARK = _Sym("mark")
+_LEAF = _Sym("leaf")
+
+
+@dataclass
+class ScanReport:
+    """What :func:`scan_pickle` counted in an accepted stream."""
+
+    opcodes: int = 0
+    persistent_ids: int = 0
+    globals: set[str] = field(default_factory=set)
+
+
+def scan_pickle(data: bytes, where: str, rules: GlobalRules) -> ScanReport:
+    """Refuse (:class:`FormatError` naming ``where``) a pickle that steps outside the allow-lists; nothing is unpickled."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise FormatError(f"{where}: a pickle of {len(data)} bytes is more than the {MAX_PICKLE_BYTES} allowed")
+    report = ScanReport()
+    try:
+        _Scan(where, rules, report).run(pickletools.genops(io.BytesIO(data)), len(data))
+    except FormatError:
+        raise
+    except Exception as exc:  # genops on a malformed stream: ValueError, UnicodeDecodeError, struct.error, ...
+        raise FormatError(f"{where}: not a readable pickle stream ({type(exc).__name__})") from None
+    return report
+
+
+class _Scan:
+    def __init__(self, where: str, rules: GlobalRules, report: ScanReport) -> None:
+        self.where, self.rules, self.report = where, rules, report
+        self.stack: list[_Sym] = []
+        self.marks = 0
+        self.memo: dict[int, _Sym] = {}
+
+    def refuse(self, pos: int, what: str) -> FormatError:
+        return FormatError(f"{self.where}: refused pickle: {what} (at byte {pos})")
+
+    def pop(self, pos: int, op: str) -> _Sym:
+        if not self.stack or self.stack[-1] is _MARK:
+            raise self.refuse(pos, f"{op} on an empty stack")
+        return self.stack.pop()
+
+    def pop_to_mark(self, pos: int, op: str) -> list[_Sym]:
+        if not self.marks:
+            raise self.refuse(pos, f"{op} without a MARK")
+        items: list[_Sym] = []
+        while (item := self.stack.pop()) is not _MARK:
+            items.append(item)
+        self.marks -= 1
+        items.reverse()
+        return items
+
+    def top(self, pos: int, op: str, kinds: tuple[str, ...]) -> _Sym:
+        if not self.stack or self.stack[-1].kind not in kinds:
+            found = self.stack[-1].kind if self.stack else "nothing"
+            raise self.refuse(pos, f"{op} on a {found}, not a {' or '.join(kinds)}")
+        return self.stack[-1]
+
+    def nest(self, container: _Sym, items: Iterable[_Sym], pos: int) -> None:
+        for item in items:
+            if item is container:
+                raise self.refuse(pos, "a container holding itself")
+            container.depth = max(container.depth, item.depth + 1)
+        if container.depth > MAX_NESTING:
+            raise self.refuse(pos, f"values nested more than {MAX_NESTING} deep")
+
+    def container(self, kind: str, items: list[_Sym], pos: int, name: str = "") -> _Sym:
+        made = _Sym(kind, name, len(items))
+        self.nest(made, items, pos)
+        return made
+
+    def run(self, ops: Iterable[tuple[Any, Any, int | None]], size: int) -> None:
+        stopped = False
+        pos = 0
+        for count, (opcode, arg, at) in enumerate(ops):
+            pos = at or 0
+            if count >= MAX_OPCODES:
+                raise self.refuse(pos, f"more than {MAX_OPCODES} opcodes")
+            name = opcode.name
+            if name not in ALLOWED_OPCODES:
+                raise self.refuse(pos, f"opcode {name} is not allowed")
+            if (count == 0) != (name == "PROTO"):
+                raise self.refuse(pos, "PROTO must come first, once")
+            if name == "PROTO" and arg != 2:
+                raise self.refuse(pos, f"pickle protocol {arg}; torch.save writes protocol 2")
+            stopped = self.step(name, arg, pos)
+            self.report.opcodes = count + 1
+        if not stopped:
+            raise FormatError(f"{self.where}: refused pickle: no STOP within its {size} bytes")
+        if pos + 1 != size:  # genops and the unpickler stop at STOP; torch.save writes nothing after it
+            raise self.refuse(pos, f"{size - pos - 1} bytes after STOP")
+        if len(self.stack) != 1 or self.marks:
+            raise FormatError(f"{self.where}: refused pickle: {len(self.stack)} values left at STOP")
+
+    def step(self, name: str, arg: Any, pos: int) -> bool:  # noqa: C901 - one branch per opcode reads best
+        push = self.stack.append
+        if name == "PROTO":
+            return False
+        if name == "STOP":
+            return True
+        if name == "MARK":
+            if self.marks >= MAX_NESTING:
+                raise self.refuse(pos, f"MARKs nested more than {MAX_NESTING} deep")
+            self.marks += 1
+            push(_MARK)
+        elif name in ("NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "BINFLOAT"):
+            push(_LEAF)
+        elif name == "LONG1":
+            if not -(1 << 63) <= arg < (1 << 64):
+                raise self.refuse(pos, "an integer wider than 64 bits")
+            push(_LEAF)
+        elif name == "BINUNICODE":
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:
+                raise self.refuse(pos, "a string that is not valid UTF-8") from None
+            push(_LEAF)
+        elif name == "EMPTY_DICT":
+            push(_Sym("dict"))
+        elif name == "EMPTY_LIST":
+            push(_Sym("list"))
+        elif name == "EMPTY_TUPLE":
+            push(_Sym("tuple"))
+        elif name == "TUPLE":
+            push(self.container("tuple", self.pop_to_mark(pos, name), pos))
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            items = [self.pop(pos, name) for _ in range(int(name[-1]))][::-1]
+            push(self.container("tuple", items, pos))
+        elif name == "APPEND":
+            item = self.pop(pos, name)
+            self.nest(self.top(pos, name, ("list",)), [item], pos)
+        elif name == "APPENDS":
+            items = self.pop_to_mark(pos, name)
+            self.nest(self.top(pos, name, ("list",)), items, pos)
+        elif name in ("SETITEM", "SETITEMS"):
+            items = [self.pop(pos, name), self.pop(pos, name)][::-1] if name == "SETITEM" else self.pop_to_mark(pos, name)
+            if len(items) % 2:
+                raise self.refuse(pos, "SETITEMS with a key and no value")
+            target = self.top(pos, name, ("dict", "call"))
+            if target.kind == "call" and target.name != "collections.OrderedDict":
+                raise self.refuse(pos, f"{name} on the result of {target.name}")
+            self.nest(target, items, pos)
+        elif name in ("BINPUT", "LONG_BINPUT"):
+            if not self.stack or self.stack[-1] is _MARK:
+                raise self.refuse(pos, f"{name} on an empty stack")
+            if not 0 <= arg <= len(self.memo):
+                raise self.refuse(pos, f"memo index {arg} out of sequence ({len(self.memo)} entries)")
+            self.memo[arg] = self.stack[-1]
+        elif name in ("BINGET", "LONG_BINGET"):
+            if arg not in self.memo:
+                raise self.refuse(pos, f"memo index {arg} was never stored")
+            push(self.memo[arg])
+        elif name == "GLOBAL":
+            qualified = ".".join(str(arg).split(" ", 1))
+            if qualified not in self.rules:
+                raise self.refuse(pos, f"global {qualified[:120]!r} is not allowed")
+            self.report.globals.add(qualified)
+            push(_Sym("global", qualified))
+        elif name == "REDUCE":
+            args, func = self.pop(pos, name), self.pop(pos, name)
+            if func.kind != "global" or func.name not in self.rules.callables:
+                raise self.refuse(pos, f"REDUCE calls {func.name or 'a ' + func.kind}, which is not an allowed callable")
+            if args.kind != "tuple":
+                raise self.refuse(pos, f"REDUCE arguments are a {args.kind}, not a tuple")
+            push(self.container("call", [args], pos, func.name))
+        elif name == "NEWOBJ":
+            args, cls = self.pop(pos, name), self.pop(pos, name)
+            if cls.kind != "global" or cls.name not in self.rules.classes:
+                raise self.refuse(pos, f"NEWOBJ of {cls.name or 'a ' + cls.kind}, which is not an allowed class")
+            if args.kind != "tuple" or args.length:
+                raise self.refuse(pos, f"NEWOBJ of {cls.name} with arguments")
+            push(_Sym("new", cls.name))
+        elif name == "BUILD":
+            state = self.pop(pos, name)
+            target = self.top(pos, name, ("new", "call"))
+            if target.kind == "call" and target.name != "collections.OrderedDict":  # a state dict's `_metadata`
+                raise self.refuse(pos, f"BUILD of the result of {target.name}")
+            if state.kind != "dict":
+                raise self.refuse(pos, f"BUILD of {target.name} with a {state.kind} state, not a dict")
+            self.nest(target, [state], pos)
+        elif name == "BINPERSID":
+            pid = self.pop(pos, name)
+            if pid.kind != "tuple" or pid.length not in (5,):
+                raise self.refuse(pos, "a persistent id that is not a 5-tuple")
+            self.report.persistent_ids += 1
+            push(_Sym("pid"))
+        else:  # pragma: no cover - ALLOWED_OPCODES and the branches above list the same opcodes
+            raise self.refuse(pos, f"opcode {name} is not handled")
+        return False
+
+
+def check_value_graph(root: Any, where: str, containers: tuple[type, ...]) -> None:
+    """Refuse an unpickled value graph with a cycle, nesting beyond :data:`MAX_NESTING` or a tree walk beyond :data:`MAX_EXPANDED`.
+
+    ``containers`` are the stand-in classes whose instances hold values (in their ``__dict__``);
+    dicts, lists and tuples are walked too, anything else is a leaf. Iterative, so no recursion limit.
+    """
+    sizes: dict[int, tuple[int, int]] = {}  # id -> (depth, expanded size) of a finished value
+    active: set[int] = set()
+    stack: list[tuple[Any, list[Any] | None]] = [(root, None)]
+    keep: list[Any] = []  # holds every visited value, so no id is reused during the walk
+    while stack:
+        value, children = stack[-1]
+        if children is None:
+            kids = _children(value, containers)
+            if kids is None or id(value) in sizes:
+                stack.pop()
+                continue
+            if id(value) in active:
+                raise FormatError(f"{where}: refused pickle: a value that contains itself")
+            active.add(id(value))
+            keep.append(value)
+            stack[-1] = (value, kids)
+            for kid in kids:
+                if _children(kid, containers) is not None and id(kid) not in sizes:
+                    if id(kid) in active:
+                        raise FormatError(f"{where}: refused pickle: a value that contains itself")
+                    stack.append((kid, None))
+            continue
+        stack.pop()
+        active.discard(id(value))
+        depth, size = 1, 1
+        for kid in children:
+            kid_depth, kid_size = sizes.get(id(kid), (0, 1))
+            depth, size = max(depth, kid_depth + 1), size + kid_size
+        if depth > MAX_NESTING:
+            raise FormatError(f"{where}: refused pickle: values nested more than {MAX_NESTING} deep")
+        if size > MAX_EXPANDED:
+            raise FormatError(f"{where}: refused pickle: shared values expand to more than {MAX_EXPANDED} when walked")
+        sizes[id(value)] = (depth, size)
+
+
+def _children(value: Any, containers: tuple[type, ...]) -> list[Any] | None:
+    """The values ``value`` holds, or None for a leaf."""
+    if isinstance(value, dict):
+        return [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, containers):
+        return list(vars(value).values())
+    return None
