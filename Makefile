@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-core bench-export bench-manager bench-deepspeed stress clean
+.PHONY: demo test lint docs bench bench-core bench-export bench-manager bench-deepspeed stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,10 +17,14 @@ demo: $(STAMP)
 	$(VENV)/bin/shardsafe demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks tools
+	$(PY) -m ruff format --check src tests benchmarks tools
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+
+# docs/ARCHITECTURE.md's layer tables, regenerated from the package (tests/test_layers.py checks they are current)
+docs: $(STAMP)
+	$(PY) tools/architecture.py
 
 test: lint
 	$(PY) -m pytest -q
@@ -29,6 +33,7 @@ stress: $(STAMP)
 	$(PY) -m pip install -q atheris
 	$(PY) -m pytest -q -m stress
 	$(PY) tests/fuzz/fuzz_parsers.py -runs=20000
+	$(PY) tests/fuzz/fuzz_deepspeed_unpickler.py -runs=20000
 
 # Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~40 min on 2 cores).
 bench: bench-core bench-export bench-manager bench-deepspeed

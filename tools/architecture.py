@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "shardsafe"
@@ -60,7 +61,10 @@ def render() -> str:
             siblings = [p for p in layer if p != package]
             lines.append(f"### `{package}`")
             lines.append("")
-            lines.append(f"May import: {', '.join(f'`{b}`' for b in below) or 'nothing of shardsafe'}" + (f" (not its sibling {', '.join(f'`{s}`' for s in siblings)})" if siblings else ""))
+            lines.append(
+                f"May import: {', '.join(f'`{b}`' for b in below) or 'nothing of shardsafe'}"
+                + (f" (not its sibling {', '.join(f'`{s}`' for s in siblings)})" if siblings else "")
+            )
             lines.append("")
             lines.append("| module | what it answers |")
             lines.append("|---|---|")

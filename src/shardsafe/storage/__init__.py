@@ -1,1 +1,1 @@
-"""Where bytes land: the local filesystem and fsspec URLs behind one Location, the safetensors writer and header reader."""
+"""Where bytes land: the local filesystem (local.py) and fsspec URLs such as s3:// (remote.py)."""
