@@ -42,7 +42,8 @@ from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
 from shardsafe.hf.weights_file import METADATA_KEY, show_name
 from shardsafe.protocol.commit import prepare
 from shardsafe.protocol.temppath import publish
-from shardsafe.storage.local import WriteBehind, fsync_dir, read_small_file, remove_tree, safe_child, tensor_pieces, write_small_file
+from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, safe_child, write_small_file
+from shardsafe.storage.safetensors import LocalSink, SafetensorsWriter
 
 log = logging.getLogger(__name__)
 
@@ -173,63 +174,42 @@ def output_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 
 class SafetensorsStreamWriter:
-    """Writes one safetensors file whose tensors arrive one by one, in header order.
+    """A model folder's weights file, written tensor by tensor in header order (the one streaming
+    writer, :class:`~shardsafe.storage.safetensors.SafetensorsWriter`, over a new local file).
 
     The header is written first (all shapes are known up front); each :meth:`write` streams one
-    tensor's bytes (device tensors through a bounded host buffer). The file is created with
-    ``O_EXCL`` and must be completed by :meth:`close`, which checks every tensor was written.
-    ``write_behind`` (for files that will be fsynced) starts writeback while writing, so the final
-    fsync has little left to do (:class:`~shardsafe.storage.WriteBehind`).
+    tensor's bytes and checks it is the dtype and shape the header promised. The file is created
+    with ``O_EXCL`` and must be completed by :meth:`close`. ``write_behind`` (for files that will
+    be fsynced) starts writeback while writing, so the final fsync has little left to do.
     """
 
     def __init__(self, path: Path, tensors: list[TensorInfo], write_behind: bool = True) -> None:
         self.path = path
         self.tensors = tensors
         check_tensor_names((t.name for t in tensors), str(path))
-        prefix, ranges = build_safetensors_header([HeaderEntry(t.name, t.dtype, t.shape) for t in tensors])
-        self.size = ranges[-1][1] if ranges else len(prefix)
-        self._next = 0
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._behind = WriteBehind(self._fd, write_behind)
-        self._pos = 0
-        self._write(memoryview(prefix))
-
-    def _write(self, view: memoryview) -> None:
-        assert self._fd is not None
-        while len(view):
-            written = os.write(self._fd, view[: 1 << 30])
-            view = view[written:]
-            self._pos += written
-            self._behind.advance(self._pos)
+        prefix, _ = build_safetensors_header([HeaderEntry(t.name, t.dtype, t.shape) for t in tensors])
+        self._writer = SafetensorsWriter(LocalSink(path, write_behind), prefix, [t.nbytes for t in tensors], where=str(path))
+        self.size = self._writer.size
 
     def write(self, tensor: torch.Tensor) -> None:
-        if self._next >= len(self.tensors):
+        index = self._writer.count
+        if index >= len(self.tensors):
             raise ShardsafeError(f"{self.path}: more tensors written than its header lists")
-        info = self.tensors[self._next]
+        info = self.tensors[index]
         if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
             raise ShardsafeError(
                 f"{self.path}: tensor {info.name!r} is {tensor.dtype} {list(tensor.shape)}, the header says {info.dtype} {list(info.shape)}"
             )
-        for piece in tensor_pieces(tensor):
-            self._write(piece)
-        self._next += 1
+        self._writer.write(tensor)
 
     def close(self, fsync: bool = True) -> None:
-        if self._fd is None:
-            return
         try:
-            if self._next != len(self.tensors) or self._pos != self.size:
-                raise ShardsafeError(f"{self.path}: {self._next} of {len(self.tensors)} tensors written ({self._pos} of {self.size} bytes)")
-            if fsync:
-                os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._fd = None
+            self._writer.close(fsync)
+        except ValueError as exc:
+            raise ShardsafeError(str(exc)) from None
 
     def abort(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._writer.abort()
 
 
 def index_bytes(plan: ShardPlan, total_parameters: int | None = None) -> bytes:

@@ -33,8 +33,9 @@ from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, SHARD_PATTERN, 
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError
 from shardsafe.protocol.temppath import TemporaryPath, publish
-from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, safe_child, write_small_file, write_tensor_file
+from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, safe_child, write_small_file
 from shardsafe.storage.remote import RemoteDir
+from shardsafe.storage.safetensors import write_tensor_file
 
 log = logging.getLogger("shardsafe")
 

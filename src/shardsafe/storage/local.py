@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from shardsafe.core.faults import crash_point
-from shardsafe.core.integrity import BlockHasher
 from shardsafe.errors import FormatError, IntegrityError
 
 WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for device tensors
@@ -118,50 +116,6 @@ class WriteBehind:
                 self.enabled = False  # this filesystem cannot: fall back to the plain final fsync
                 return
             raise OSError(err, f"sync_file_range: {os.strerror(err)}")
-
-
-def write_tensor_file(
-    path: Path, prefix: bytes, tensors: list[torch.Tensor], block_size: int, fsync: bool = True, rank: int = 0
-) -> tuple[int, list[list[str]]]:
-    """Stream ``prefix`` then each tensor's bytes into a new file; hash each tensor while writing.
-
-    Returns the file size and, per tensor, its block digests. The file must not exist: with one
-    writer per file by construction, an existing file means a protocol bug, so fail loudly.
-    With ``fsync`` the data is also pushed to the disk while writing (:class:`WriteBehind`).
-    """
-    try:
-        return _write_tensor_file(path, prefix, tensors, block_size, fsync, rank)
-    except OSError as exc:  # os.write / fsync errors carry no file name; the user needs it (ENOSPC, EIO)
-        raise OSError(exc.errno, f"{exc.strerror or exc} while writing {path}") from exc
-
-
-def _write_tensor_file(
-    path: Path, prefix: bytes, tensors: list[torch.Tensor], block_size: int, fsync: bool, rank: int
-) -> tuple[int, list[list[str]]]:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    digests: list[list[str]] = []
-    try:
-        behind = WriteBehind(fd, enabled=fsync)
-        _write_all(fd, memoryview(prefix))
-        size = len(prefix)
-        for tensor in tensors:
-            hasher = BlockHasher(block_size)
-            for piece in tensor_pieces(tensor):
-                for start in range(0, len(piece), WRITE_BEHIND_WINDOW):
-                    part = piece[start : start + WRITE_BEHIND_WINDOW]
-                    hasher.update(part)
-                    _write_all(fd, part)
-                    size += len(part)
-                    behind.advance(size)
-            digests.append(hasher.finish())
-            if len(digests) == len(tensors) // 2 + 1:
-                crash_point("save:mid-write", rank)
-        crash_point("save:before-fsync", rank)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    return size, digests
 
 
 def write_small_file(path: Path, data: bytes, fsync: bool = True) -> None:

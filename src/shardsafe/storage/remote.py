@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from shardsafe.core.format import check_component
-from shardsafe.core.integrity import BlockHasher
 from shardsafe.errors import FormatError, IntegrityError
-from shardsafe.storage.local import tensor_pieces
+from shardsafe.storage.safetensors import write_tensor_stream
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -76,18 +75,7 @@ class RemoteDir:
 
     def write_tensors(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int) -> tuple[int, list[list[str]]]:
         """Stream ``prefix`` and the tensors into one object (multipart upload), hashing blocks."""
-        digests: list[list[str]] = []
-        size = len(prefix)
-        with self.fs.open(self.key(name), "wb") as f:
-            f.write(prefix)
-            for tensor in tensors:
-                hasher = BlockHasher(block_size)
-                for piece in tensor_pieces(tensor):
-                    hasher.update(piece)
-                    f.write(piece)
-                    size += len(piece)
-                digests.append(hasher.finish())
-        return size, digests
+        return write_tensor_stream(self.fs.open(self.key(name), "wb"), prefix, tensors, block_size, f"{self.url}/{name}")
 
     def read_into(self, name: str, views: Iterable[memoryview], offset: int, where: str) -> None:
         """Fill ``views`` from consecutive bytes at ``offset`` with one ranged GET."""
