@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
-# docs/ARCHITECTURE.md's layer tables, regenerated from the package (tests/test_layers.py checks they are current)
+# docs/ARCHITECTURE.md's layer tables, regenerated from the package (tests/core/test_layers.py checks they are current)
 docs: $(STAMP)
 	$(PY) tools/architecture.py
 

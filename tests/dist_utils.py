@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -207,7 +208,9 @@ def torchrun_command(fn: Callable[..., Any], out_dir: str | os.PathLike[str], ar
     out.mkdir(parents=True, exist_ok=True)
     args_file = out / f"args-{time.monotonic_ns()}.pt"
     torch.save(args, args_file)
-    target = f"{fn.__module__}:{fn.__qualname__}"
+    module_file = getattr(sys.modules.get(fn.__module__), "__file__", None)  # tests live in per-layer folders
+    folder = str(Path(module_file).resolve().parent) if module_file else str(TESTS_DIR)
+    target = f"{folder}|{fn.__module__}:{fn.__qualname__}"
     return [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(Path(__file__).resolve()), target, str(out), str(args_file)]
 
 
@@ -256,6 +259,9 @@ def _torchrun_worker(target: str, out_dir: str, args_file: str) -> None:
     """Entry point of a rank started by torch.distributed.run (environment rendezvous)."""
     torch.set_num_threads(1)
     sys.path.insert(0, str(TESTS_DIR))
+    folder, _, target = target.rpartition("|")
+    if folder:
+        sys.path.insert(0, folder)
     module_name, _, qualname = target.partition(":")
     fn = importlib.import_module(module_name)
     for part in qualname.split("."):
@@ -426,3 +432,46 @@ def crc(name: str) -> int:
 
 if __name__ == "__main__":
     _torchrun_worker(*sys.argv[1:4])
+
+
+# ----------------------------------------------------------------------------- script launches
+
+
+@dataclass
+class ScriptLaunch:
+    """A real ``python -m torch.distributed.run`` of a test script, logging to ``log``."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def launch_script(name: str, script: Path, nproc: int, args: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> ScriptLaunch:
+    """Start ``script args...`` on ``nproc`` CPU ranks under torchrun (its own session, so a hang can be killed whole)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    for variable in ("SHARDSAFE_CRASH_AT", "SHARDSAFE_FAIL_AT"):
+        full_env.pop(variable, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(script), *args]
+    log = cwd / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True)
+    return ScriptLaunch(name, proc, log)
+
+
+def wait_for_scripts(launches: list[ScriptLaunch], deadline: float, what: str, detail: Callable[[ScriptLaunch], str] | None = None) -> None:
+    """Wait for every launch until ``deadline`` (monotonic); kill what hangs; fail the test naming each failed launch."""
+    failures = []
+    for launch in launches:
+        try:
+            launch.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.proc.pid, signal.SIGKILL)
+            launch.proc.wait()
+        if launch.proc.returncode != 0:
+            text = (detail(launch) if detail is not None else "") or launch.log.read_text()[-6000:]
+            failures.append(f"--- {launch.name}: exit {launch.proc.returncode}\n{text}")
+    if failures:
+        import pytest
+
+        pytest.fail(f"{what} failed:\n" + "\n".join(failures))

@@ -7,8 +7,8 @@ object a line, to the file named by ``SHARDSAFE_RELIABILITY_LOG``; unset (the no
 
     rm -f /tmp/reliability.jsonl
     SHARDSAFE_RELIABILITY_LOG=/tmp/reliability.jsonl .venv/bin/python -m pytest -q -m "stress or not stress" \\
-        tests/test_crash.py tests/test_corruption.py tests/test_faults_crash.py tests/test_faults_io.py \\
-        tests/test_hostile.py tests/test_properties.py tests/test_atomic_load.py
+        tests/faults/test_crash.py tests/api/test_corruption.py tests/faults/test_faults_crash.py tests/faults/test_faults_io.py \\
+        tests/api/test_hostile.py tests/core/test_properties.py tests/api/test_atomic_load.py
     .venv/bin/python tests/reliability.py /tmp/reliability.jsonl
 """
 

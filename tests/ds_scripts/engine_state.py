@@ -1,7 +1,7 @@
 """A live DeepSpeed ZeRO-3 engine saved and loaded as a shardsafe state value, on CPU ranks (gloo).
 
 Run with ``python -m torch.distributed.run --nproc_per_node W engine_state.py OUT PHASE``
-(tests/test_deepspeed_engine.py does). Every rank writes ``OUT/PHASE.rank<r>.pt`` with what it saw
+(tests/interop/test_deepspeed_engine.py does). Every rank writes ``OUT/PHASE.rank<r>.pt`` with what it saw
 (full tensors gathered by DeepSpeed's own helpers, losses, error messages); the test compares.
 
 * ``save`` (W=2), for ``bf16``, ``fp32`` and ``bf16-offload``: engine A trains 2 steps, is saved by shardsafe

@@ -1,4 +1,4 @@
-"""The hostile DeepSpeed folders of tests/test_deepspeed_hostile.py: each breaks one thing of a sound crafted folder.
+"""The hostile DeepSpeed folders of tests/interop/test_deepspeed_hostile.py: each breaks one thing of a sound crafted folder.
 
 ``CASES`` maps a case name to (folder kind: ``z3`` or ``z2``, what to break, the expected outcome:
 an error class name or ``read``, a regex its message must match). :func:`build` writes one.

@@ -1,6 +1,6 @@
 """Read DeepSpeed folders through every entry point of the reader, in a process of its own, one JSON line per folder.
 
-Run with ``python read_hostile.py OUT_DIR NAME=FOLDER ...`` (tests/test_deepspeed_hostile.py does). For
+Run with ``python read_hostile.py OUT_DIR NAME=FOLDER ...`` (tests/interop/test_deepspeed_hostile.py does). For
 each folder: open :class:`DeepSpeedCheckpoint`, read every tensor, every optimizer state entry, the
 param groups and flat groups, then ``convert_deepspeed`` (module layout, then the engine layout) and
 ``export_hf``. It prints ``{"case": NAME, "start": true}`` before and ``{"case": NAME, "outcome":

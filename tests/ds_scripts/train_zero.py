@@ -1,7 +1,7 @@
 """Train tiny models under real DeepSpeed ZeRO on CPU ranks and save checkpoints plus references.
 
 Run with ``python -m torch.distributed.run --nproc_per_node W train_zero.py OUT [VARIANT ...]``
-(tests/test_deepspeed.py does). For each variant it builds a small model, runs
+(tests/interop/test_deepspeed.py does). For each variant it builds a small model, runs
 ``deepspeed.initialize`` (gloo, CPU accelerator), trains two steps, calls
 ``engine.save_checkpoint(OUT/VARIANT)`` on every rank, then writes what DeepSpeed itself says the
 checkpoint holds, for the tests to compare against (rank 0 writes, every rank gathers):

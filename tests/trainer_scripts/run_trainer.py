@@ -1,4 +1,4 @@
-"""Real ``transformers.Trainer`` runs on CPU ranks (gloo), plain and ``ShardsafeTrainer``, for tests/test_trainer.py.
+"""Real ``transformers.Trainer`` runs on CPU ranks (gloo), plain and ``ShardsafeTrainer``, for tests/integrations/test_trainer.py.
 
 Run with ``python -m torch.distributed.run --nproc_per_node 2 run_trainer.py OUT SCENARIO [SCENARIO ...]``.
 Each scenario trains a tiny GPT-2 (built offline from a config; dropout on, so resuming needs the

@@ -41,7 +41,7 @@ from shardsafe.interop.deepspeed_reader import DeepSpeedCheckpoint
 from shardsafe.interop.mapped_copy import copy_out
 from shardsafe.interop.unpickler import load_file, load_pt
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 SRC = Path(shardsafe.__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 600
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_cli_runner import run_forked
 from torch import nn
 
 import shardsafe
 from shardsafe.core.integrity import hash_bytes
-from test_cli_runner import run_forked
 
 SECRET = "SHARDSAFE-SECRET-7d41c9e2"
 STEP = "step-0000000001"

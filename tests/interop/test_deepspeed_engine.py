@@ -15,9 +15,6 @@ The ranks return whole tensors gathered by DeepSpeed's own ``safe_get_full_fp32_
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,11 +23,11 @@ import pytest
 import torch
 
 import shardsafe
-from dist_utils import HAVE_DEEPSPEED, free_port
+from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, ScriptLaunch, launch_script, wait_for_scripts
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import ChunkReader
 
-SCRIPT = Path(__file__).resolve().parent / "ds_scripts" / "engine_state.py"
+SCRIPT = TESTS_DIR / "ds_scripts" / "engine_state.py"
 PRECISIONS = ("bf16", "fp32", "bf16-offload")
 OTHER_WORLDS = (1, 3)
 LAUNCH_TIMEOUT_S = 600  # the first DeepSpeed start on a machine compiles an op (minutes on 2 cores)
@@ -38,28 +35,12 @@ LAUNCH_TIMEOUT_S = 600  # the first DeepSpeed start on a machine compiles an op 
 pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed")
 
 
-def _launch(root: Path, world: int, phase: str) -> tuple[subprocess.Popen[bytes], Path]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1"]
-    cmd += ["--master_port", str(free_port()), str(SCRIPT), str(root), phase]
-    log_path = root / f"{phase}-w{world}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-    return proc, log_path
+def _launch(root: Path, world: int, phase: str) -> ScriptLaunch:
+    return launch_script(f"{phase}-w{world}", SCRIPT, world, [str(root), phase], cwd=root)
 
 
-def _wait(launches: list[tuple[subprocess.Popen[bytes], Path]], deadline: float) -> None:
-    failures = []
-    for proc, log_path in launches:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        if proc.returncode != 0:
-            failures.append(f"--- {log_path.name}: exit {proc.returncode}\n{log_path.read_text()[-6000:]}")
-    if failures:
-        pytest.fail("DeepSpeed runs failed:\n" + "\n".join(failures))
+def _wait(launches: list[ScriptLaunch], deadline: float) -> None:
+    wait_for_scripts(launches, deadline, "DeepSpeed runs")
 
 
 @pytest.fixture(scope="module")

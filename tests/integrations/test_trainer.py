@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,7 @@ pytest.importorskip("accelerate")
 from safetensors.torch import load_file  # noqa: E402
 
 import shardsafe  # noqa: E402
-from dist_utils import HAVE_DEEPSPEED  # noqa: E402
+from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, ScriptLaunch, launch_script, wait_for_scripts  # noqa: E402
 from shardsafe.api.source import CheckpointSource  # noqa: E402
 from shardsafe.errors import CheckpointNotFoundError, ModelFolderError  # noqa: E402
 from shardsafe.hf.export import export_hf, iter_output  # noqa: E402
@@ -39,7 +36,7 @@ from shardsafe.manager.lease import LEASE_DIR
 pytest_plugins = ["servers.fixtures"]  # hub_server, hub
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
 
-SCRIPT = Path(__file__).resolve().parent / "trainer_scripts" / "run_trainer.py"
+SCRIPT = TESTS_DIR / "trainer_scripts" / "run_trainer.py"
 DDP_SCENARIOS = ["plain", "main", "resume_mid", "resume_last", "rotation1", "rotation2", "push", "model_only"]
 Z3_SCENARIOS = ["z3_plain", "z3_main", "z3_resume", "z3_nogather"]
 LAUNCH_TIMEOUT_S = 600  # DeepSpeed's first start on a machine compiles an op (minutes on 2 cores)
@@ -75,25 +72,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, hub_server: Any) -> Runs:
     launches = {"ddp": DDP_SCENARIOS}
     if HAVE_DEEPSPEED:
         launches["z3"] = Z3_SCENARIOS
-    procs = {}
-    start = time.monotonic()
-    for name, scenarios in launches.items():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), str(root), *scenarios]
-        log = open(root / f"{name}.log", "w")  # noqa: SIM115 - closed below
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True), log)
-    failures = []
-    for name, (proc, log) in procs.items():
-        try:
-            proc.wait(timeout=max(1.0, LAUNCH_TIMEOUT_S - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-        if proc.returncode != 0:
-            errors = "\n".join(p.read_text()[-3000:] for p in sorted(root.glob("*.error")))
-            failures.append(f"--- {name}: exit {proc.returncode}\n{errors or (root / f'{name}.log').read_text()[-6000:]}")
-    if failures:
-        pytest.fail("trainer runs failed:\n" + "\n".join(failures))
+    started = [launch_script(name, SCRIPT, 2, [str(root), *scenarios], cwd=root, env=env) for name, scenarios in launches.items()]
+
+    def errors(launch: ScriptLaunch) -> str:
+        return "\n".join(p.read_text()[-3000:] for p in sorted(root.glob("*.error")))
+
+    wait_for_scripts(started, time.monotonic() + LAUNCH_TIMEOUT_S, "trainer runs", errors)
     files = hub_server.files(REPO)  # kept now: other tests reset the server
     commits = [c.title for c in hub_server.commits(REPO)]
     return Runs(root, files, commits, hub_server.url, HAVE_DEEPSPEED)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_crash import assert_checkpoint_is
 
 import shardsafe
 from dist_utils import launch, make_model, seeded_values, set_model_values, shard
@@ -30,7 +31,6 @@ from fault_utils import check_root_after_fault, manager_job, resume_and_save
 from reliability import record
 from shardsafe.core.faults import POINTS
 from shardsafe.errors import CheckpointNotFoundError
-from test_crash import assert_checkpoint_is
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
 

@@ -24,7 +24,7 @@ from shardsafe.manager.naming import step_name
 
 pytest_plugins = ["servers.fixtures"]  # s3_bucket
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 JOB = textwrap.dedent(
     """

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardsafe
-from dist_utils import HAVE_DEEPSPEED, free_port, full_model_state, full_optimizer_state, run_ranks
+from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, full_model_state, full_optimizer_state, launch_script, run_ranks, wait_for_scripts
 from ds_scripts.train_zero import VOCAB, Tiny, param_groups
 from shardsafe.api.source import CheckpointSource
 from shardsafe.cli.convert import add_parser as add_convert_command
@@ -41,7 +41,7 @@ from shardsafe.interop.unpickler import STAND_INS, load_pt
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import ChunkReader
 
-SCRIPT = Path(__file__).resolve().parent / "ds_scripts" / "train_zero.py"
+SCRIPT = TESTS_DIR / "ds_scripts" / "train_zero.py"
 LAUNCHES = {  # world size -> variants trained in one launch
     2: ["tiny_bf16_z3", "tiny_fp16synth_z3", "llama_bf16_z3", "tiny_fp32_z2"],
     3: ["tiny_fp32_z3", "tiny_bf16_z1"],
@@ -73,28 +73,13 @@ def ds_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     if not HAVE_DEEPSPEED:
         pytest.skip("DeepSpeed and g++ are needed")
     root = tmp_path_factory.mktemp("deepspeed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    procs = {}
-    start = time.monotonic()
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    launches = []
     for world, variants in LAUNCHES.items():
         out = root / f"w{world}"
         out.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1"]
-        cmd += ["--master_port", str(free_port()), str(SCRIPT), str(out), *variants]
-        log = open(root / f"w{world}.log", "w")  # noqa: SIM115 - closed below
-        procs[world] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True), log)
-    failures = []
-    for world, (proc, log) in procs.items():
-        try:
-            proc.wait(timeout=max(1.0, LAUNCH_TIMEOUT_S - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        log.close()
-        if proc.returncode != 0:
-            failures.append(f"--- {world} ranks: exit {proc.returncode}\n{(root / f'w{world}.log').read_text()[-6000:]}")
-    if failures:
-        pytest.fail("DeepSpeed runs failed:\n" + "\n".join(failures))
+        launches.append(launch_script(f"w{world}", SCRIPT, world, [str(out), *variants], cwd=root, env=env))
+    wait_for_scripts(launches, time.monotonic() + LAUNCH_TIMEOUT_S, "DeepSpeed runs")
     runs = {}
     for world, variants in LAUNCHES.items():
         out = root / f"w{world}"
@@ -443,7 +428,7 @@ def test_convert_for_engine_from_zero12(ds_runs: dict[str, Run], tmp_path: Path,
     """A ZeRO-1/2 source converts to the ZeRO-3 engine layout too: whole 1-D parameters and moments (bit for
     bit what DeepSpeed's safe_get_full_* report), frozen parameters as stored, the step count of every
     trained parameter, param groups. (Loading such a conversion into a live engine is tested from ZeRO-3
-    sources in tests/test_deepspeed_engine.py; the layout is the same.)"""
+    sources in tests/interop/test_deepspeed_engine.py; the layout is the same.)"""
     run = ds_runs[name]
     out = convert_deepspeed(run.folder, tmp_path / "engine", for_engine=True)
     assert shardsafe.verify(out)["state_entries"] == ["engine", "sched", "step"]

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_crash import assert_checkpoint_is
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -30,7 +31,6 @@ from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError
 from shardsafe.manager.catalog import committed_steps
 from shardsafe.manager.naming import step_name
 from shardsafe.storage.remote import RemoteDir
-from test_crash import assert_checkpoint_is
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
 

@@ -22,7 +22,7 @@ from shardsafe.storage.remote import RemoteDir
 
 pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 HOLDER = textwrap.dedent(
     """

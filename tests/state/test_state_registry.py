@@ -21,7 +21,7 @@ from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.state import base
 from shardsafe.state.registry import ADAPTERS, adapter_for, adapter_for_kind, display_shapes, summarize_entry
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "shardsafe"
+SRC = Path(__file__).resolve().parents[2] / "src" / "shardsafe"
 
 
 class PerRank:

@@ -17,7 +17,7 @@ import pytest
 
 grimp = pytest.importorskip("grimp")
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "shardsafe"
+SRC = Path(__file__).resolve().parents[2] / "src" / "shardsafe"
 
 
 @pytest.fixture(scope="module")
