@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shardsafe.api.foreign import refuse_foreign
 from shardsafe.api.location import location, shown
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import Manifest
@@ -79,6 +80,7 @@ def load(
     problem: Exception | None = None
     opened: tuple[Manifest, dict[str, Any], LoadBinding] | None = None
     try:
+        refuse_foreign(folder)  # a DCP folder, ...: say so (see api/foreign.py)
         manifest, tree = open_checkpoint(folder)
         check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
         binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest), strict)

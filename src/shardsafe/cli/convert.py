@@ -1,4 +1,4 @@
-"""``shardsafe convert SRC OUT``: a DeepSpeed ZeRO checkpoint into a shardsafe checkpoint."""
+"""``shardsafe convert SRC OUT``: a DeepSpeed ZeRO or DCP checkpoint into a shardsafe checkpoint, or (``--to dcp``) back into DCP."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Any
 
 from shardsafe.api.source import DTYPE_CHOICES
 from shardsafe.errors import CheckpointExistsError, ShardsafeError
+from shardsafe.interop.dcp_convert import convert_dcp, export_dcp
+from shardsafe.interop.dcp_metadata import is_dcp_folder
 from shardsafe.interop.deepspeed_convert import convert_deepspeed
 from shardsafe.protocol.commit import open_checkpoint
 
@@ -38,6 +40,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="write the layout of a live ZeRO-3 engine (entry 'engine': fp32 master, optimizer state, frozen parameters, buffers, "
         "step counts, hyper-parameters, loss scaler, counters) for shardsafe.load(OUT, {'engine': engine}) at any world size",
     )
+    p.add_argument(
+        "--to",
+        choices=["shardsafe", "dcp"],
+        default="shardsafe",
+        help="shardsafe (default): SRC is a DeepSpeed or torch.distributed.checkpoint (DCP) folder; dcp: SRC is a shardsafe checkpoint, "
+        "written as a DCP checkpoint with dcp.save",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
@@ -45,6 +54,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.to == "dcp" or is_dcp_folder(args.src):
+        return _run_dcp(args)
     if args.for_engine and args.dtype is not None:
         raise ShardsafeError("--dtype does not apply with --for-engine (the engine layout keeps fp32 master weights and the engine's dtypes)")
     try:
@@ -71,4 +82,21 @@ def _run(args: argparse.Namespace) -> int:
         f"converted DeepSpeed ZeRO-{meta.get('zero_stage')} checkpoint {meta.get('tag')} ({meta.get('dp_world_size')} ranks, "
         f"step {meta.get('global_steps')}) into {out}: {what}, {sum(f.size for f in manifest.files.values())} bytes"
     )
+    return 0
+
+
+def _run_dcp(args: argparse.Namespace) -> int:
+    """A DCP folder into a shardsafe checkpoint, or with ``--to dcp`` a shardsafe checkpoint into a DCP folder."""
+    if args.for_engine or args.dtype is not None or args.tag is not None:
+        raise ShardsafeError("--tag, --dtype and --for-engine apply to DeepSpeed checkpoints only")
+    try:
+        if args.to == "dcp":
+            out = export_dcp(args.src, args.out, overwrite=args.overwrite)
+            print(f"wrote {args.src} as a torch.distributed.checkpoint folder {out} (dcp.load reads it)")
+            return 0
+        out = convert_dcp(args.src, args.out, overwrite=args.overwrite, progress=not args.no_progress)
+    except CheckpointExistsError as exc:
+        raise CheckpointExistsError(f"{args.out}: exists; pass --overwrite to replace it") from exc
+    manifest, _ = open_checkpoint(out)
+    print(f"converted DCP checkpoint {args.src} into {out}: {len(manifest.tensors)} tensors, {sum(f.size for f in manifest.files.values())} bytes")
     return 0
