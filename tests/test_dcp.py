@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tests.dist_utils import DIMS, full_model_state, full_optimizer_state, make_model, make_optimizer, run_ranks, shard
 
 import shardsafe
 from shardsafe.cli.main import main as cli_main
 from shardsafe.errors import FormatError
 from shardsafe.interop.dcp_metadata import read_metadata
 from shardsafe.interop.dcp_reader import DcpCheckpoint
-from tests.dist_utils import DIMS, full_model_state, full_optimizer_state, make_model, make_optimizer, run_ranks, shard
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
