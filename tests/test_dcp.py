@@ -43,7 +43,8 @@ def _save_dcp(rank: int, world_size: int, folder: str) -> None:
 
 
 def _load_both(rank: int, world_size: int, dcp_folder: str, converted: str) -> dict[str, Any]:
-    """dcp.load into one fresh FSDP2 model + AdamW, shardsafe.load of the conversion into another; both whole."""
+    """dcp.load into one fresh FSDP2 model + AdamW, shardsafe.load of the conversion into another, shardsafe.load of the
+    DCP folder itself into a third; all whole."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     ref_model, ref_optim = _trained(7, world_size)
@@ -53,9 +54,12 @@ def _load_both(rank: int, world_size: int, dcp_folder: str, converted: str) -> d
     set_state_dict(ref_model, ref_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model, optim = _trained(9, world_size)
     shardsafe.load(converted, {"model": model, "optim": optim})
+    direct_model, direct_optim = _trained(11, world_size)
+    shardsafe.load(dcp_folder, {"model": direct_model, "optim": direct_optim})
     return {
         "ref": (full_model_state(ref_model), full_optimizer_state(ref_model, ref_optim)),
         "got": (full_model_state(model), full_optimizer_state(model, optim)),
+        "direct": (full_model_state(direct_model), full_optimizer_state(direct_model, direct_optim)),
     }
 
 
@@ -72,13 +76,14 @@ def _same(a: Any, b: Any) -> bool:
 def test_fsdp2_dcp_checkpoint_converts_and_reshards_like_dcp_load(tmp_path: Path) -> None:
     folder = tmp_path / "dcp"
     run_ranks(_save_dcp, 2, str(folder), work_dir=tmp_path)
-    with pytest.raises(FormatError, match="DCP.*shardsafe convert"):
-        shardsafe.load(folder, {})
+    with pytest.raises(FormatError, match="DCP.*no hashes"):
+        shardsafe.verify(folder)
     converted = shardsafe.convert_dcp(folder, tmp_path / "converted")
     for world_size in (1, 3):
         results = run_ranks(_load_both, world_size, str(folder), str(converted), work_dir=tmp_path)
         for result in results:
             assert _same(result["ref"], result["got"]), world_size
+            assert _same(result["ref"], result["direct"]), world_size
     # and back: --to dcp, then dcp.load of it equals the shardsafe checkpoint
     assert cli_main(["convert", str(converted), str(tmp_path / "back"), "--to", "dcp"]) == 0
     back = DcpCheckpoint(tmp_path / "back", key="")
@@ -168,6 +173,11 @@ def test_hostile_metadata_is_refused_without_running_code(tmp_path: Path, kind: 
         read_metadata(folder)
     with pytest.raises(FormatError):
         shardsafe.convert_dcp(folder, tmp_path / "out")
+    model = torch.nn.Linear(4, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FormatError, match=r"\.metadata"):
+        shardsafe.load(folder, {"model": model})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
 

@@ -21,18 +21,12 @@ from typing import Any
 
 import torch
 
-from shardsafe.api.foreign import ForeignFormat, register_format
 from shardsafe.core.values import decode_value, encode_value
 from shardsafe.errors import FormatError, ShardsafeError
-from shardsafe.interop.dcp_metadata import is_dcp_folder
 from shardsafe.interop.dcp_reader import DcpCheckpoint
 from shardsafe.interop.deepspeed_convert import Planned, write_planned
 
 log = logging.getLogger(__name__)
-
-register_format(
-    ForeignFormat("torch.distributed.checkpoint (DCP)", is_dcp_folder, "run `shardsafe convert SRC OUT` first, then shardsafe.load(OUT, ...)")
-)
 
 _KINDS = {"model": "module", "optim": "optimizer"}
 
