@@ -101,7 +101,7 @@ class DcpCheckpoint:
             os.close(fd)
 
     def config_files(self) -> dict[str, Path]:
-        return find_config_files(self.folder, self.folder.parent)
+        return find_config_files(self.folder)
 
     def describe(self) -> dict[str, Any]:
         """What the folder holds, for ``shardsafe inspect``."""
