@@ -192,3 +192,27 @@ def test_cli_on_a_hostile_folder_prints_error_and_exits_1(tmp_path: Path, comman
     assert proc.returncode == 1, proc.stderr
     assert "error:" in proc.stderr and ".metadata" in proc.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("fqn", ["model.w", "n"])
+def test_hostile_item_pickle_is_refused_without_running_code(tmp_path: Path, fqn: str) -> None:
+    """An item's own torch.save archive naming os.system (a tensor chunk, a value) is refused, naming the .distcp file."""
+    import io
+
+    folder, marker = tmp_path / "dcp", tmp_path / "pwned"
+    meta = _small(folder)
+    evil = io.BytesIO()
+    torch.save(_Evil(marker), evil)
+    index = next(i for i in meta.storage_data if i.fqn == fqn)
+    info = meta.storage_data[index]
+    data_file = folder / info.relative_path
+    info.offset, info.length = data_file.stat().st_size, len(evil.getvalue())
+    with open(data_file, "ab") as f:
+        f.write(evil.getvalue())
+    _rewrite(folder, meta)
+    with pytest.raises(FormatError, match=r"\.distcp.*not allowed"):
+        shardsafe.convert_dcp(folder, tmp_path / "out")
+    with pytest.raises(FormatError, match=r"\.distcp"):
+        shardsafe.load(folder, {"model": torch.nn.Module()}, strict=False)
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()

@@ -18,14 +18,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``convert SRC OUT [--tag T] [--dtype D] [--for-engine] [--overwrite] [--no-progress]`` to a ``shardsafe`` parser."""
     p = subparsers.add_parser(
         "convert",
-        help="turn a DeepSpeed ZeRO checkpoint into a shardsafe checkpoint (model + optimizer, any world size)",
+        help="turn a DeepSpeed ZeRO or torch DCP checkpoint into a shardsafe checkpoint (model + optimizer, any world size), or back to DCP",
         description="Read a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint without DeepSpeed and without running pickled code, and write "
         "it as a shardsafe checkpoint: model/<name> (fp32 master weights), optim/state/<name>/{exp_avg,exp_avg_sq,step} and the "
         "param groups, keyed as shardsafe.save keys a module and a torch optimizer, so shardsafe.load({'model': model, 'optim': "
         "AdamW(...)}) resumes on any number of ranks; with --for-engine, in the layout shardsafe.save gives a live ZeRO-3 engine, so "
-        "shardsafe.load({'engine': engine}) resumes a fresh DeepSpeed engine on any number of ranks. One process, one tensor in memory at a time.",
+        "shardsafe.load({'engine': engine}) resumes a fresh DeepSpeed engine on any number of ranks. A torch.distributed.checkpoint (DCP) folder "
+        "(.metadata + .distcp files) is read the same way, through the restricted unpickler; --to dcp writes a shardsafe checkpoint "
+        "back as a DCP folder with dcp.save. One process, one tensor in memory at a time.",
     )
-    p.add_argument("src", type=Path, metavar="SRC", help="the folder engine.save_checkpoint wrote (holding `latest`), or a tag folder")
+    p.add_argument(
+        "src",
+        type=Path,
+        metavar="SRC",
+        help="the folder engine.save_checkpoint wrote (holding `latest`), a tag folder, a DCP folder, or with --to dcp a shardsafe checkpoint",
+    )
     p.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to create")
     p.add_argument("--tag", default=None, help="tag folder to read (default: the one `latest` names)")
     p.add_argument(
