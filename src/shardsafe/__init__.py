@@ -22,6 +22,8 @@ from shardsafe.hf.export import export_hf  # noqa: E402
 from shardsafe.hf.load_pretrained import load_pretrained  # noqa: E402
 from shardsafe.hf.pretrained import save_pretrained  # noqa: E402
 from shardsafe.hf.push import push  # noqa: E402
+from shardsafe.interop import dcp_load as _dcp_load  # noqa: E402,F401  (registers DCP folders with shardsafe.load)
+from shardsafe.interop.dcp_convert import convert_dcp, export_dcp  # noqa: E402
 from shardsafe.interop.deepspeed_convert import convert_deepspeed  # noqa: E402
 from shardsafe.manager.catalog import list_checkpoints  # noqa: E402
 from shardsafe.manager.gc import collect_garbage  # noqa: E402
@@ -45,7 +47,9 @@ __all__ = [
     "StateMismatchError",
     "__version__",
     "collect_garbage",
+    "convert_dcp",
     "convert_deepspeed",
+    "export_dcp",
     "export_hf",
     "list_checkpoints",
     "load",

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shardsafe.api.foreign import foreign_format
 from shardsafe.api.location import location, shown
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import Manifest
@@ -73,6 +74,9 @@ def load(
     """
     comm = get_comm(process_group)
     folder = location(path)
+    foreign = foreign_format(folder)  # a DCP folder, ...: read by the reader registered for it (see api/foreign.py)
+    if foreign is not None and foreign.load is not None:
+        return foreign.load(folder, state, process_group=process_group, strict=strict, verify=verify, atomic=atomic)
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
     fresh = fresh_optimizers(state)

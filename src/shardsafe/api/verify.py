@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from shardsafe.api.foreign import refuse_foreign
 from shardsafe.api.location import location, shown
 from shardsafe.core.integrity import BlockHasher
 from shardsafe.core.values import check_state_tree
@@ -23,6 +24,7 @@ def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     or the largest chunk, whichever is smaller.
     """
     folder = location(path)
+    refuse_foreign(folder)  # a DCP folder, ...: say so (see api/foreign.py)
     manifest, tree = open_checkpoint(folder)
     check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
     block = manifest.hash_block_size

@@ -21,6 +21,8 @@ from shardsafe.cli.formatting import format_bytes, natural_key, plural, printabl
 from shardsafe.core.format import MANIFEST_NAME, Manifest, dtype_name
 from shardsafe.core.values import decode_value
 from shardsafe.errors import FormatError
+from shardsafe.interop.dcp_metadata import is_dcp_folder
+from shardsafe.interop.dcp_reader import DcpCheckpoint, format_dcp
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.state.base import (
     KIND_DEEPSPEED_ENGINE,
@@ -245,6 +247,11 @@ def add_parsers(sub: Any) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if is_dcp_folder(args.path):  # a torch.distributed.checkpoint folder: its checked .metadata
+        with DcpCheckpoint(args.path, key="") as dcp_ckpt:
+            dcp_info = dcp_ckpt.describe()
+        print(json.dumps(dcp_info, indent=2) if args.json else format_dcp(dcp_info))
+        return 0
     info = describe_checkpoint(args.path)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return 0

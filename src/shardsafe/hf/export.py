@@ -345,7 +345,7 @@ def export_hf(
     source: Any = src
     if own:
         assert isinstance(src, (str, os.PathLike))
-        from shardsafe.interop.deepspeed_reader import open_source  # a DeepSpeed ZeRO folder (`latest` + tag folders), else a shardsafe checkpoint
+        from shardsafe.interop.sources import open_source  # a DCP folder, a DeepSpeed ZeRO folder, else a shardsafe checkpoint
 
         source = open_source(src, key, verify=verify)
     try:

@@ -1,1 +1,1 @@
-"""Readers of other checkpoint formats (DeepSpeed ZeRO) behind one restricted unpickler."""
+"""Readers of other checkpoint formats (DeepSpeed ZeRO, torch DCP) behind one restricted unpickler."""

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Planned:
+class Planned:
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -53,7 +53,7 @@ class _Planned:
 class _Produced:
     """The planned tensors, each computed only when the file writer reaches it."""
 
-    def __init__(self, planned: list[_Planned], progress: Any) -> None:
+    def __init__(self, planned: list[Planned], progress: Any) -> None:
         self.planned, self.progress = planned, progress
 
     def __len__(self) -> int:
@@ -127,13 +127,13 @@ def convert_deepspeed(
             except ShardsafeError as exc:
                 log.warning("the LR scheduler state is not stored (%s)", exc)
         planned.sort(key=lambda p: p.key)  # the manifest lists tensors by key; files follow the same order
-        _write(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)
+        write_planned(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)
     return Path(final) if isinstance(final, Path) else Path(str(out))
 
 
-def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key: str, optim_key: str) -> tuple[list[_Planned], dict[str, Any]]:
+def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key: str, optim_key: str) -> tuple[list[Planned], dict[str, Any]]:
     """The tensors and state entries of a module + torch optimizer (``convert_deepspeed`` without ``for_engine``)."""
-    planned: list[_Planned] = []
+    planned: list[Planned] = []
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         return path
@@ -142,7 +142,7 @@ def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key
     for name in [*ckpt.names(), *ckpt.aliases]:
         stored = ckpt.dtype(name)
         target = _cast(dtype, stored)
-        planned.append(_Planned(f"{model_key}/{name}", target, ckpt.shape(name), functools.partial(_read_as, ckpt, name, target)))
+        planned.append(Planned(f"{model_key}/{name}", target, ckpt.shape(name), functools.partial(_read_as, ckpt, name, target)))
         model_tree[name] = torch.empty(0)
     order = {name: i for i, name in enumerate(ckpt.state_dict_order())}
     model_tree = dict(sorted(model_tree.items(), key=lambda kv: order.get(kv[0], len(order))))
@@ -151,7 +151,7 @@ def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key
     for name in ckpt.trainable:
         entries: dict[str, Any] = {}
         for key, (state_dtype, shape) in ckpt.optimizer_state_spec(name).items():
-            planned.append(_Planned(f"{optim_key}/state/{name}/{key}", state_dtype, shape, functools.partial(ckpt.optimizer_state, name, key)))
+            planned.append(Planned(f"{optim_key}/state/{name}/{key}", state_dtype, shape, functools.partial(ckpt.optimizer_state, name, key)))
             entries[key] = torch.empty(0)
         if entries:
             optim_tree["state"][name] = entries
@@ -161,20 +161,20 @@ def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key
     }
 
 
-def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[_Planned], dict[str, Any]]:
+def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[Planned], dict[str, Any]]:
     """The tensors and state entry a live ZeRO-3 engine's ``shardsafe.save`` would write, from the checkpoint.
 
     Each tensor is the whole 1-D parameter (one chunk), so any world size reads its partition from it;
     the meta comes from :func:`~shardsafe.state.deepspeed_engine.engine_meta`, the live save's own builder.
     Sub-groups and their step counts are the DeepSpeed run's (the load re-cuts them at its world size).
     """
-    planned: list[_Planned] = []
+    planned: list[Planned] = []
     state: dict[str, Any] = {section: {} for section in SECTIONS}
 
     def plan(section: str, pname: str, dtype: torch.dtype, produce: Callable[[], torch.Tensor], sub: str | None = None) -> None:
         key = tensor_key(name, section, *([sub] if sub else []), pname)
         shape = ckpt.shape(pname) if section == "buffers" else (numel(ckpt.shape(pname)),)
-        planned.append(_Planned(key, dtype, shape, produce))
+        planned.append(Planned(key, dtype, shape, produce))
         node = state[section].setdefault(sub, {}) if sub else state[section]
         node[pname] = {TENSOR_REF: key}
 
@@ -230,8 +230,8 @@ def _no_tensors(path: str, tensor: torch.Tensor) -> str:
     raise FormatError(f"{path}: holds a tensor")
 
 
-def _write(
-    final: Any, planned: list[_Planned], tree: dict[str, Any], metadata: dict[str, Any], *, overwrite: bool, fsync: bool, progress: bool
+def write_planned(
+    final: Any, planned: list[Planned], tree: dict[str, Any], metadata: dict[str, Any], *, overwrite: bool, fsync: bool, progress: bool
 ) -> None:
     """Stream ``planned`` into one shard file and commit it like :func:`shardsafe.save` (temp folder, manifest last, atomic publish)."""
     comm = Comm(None, 0, 1)

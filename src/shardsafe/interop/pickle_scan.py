@@ -41,6 +41,8 @@ ALLOWED_OPCODES = frozenset(
         "NEWOBJ", "BUILD", "BINPERSID",
     }
 )  # fmt: skip
+# What protocol 4 adds (``pickle.dump`` of DCP's ``.metadata``): frames, short strings, memoize, STACK_GLOBAL.
+PROTOCOL4_OPCODES = frozenset({"FRAME", "SHORT_BINUNICODE", "MEMOIZE", "STACK_GLOBAL"})
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class GlobalRules:
     values: frozenset[str]  # used as plain values only (dtypes, storage types, the tensor type)
     callables: frozenset[str]  # what REDUCE may call (each a checking wrapper, see the unpickler)
     classes: frozenset[str]  # what NEWOBJ may instantiate and BUILD may then fill with a dict
+    protocols: frozenset[int] = frozenset({2})  # torch.save writes 2; DCP's .metadata is a protocol-4 pickle.dump
+    tuple_state: frozenset[str] = frozenset()  # classes BUILD may fill with a tuple (a __getstate__ returning one)
+    persistent_ids: bool = True  # whether BINPERSID (torch storages) may occur
 
     def __contains__(self, name: str) -> bool:
         return name in self.values or name in self.callables or name in self.classes
@@ -136,6 +141,12 @@ class _Scan:
         self.nest(made, items, pos)
         return made
 
+    def named_global(self, qualified: str, pos: int) -> None:
+        if qualified not in self.rules:
+            raise self.refuse(pos, f"global {qualified[:120]!r} is not allowed")
+        self.report.globals.add(qualified)
+        self.stack.append(_Sym("global", qualified))
+
     def run(self, ops: Iterable[tuple[Any, Any, int | None]], size: int) -> None:
         stopped = False
         pos = 0
@@ -144,12 +155,12 @@ class _Scan:
             if count >= MAX_OPCODES:
                 raise self.refuse(pos, f"more than {MAX_OPCODES} opcodes")
             name = opcode.name
-            if name not in ALLOWED_OPCODES:
+            if name not in ALLOWED_OPCODES and not (4 in self.rules.protocols and name in PROTOCOL4_OPCODES):
                 raise self.refuse(pos, f"opcode {name} is not allowed")
             if (count == 0) != (name == "PROTO"):
                 raise self.refuse(pos, "PROTO must come first, once")
-            if name == "PROTO" and arg != 2:
-                raise self.refuse(pos, f"pickle protocol {arg}; torch.save writes protocol 2")
+            if name == "PROTO" and arg not in self.rules.protocols:
+                raise self.refuse(pos, f"pickle protocol {arg}; expected {' or '.join(map(str, sorted(self.rules.protocols)))}")
             stopped = self.step(name, arg, pos)
             self.report.opcodes = count + 1
         if not stopped:
@@ -176,12 +187,23 @@ class _Scan:
             if not -(1 << 63) <= arg < (1 << 64):
                 raise self.refuse(pos, "an integer wider than 64 bits")
             push(_LEAF)
-        elif name == "BINUNICODE":
+        elif name in ("BINUNICODE", "SHORT_BINUNICODE"):
             try:
                 arg.encode("utf-8")
             except UnicodeEncodeError:
                 raise self.refuse(pos, "a string that is not valid UTF-8") from None
-            push(_LEAF)
+            push(_Sym("str", arg[:200]))  # kept (short) for STACK_GLOBAL
+        elif name == "FRAME":
+            pass  # a length hint of the protocol-4 framing; the opcodes inside are scanned like any others
+        elif name == "MEMOIZE":
+            if not self.stack or self.stack[-1] is _MARK:
+                raise self.refuse(pos, f"{name} on an empty stack")
+            self.memo[len(self.memo)] = self.stack[-1]
+        elif name == "STACK_GLOBAL":
+            member, module = self.pop(pos, name), self.pop(pos, name)
+            if member.kind != "str" or module.kind != "str":
+                raise self.refuse(pos, "STACK_GLOBAL of values that are not strings")
+            self.named_global(f"{module.name}.{member.name}", pos)
         elif name == "EMPTY_DICT":
             push(_Sym("dict"))
         elif name == "EMPTY_LIST":
@@ -218,11 +240,7 @@ class _Scan:
                 raise self.refuse(pos, f"memo index {arg} was never stored")
             push(self.memo[arg])
         elif name == "GLOBAL":
-            qualified = ".".join(str(arg).split(" ", 1))
-            if qualified not in self.rules:
-                raise self.refuse(pos, f"global {qualified[:120]!r} is not allowed")
-            self.report.globals.add(qualified)
-            push(_Sym("global", qualified))
+            self.named_global(".".join(str(arg).split(" ", 1)), pos)
         elif name == "REDUCE":
             args, func = self.pop(pos, name), self.pop(pos, name)
             if func.kind != "global" or func.name not in self.rules.callables:
@@ -242,10 +260,12 @@ class _Scan:
             target = self.top(pos, name, ("new", "call"))
             if target.kind == "call" and target.name != "collections.OrderedDict":  # a state dict's `_metadata`
                 raise self.refuse(pos, f"BUILD of the result of {target.name}")
-            if state.kind != "dict":
+            if state.kind != "dict" and not (state.kind == "tuple" and target.name in self.rules.tuple_state):
                 raise self.refuse(pos, f"BUILD of {target.name} with a {state.kind} state, not a dict")
             self.nest(target, [state], pos)
         elif name == "BINPERSID":
+            if not self.rules.persistent_ids:
+                raise self.refuse(pos, "a persistent id (a storage reference) where none may occur")
             pid = self.pop(pos, name)
             if pid.kind != "tuple" or pid.length not in (5,):
                 raise self.refuse(pos, "a persistent id that is not a 5-tuple")

@@ -356,6 +356,31 @@ def _load(path: Path, fd: int, size: int, use_mmap: bool) -> LoadedFile:
         if len(mapped) != size:
             raise FormatError(f"{path}: changed size while it was read")
     base = torch.frombuffer(mapped, dtype=torch.uint8)
+    value = _unpickle(where, data, base, records)
+    mapping = FileMapping(where, base.data_ptr(), size) if use_mmap else None
+    return LoadedFile(path, value, mapping)
+
+
+def load_bytes(buffer: bytearray, where: str) -> Any:
+    """A ``torch.save`` archive held in memory (a DCP item's bytes), read as :func:`load_file` reads a file; its tensors are views of ``buffer``."""
+    f = io.BytesIO(buffer)
+    if f.read(4) != b"PK\x03\x04":
+        raise FormatError(f"{where}: not in torch's zip format")
+    try:
+        pickle_at, pickle_info, records = _archive(where, f, len(buffer))
+    except OSError as exc:
+        raise FormatError(f"{where}: cannot be read ({type(exc).__name__})") from None
+    if pickle_info.file_size > pickle_scan.MAX_PICKLE_BYTES:
+        raise FormatError(f"{where}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} allowed")
+    data = bytes(buffer[pickle_at : pickle_at + pickle_info.file_size])
+    if len(data) != pickle_info.file_size or zlib.crc32(data) != pickle_info.CRC:
+        raise FormatError(f"{where}: data.pkl is damaged (its CRC does not match)")
+    scan_pickle(data, where, RULES)
+    return _unpickle(where, data, torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8), records)
+
+
+def _unpickle(where: str, data: bytes, base: torch.Tensor, records: dict[str, tuple[int, int]]) -> Any:
+    """The scanned pickle ``data`` unpickled, its storages views of ``base`` (the archive's bytes), its value graph checked."""
     seen: dict[str, _Stored] = {}
 
     def storage(pid: Any) -> _Stored:
@@ -386,11 +411,10 @@ def _load(path: Path, fd: int, size: int, use_mmap: bool) -> LoadedFile:
     except Exception as exc:  # the unpickler on values the scan let through but that do not fit together (TypeError, ...)
         raise FormatError(f"{where}: refused or unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
     check_value_graph(value, where, _CONTAINERS)
-    mapping = FileMapping(where, base.data_ptr(), size) if use_mmap else None
-    return LoadedFile(path, value, mapping)
+    return value
 
 
-def _archive(path: Path, f: Any, size: int) -> tuple[int, zipfile.ZipInfo, dict[str, tuple[int, int]]]:
+def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo, dict[str, tuple[int, int]]]:
     """(byte offset of data.pkl, its entry, storage key -> (byte offset, size) of its record), all checked to lie in the file."""
     try:
         entries = zipfile.ZipFile(f).infolist()

@@ -1,0 +1,134 @@
+"""DCP checkpoints in and out: a ``torch.distributed.checkpoint`` folder into a shardsafe checkpoint, and back.
+
+:func:`convert_dcp` reads through :class:`~shardsafe.interop.dcp_reader.DcpCheckpoint` (restricted
+loading, sizes checked; one whole tensor in memory at a time) and writes each state-dict entry as
+``shardsafe.save`` keys it: ``model`` (a module's state dict) as ``model/<name>``, ``optim`` (what
+``get_state_dict`` / ``get_optimizer_state_dict`` give: state keyed by parameter FQN, param groups
+with FQNs) as ``optim/state/<name>/<key>`` + the groups, any other top-level entry as a plain value.
+So ``shardsafe.load(out, {"model": m, "optim": o})`` reshards it onto any world size.
+
+:func:`export_dcp` writes a shardsafe checkpoint as a DCP checkpoint with DCP's own ``dcp.save``
+(single process, plain whole tensors), so a run can go back to DCP.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardsafe.core.values import decode_value, encode_value
+from shardsafe.errors import FormatError, ShardsafeError
+from shardsafe.interop.dcp_reader import DcpCheckpoint
+from shardsafe.interop.deepspeed_convert import Planned, write_planned
+
+log = logging.getLogger(__name__)
+
+_KINDS = {"model": "module", "optim": "optimizer"}
+
+
+def _insert(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any) -> None:
+    node: Any = tree
+    for i, part in enumerate(path[:-1]):
+        nxt = path[i + 1]
+        if isinstance(node, list):
+            while len(node) <= int(part):
+                node.append(None)
+            if node[int(part)] is None:
+                node[int(part)] = [] if isinstance(nxt, int) else {}
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, [] if isinstance(nxt, int) else {})
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= int(last):
+            node.append(None)
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def convert_dcp(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    fsync: bool = True,
+    progress: bool = False,
+) -> Path:
+    """Turn the DCP checkpoint folder ``src`` into a shardsafe checkpoint at ``out``, in this process. Returns ``out``."""
+    from shardsafe.api.checkpoint import location
+
+    final = location(out)
+    with DcpCheckpoint(src, key="") as ckpt:
+        if isinstance(final, Path) and final == ckpt.folder:
+            raise ShardsafeError(f"{final}: the output folder must not be the source")
+        planned: list[Planned] = []
+        nested: dict[Any, Any] = {}
+        key_of: dict[int, str] = {}
+        for fqn, entry in ckpt.meta.tensors.items():
+            path = ckpt.meta.paths[fqn]
+            key = "/".join(str(p) for p in path)
+            placeholder = torch.empty(0)
+            key_of[id(placeholder)] = key
+            planned.append(Planned(key, entry.dtype, entry.shape, functools.partial(ckpt.read_fqn, fqn)))
+            _insert(nested, path, placeholder)
+        for fqn in ckpt.meta.values:
+            _insert(nested, ckpt.meta.paths[fqn], ckpt.value(fqn))
+        tree: dict[str, Any] = {}
+        for name, value in nested.items():
+            if not isinstance(name, str):
+                raise FormatError(f"{ckpt.folder}: a top-level state-dict key {name!r} that is not a string")
+
+            def ref(path: str, tensor: torch.Tensor) -> str:
+                if id(tensor) not in key_of:
+                    raise FormatError(f"{ckpt.folder}: value {path!r} holds a tensor saved as a value; only plain values are converted")
+                return key_of[id(tensor)]
+
+            kind = _KINDS.get(name, "value") if isinstance(value, dict) else "value"
+            tree[name] = {"kind": kind, "state": encode_value(value, name, ref)}
+        planned.sort(key=lambda p: p.key)
+        info = {"format": "torch.distributed.checkpoint", "version": ckpt.meta.version, "folder": str(ckpt.folder)}
+        write_planned(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)
+    return Path(final) if isinstance(final, Path) else Path(str(out))
+
+
+def export_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write the shardsafe checkpoint ``src`` as a DCP checkpoint at ``out`` with ``dcp.save`` (one process, whole tensors).
+
+    The folder is built hidden next to ``out`` and renamed into place, so a failure leaves no half DCP folder.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from shardsafe.api.source import CheckpointSource
+    from shardsafe.protocol.commit import open_checkpoint, prepare
+    from shardsafe.protocol.temppath import publish
+    from shardsafe.storage.local import remove_tree
+
+    final = Path(out).absolute()
+    source = CheckpointSource(src, key="")
+    try:
+        if final in (source.folder, source.model_folder):
+            raise ShardsafeError(f"{final}: the output folder must not be the source")
+        manifest, tree = open_checkpoint(source.folder)
+
+        def lookup(key: str) -> torch.Tensor:
+            return source.read(key)
+
+        state = {name: decode_value(entry.get("state"), lookup, f"{source.folder}/{manifest.state_file}") for name, entry in tree.items()}
+    finally:
+        source.close()
+    from shardsafe.core.comm import Comm
+
+    tmp = prepare(Comm(None, 0, 1), final, overwrite)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+        publish(tmp, final)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    return final
