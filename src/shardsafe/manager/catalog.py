@@ -25,8 +25,7 @@ from shardsafe.api.checkpoint import location
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
 from shardsafe.errors import ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
-from shardsafe.protocol.commit import is_committed
-from shardsafe.storage.local import read_small_file, safe_child
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
@@ -63,7 +62,7 @@ class DamagedCheckpoint:
 
 def where(path: Root) -> str:
     """A path or URL to print."""
-    return path.url if isinstance(path, RemoteDir) else str(path)
+    return as_location(path).url
 
 
 def child(root: Root, name: str) -> Root:
@@ -71,26 +70,18 @@ def child(root: Root, name: str) -> Root:
 
 
 def has_manifest(folder: Root) -> bool:
-    return folder.exists(MANIFEST_NAME) if isinstance(folder, RemoteDir) else is_committed(folder)
+    return as_location(folder).exists(MANIFEST_NAME)
 
 
 def read_manifest(folder: Root) -> Manifest:
     """Parse and validate ``folder``'s manifest (bounded read; raises FormatError/OSError on damage)."""
-    if isinstance(folder, RemoteDir):
-        return parse_manifest(folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{folder.url}/{MANIFEST_NAME}")
-    path = safe_child(folder, MANIFEST_NAME)  # never through a symlink out of the folder (its content could end up in an error)
-    return parse_manifest(read_small_file(path, MAX_JSON_BYTES), str(path))
+    loc = as_location(folder)  # locally: never through a symlink out of the folder (its content could end up in an error)
+    return parse_manifest(loc.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{loc.url}/{MANIFEST_NAME}")
 
 
 def step_folders(root: Root, naming: StepNaming = STEP_NAMING) -> dict[int, str]:
     """Step -> folder name of every entry of ``root`` named as a step folder (committed or not)."""
-    if isinstance(root, RemoteDir):
-        names: Iterable[str] = root.list()
-    elif root.is_dir():
-        names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
-    else:
-        names = []
-    return {step: name for name in names if (step := naming.parse(name)) is not None}
+    return {step: name for name in as_location(root).folders() if (step := naming.parse(name)) is not None}
 
 
 def committed_steps(root: Root, naming: StepNaming = STEP_NAMING) -> list[int]:
@@ -250,13 +241,9 @@ class ManifestCache:
         self._entries: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
 
     def __call__(self, folder: Root) -> Manifest:
-        if isinstance(folder, RemoteDir):
+        key = as_location(folder).stamp(MANIFEST_NAME)
+        if key is None:  # an object store (never cached), or no manifest (read_manifest raises the usual error)
             return read_manifest(folder)
-        try:
-            st = os.stat(folder / MANIFEST_NAME)
-        except OSError:
-            return read_manifest(folder)  # raises the usual error
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
         entry = self._entries.get(str(folder))
         if entry is None or entry[0] != key:
             entry = (key, read_manifest(folder))

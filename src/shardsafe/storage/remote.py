@@ -91,6 +91,14 @@ class RemoteDir:
             v[:] = data[pos : pos + len(v)]
             pos += len(v)
 
+    def folders(self) -> list[str]:
+        """Names under this prefix (an object store has no folders: every common prefix counts)."""
+        return self.list()
+
+    def stamp(self, name: str) -> tuple[int, int, int] | None:
+        """Object stores give no cheap identity of an object: never cached."""
+        return None
+
     def list(self) -> list[str]:
         try:
             entries: Any = self.fs.ls(self.root, detail=False)
