@@ -25,15 +25,15 @@ import torch
 from torch import nn
 
 from shardsafe.core.comm import Comm, get_comm
-from shardsafe.core.format import element_size, parse_safetensors_header
+from shardsafe.core.format import element_size
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
+from shardsafe.hf.weights_file import read_weights_file
 from shardsafe.state.base import placement, unwrap_module
 from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes
 
 READ_BUDGET = 64 << 20  # bytes read per step (at least one row of the tensor)
 HF_PREFIX = "hf://"
-_HEADER_PREFIX = 1 << 20  # read this much first; larger headers are read whole
 _DOWNLOAD_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", INDEX_FILE]
 
 
@@ -95,24 +95,14 @@ def _files_of(folder: Path) -> list[str]:
 
 
 def read_layout(folder: Path) -> dict[str, StoredTensor]:
-    """Every tensor of a model folder: file, dtype, shape and absolute byte range (headers validated)."""
+    """Every tensor of a model folder: file, dtype, shape and absolute byte range (headers checked by the guard's reader)."""
     layout: dict[str, StoredTensor] = {}
     for file in _files_of(folder):
-        path = safe_child(folder, file)
-        fd = open_regular(path)
-        try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, min(size, _HEADER_PREFIX), 0)
-            if len(head) >= 8:
-                need = 8 + int.from_bytes(head[:8], "little")
-                if len(head) < need <= size:
-                    head = os.pread(fd, need, 0)
-            for name, (dtype, shape, begin, end) in parse_safetensors_header(head, size, str(path)).items():
-                if name in layout:
-                    raise FormatError(f"{path}: tensor {name!r} is also in {layout[name].file}")
-                layout[name] = StoredTensor(file, dtype, tuple(shape), begin, end)
-        finally:
-            os.close(fd)
+        weights = read_weights_file(safe_child(folder, file))
+        for name, t in weights.tensors.items():
+            if name in layout:
+                raise FormatError(f"{weights.path}: tensor {name!r} is also in {layout[name].file}")
+            layout[name] = StoredTensor(file, t.dtype, t.shape, t.begin, t.end)
     return layout
 
 
