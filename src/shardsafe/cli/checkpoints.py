@@ -44,7 +44,7 @@ def _cmd_list(args: Any) -> int:
         rows: list[dict[str, Any]] = [
             {
                 "step": i.step,
-                "path": where(i.path),
+                "path": str(i.path),
                 "bytes": i.size,
                 "metrics": i.metrics,
                 "best": i.best,

@@ -25,7 +25,7 @@ from shardsafe.api.checkpoint import location
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
 from shardsafe.errors import ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
-from shardsafe.storage.location import as_location
+from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
@@ -41,7 +41,7 @@ class CheckpointInfo:
     """One committed, readable checkpoint of a root."""
 
     step: int
-    path: Path | RemoteDir
+    path: Path | str  # a local folder, or the URL of an object-store prefix
     size: int
     metrics: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0
@@ -95,7 +95,7 @@ def info_of(step: int, path: Root, manifest: Manifest) -> CheckpointInfo:
     run_id, epoch = meta.get("run_id"), meta.get("lease_epoch")
     return CheckpointInfo(
         step,
-        path,
+        public_path(path),
         manifest.total_bytes,
         dict(metrics) if isinstance(metrics, dict) else {},
         manifest.created,

@@ -65,3 +65,10 @@ Location = LocalDir | RemoteDir
 def as_location(folder: Path | RemoteDir | LocalDir) -> Location:
     """The folder interface for a local path or an fsspec folder."""
     return folder if isinstance(folder, (RemoteDir, LocalDir)) else LocalDir(folder)
+
+
+def public_path(folder: Path | RemoteDir | LocalDir) -> Path | str:
+    """What a public call returns for a folder: a ``Path`` on a local disk, the URL string on an object store."""
+    if isinstance(folder, RemoteDir):
+        return folder.url
+    return folder.path if isinstance(folder, LocalDir) else Path(folder)
