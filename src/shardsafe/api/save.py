@@ -157,7 +157,7 @@ def write_checkpoint(
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
         manifest = CheckedManifest(**vars(new_manifest(comm.world_size, files, state_bytes, metadata, __version__)))
-        manifest.tensors = _tensor_entries(results, layout if plan.rule else None, comm.world_size)
+        manifest.tensors = tensor_entries(results, layout if plan.rule else None, comm.world_size)
         manifest.state_file = target.state_name()
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
@@ -227,7 +227,7 @@ def _sibling(final: Path | RemoteDir, name: str) -> Path | RemoteDir:
     return final.parent.child(name) if isinstance(final, RemoteDir) else safe_child(final.parent, name)
 
 
-def _tensor_entries(results: list[RankResult], layout: LocalLayout | None, world_size: int) -> dict[str, TensorEntry]:
+def tensor_entries(results: list[RankResult], layout: LocalLayout | None, world_size: int) -> dict[str, TensorEntry]:
     """The manifest's tensors: listed chunks from the results; with the rule plan, every split
     tensor of the coordinator's layout (equal on every rank: the digests agreed) as its rule."""
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
