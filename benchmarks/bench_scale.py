@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,6 +53,8 @@ from shardsafe.protocol.commit import new_manifest  # noqa: E402
 from shardsafe.protocol.transfer import ChunkReader  # noqa: E402
 
 SECTION = "## Scale (metadata, simulated)"
+REAL_SECTION = "## Scale (real processes)"
+REAL_WORLDS = (4, 8, 16)
 TENSORS = 2000
 WORLDS = (64, 1024, 16384)
 
@@ -296,6 +299,49 @@ def report(results: dict[int, dict[str, list[Sample]]], runs: int, command: str,
     return "\n".join(lines) + "\n"
 
 
+def run_real(worlds: tuple[int, ...], runs: int, layers: int) -> dict[int, dict[str, Any]]:
+    """``worker_scale.py`` under torch.distributed.run for each world size (gloo, CPU, this machine)."""
+    import json
+    import os
+    import tempfile
+
+    out: dict[int, dict[str, Any]] = {}
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO) as tmp:
+            result = Path(tmp) / "result.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   str(Path(__file__).resolve().parent / "worker_scale.py"), "--layers", str(layers), "--runs", str(runs),
+                   "--root", tmp, "--out", str(result)]  # fmt: skip
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}:{Path(__file__).resolve().parent}")
+            start = time.perf_counter()
+            subprocess.run(cmd, check=True, env=env)
+            out[world] = json.loads(result.read_text())
+            print(f"  real W={world}: {out[world]} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return out
+
+
+def report_real(results: dict[int, dict[str, Any]], runs: int, command: str, elapsed: float) -> str:
+    lines = [
+        REAL_SECTION,
+        "",
+        f"- **Command:** `{command}` (what `make bench-scale` runs after the simulation); {runs} rounds, alternating order, medians; "
+        f"took {elapsed / 60:.1f} min; load average at the end {load_average()}",
+        f"- **Setup:** W gloo processes on this 2-core machine, FSDP2 (`fully_shard` per layer) of Linear(64, 64) layers + AdamW "
+        f"after one step: {next(iter(results.values()))['tensors'] if results else '?'} tensors; page cache dropped "
+        "(`sync; echo 3 > /proc/sys/vm/drop_caches`) before every load, for both; DCP via `get_state_dict` / `set_state_dict`.",
+        "",
+        "| ranks | save: shardsafe | DCP | shardsafe is | load: shardsafe | DCP | shardsafe is | target (16 ranks) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for world, r in sorted(results.items()):
+        res = r["results"]
+        ss, ds = statistics.median(res["save"]["shardsafe"]), statistics.median(res["save"]["dcp"])
+        sl, dl = statistics.median(res["load"]["shardsafe"]), statistics.median(res["load"]["dcp"])
+        target = "save >= 2x, load >= 2x DCP" if world == 16 else ""
+        lines.append(f"| {world} | {secs(ss)} | {secs(ds)} | {ds / ss:.2f}x | {secs(sl)} | {secs(dl)} | {dl / sl:.2f}x | {target} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: 64 and 1,024 ranks, 1 run, BENCHMARKS.md untouched unless --md")
@@ -303,23 +349,35 @@ def main() -> None:
     parser.add_argument("--dcp-max", type=int, default=1024, help="largest world size DCP is built for (its metadata is O(T x W) objects)")
     parser.add_argument("--dcp-big-runs", type=int, default=1, help="runs of DCP above 256 ranks (about 3 min each at 1,024 on 2 cores)")
     parser.add_argument("--md", type=Path, default=None)
+    parser.add_argument("--real-only", action="store_true", help="only the real 4 / 8 / 16-process runs")
+    parser.add_argument("--simulated-only", action="store_true", help="only the simulation")
+    parser.add_argument("--layers", type=int, default=250, help="Linear(64, 64) layers of the real runs (4 tensors each)")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     worlds = WORLDS[:2] if args.quick else WORLDS
     md = args.md if args.md is not None else (None if args.quick else REPO / "BENCHMARKS.md")
     tensors = layout()
-    start = time.perf_counter()
-    results: dict[int, dict[str, list[Sample]]] = {}
-    for world in worlds:
-        results[world] = {"shardsafe": measure(shardsafe_once, tensors, world, runs)}
-        if world <= args.dcp_max:
-            results[world]["dcp"] = measure(dcp_once, tensors, world, runs if world <= 256 else min(runs, args.dcp_big_runs))
     command = "python benchmarks/bench_scale.py" + (" --quick" if args.quick else "") + (f" --runs {args.runs}" if args.runs != 3 else "")
-    text = report(results, runs, command, time.perf_counter() - start, args.dcp_max, args.dcp_big_runs)
-    print(text)
-    if md is not None:
-        write_section(md, SECTION, text)
-        print(f"wrote the {SECTION!r} section of {md}")
+    if not args.real_only:
+        start = time.perf_counter()
+        results: dict[int, dict[str, list[Sample]]] = {}
+        for world in worlds:
+            results[world] = {"shardsafe": measure(shardsafe_once, tensors, world, runs)}
+            if world <= args.dcp_max:
+                results[world]["dcp"] = measure(dcp_once, tensors, world, runs if world <= 256 else min(runs, args.dcp_big_runs))
+        text = report(results, runs, command, time.perf_counter() - start, args.dcp_max, args.dcp_big_runs)
+        print(text)
+        if md is not None:
+            write_section(md, SECTION, text)
+            print(f"wrote the {SECTION!r} section of {md}")
+    if not args.simulated_only:
+        start = time.perf_counter()
+        real = run_real(REAL_WORLDS[:1] if args.quick else REAL_WORLDS, runs, args.layers)
+        text = report_real(real, runs, command + " --real-only", time.perf_counter() - start)
+        print(text)
+        if md is not None:
+            write_section(md, REAL_SECTION, text)
+            print(f"wrote the {REAL_SECTION!r} section of {md}")
 
 
 if __name__ == "__main__":
