@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench bench-core bench-export bench-manager bench-deepspeed stress clean
+.PHONY: demo test lint docs bench bench-core bench-export bench-manager bench-deepspeed bench-scale stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ stress: $(STAMP)
 	$(PY) tests/fuzz/fuzz_deepspeed_unpickler.py -runs=20000
 
 # Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~40 min on 2 cores).
-bench: bench-core bench-export bench-manager bench-deepspeed
+bench: bench-core bench-export bench-manager bench-deepspeed bench-scale
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/run.py
@@ -49,6 +49,9 @@ bench-manager: $(STAMP)
 
 bench-deepspeed: $(STAMP)
 	$(PY) benchmarks/bench_deepspeed.py --md BENCHMARKS.md
+
+bench-scale: $(STAMP)
+	$(PY) benchmarks/bench_scale.py --md BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) demo-run bench-run

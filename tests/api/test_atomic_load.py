@@ -10,7 +10,6 @@ control: the same load overwrites the tensors read before the damaged one.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from dist_utils import (
 )
 from reliability import record
 from shardsafe.errors import IntegrityError, ShardsafeError
+from stored_chunks import stored_chunks
 
 WORLD = 2
 # Load order is model parameters, then optimizer state: one key in the middle of each.
@@ -63,7 +63,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _corrupt(source: Path, dest: Path, key: str) -> None:
     """A copy of ``source`` with one byte flipped in the middle of ``key``'s last chunk."""
     shutil.copytree(source, dest)
-    chunk = json.loads((dest / "manifest.json").read_text())["tensors"][key]["chunks"][-1]
+    chunk = stored_chunks(dest, key)[-1]
     target = dest / chunk["file"]
     data = bytearray(target.read_bytes())
     data[(chunk["begin"] + chunk["end"]) // 2] ^= 0x10

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
 
 import shardsafe
 from dist_utils import (
@@ -63,8 +64,13 @@ def _manifest(path: Path) -> dict[str, Any]:
     return json.loads((path / "manifest.json").read_text())
 
 
+def _index_name(path: Path, file: str) -> str:
+    return _manifest(path)["files"][file]["index"]["file"]
+
+
 def _chunk(path: Path, key: str, file: str) -> dict[str, Any]:
-    return next(c for c in _manifest(path)["tensors"][key]["chunks"] if c["file"] == file)
+    """A split tensor's part in ``file``: format version 2 keeps it in the file's per-rank index."""
+    return json.loads((path / _index_name(path, file)).read_text())["chunks"][key]
 
 
 # Each corruption damages the copy at ``path`` and returns (expected error class, file it must name, key it must name).
@@ -107,11 +113,18 @@ def garble_manifest(path: Path) -> tuple[type[ShardsafeError], str, str | None]:
 
 
 def alter_manifest_hash(path: Path) -> tuple[type[ShardsafeError], str, str | None]:
-    """Valid JSON, but a block hash that the stored bytes do not have."""
+    """Valid JSON, but a block hash that the stored bytes do not have: the hash lives in rank 1's
+    index (format version 2), which is rewritten with the manifest's record of it updated, so the
+    chain manifest -> index holds and only the block hash is wrong."""
     manifest = _manifest(path)
-    chunk = next(c for c in manifest["tensors"][CORRUPT_KEY]["chunks"] if c["file"] == RANK1_FILE)
+    name = _index_name(path, RANK1_FILE)
+    index = json.loads((path / name).read_text())
+    chunk = index["chunks"][CORRUPT_KEY]
     digest = chunk["hashes"][0]
     chunk["hashes"][0] = ("0" if digest[0] != "0" else "1") + digest[1:]
+    data = json.dumps(index).encode()
+    (path / name).write_bytes(data)
+    manifest["files"][RANK1_FILE]["index"].update(size=len(data), hash=xxhash.xxh3_64(data).hexdigest())
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return IntegrityError, RANK1_FILE, CORRUPT_KEY
 

@@ -30,6 +30,7 @@ from shardsafe.cli.export import add_parser as add_export_command
 from shardsafe.errors import CheckpointExistsError, FormatError, IntegrityError, ModelFolderError
 from shardsafe.hf.export import SINGLE_FILE, iter_output, parse_size, plan_shards
 from shardsafe.hf.guard import INDEX_FILE, check_model_folder
+from stored_chunks import stored_chunks
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
@@ -238,8 +239,7 @@ def test_export_training_checkpoint_in_one_process(runs: dict[str, Any], tmp_pat
 def test_export_refuses_corrupted_source_atomically(runs: dict[str, Any], tmp_path: Path) -> None:
     src = tmp_path / "ckpt"
     shutil.copytree(runs["root"] / "ckpt-False", src)
-    manifest = json.loads((src / "manifest.json").read_text())
-    chunk = manifest["tensors"]["model/model.norm.weight"]["chunks"][-1]  # a tensor the export reads last
+    chunk = stored_chunks(src, "model/model.norm.weight")[-1]  # a tensor the export reads last
     shard = src / chunk["file"]
     data = bytearray(shard.read_bytes())
     data[chunk["end"] - 3] ^= 0xFF

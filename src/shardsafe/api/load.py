@@ -28,7 +28,6 @@ from shardsafe.api.foreign import foreign_format
 from shardsafe.api.location import location, shown
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import Manifest
-from shardsafe.core.plan import plan_reads
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
@@ -183,7 +182,7 @@ def _read_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding)
             entry = manifest.tensors.get(key)
             if entry is None:
                 continue
-            for op in plan_reads(entry, target.offsets, tuple(target.tensor.shape)):
+            for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape)):
                 reader.read_into(key, op, entry.dtype, target.tensor, target.offsets)
 
 
@@ -193,5 +192,5 @@ def _check_sources(reader: ChunkReader, manifest: Manifest, binding: LoadBinding
         entry = manifest.tensors.get(key)
         if entry is None:
             continue
-        for op in plan_reads(entry, target.offsets, tuple(target.tensor.shape)):
+        for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape)):
             reader.check_read(key, op, entry.dtype)

@@ -14,15 +14,18 @@ from shardsafe.api.location import location
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.dtypes import dtype_from_name
 from shardsafe.core.faults import crash_point
-from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, TensorEntry, check_metadata, parse_manifest
-from shardsafe.core.integrity import HASH_BLOCK_SIZE
-from shardsafe.core.plan import ChunkSpec, assign_writers
+from shardsafe.core.format import ChunkEntry, FileEntry, IndexRef, Manifest, SplitRule, TensorEntry, check_metadata, parse_manifest
+from shardsafe.core.index import build_index
+from shardsafe.core.integrity import HASH_BLOCK_SIZE, hash_bytes
+from shardsafe.core.layout import IRREGULAR, SPLIT, WHOLE, LocalLayout, describe_layout, is_stored, rule_for, whole_writers
+from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers
 from shardsafe.core.values import encode_state
 from shardsafe.errors import SaveError
 from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
 from shardsafe.protocol.transfer import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
 from shardsafe.state.registry import SaveView, describe_for_save
+from shardsafe.storage.local import safe_child
 from shardsafe.storage.remote import RemoteDir
 
 
@@ -68,12 +71,27 @@ def describe_collectively(state: dict[str, Any], comm: Comm) -> SaveView:
 @dataclass(frozen=True)
 class RankResult:
     """What one rank reports to the coordinator after writing its file (sent as ``("ok", result)``,
-    or ``("error", message)``: the agreement step of protocol.commit reads that pair)."""
+    or ``("error", message)``: the agreement step of protocol.commit reads that pair). Parts of
+    split tensors are in the rank's index, not here: what a rank sends does not grow with the
+    world size (only its listed chunks: replicated, irregular and reused ones)."""
 
     file: tuple[str, int] | None = None  # (name, size) of the file it wrote
-    entries: tuple[tuple[str, ChunkEntry], ...] = ()  # (tensor key, chunk) of every chunk it stored
-    specs: tuple[ChunkSpec, ...] = ()
+    index: IndexRef | None = None  # the index of that file (its split parts)
+    entries: tuple[tuple[str, ChunkEntry], ...] = ()  # (tensor key, chunk) of every chunk the manifest lists
+    specs: tuple[ChunkSpec, ...] = ()  # of those chunks
     per_rank: Any = None
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What every rank writes. ``rule``: split parts by their own rank, replicated tensors by
+    :func:`whole_writers`, irregular chunks as ``irregular`` assigns them (the coordinator's pick
+    among the irregular chunks only). Otherwise (the ranks hold different tensors or layouts)
+    ``full`` lists, per rank, the indices of its stored chunks it writes, all listed in the manifest."""
+
+    rule: bool
+    irregular: list[list[int]] | None = None  # per rank: indices into its irregular chunks
+    full: list[list[int]] | None = None
 
 
 def write_checkpoint(
@@ -102,24 +120,31 @@ def write_checkpoint(
     comm.agree(problem)
     target = prepare_save(comm, final, overwrite, fsync)
     crash_point("save:after-prepare", comm.rank)
-    specs = [c.spec() for c in view.chunks]
+    layout = describe_layout(view.chunks, comm.rank, comm.world_size)
     try:
-        assignment = _plan(comm, specs)
+        plan = _plan(comm, view, layout)
     except SaveError:
         if comm.is_coordinator:
             target.abort()
         raise
-    mine = [view.chunks[i] for i in assignment]
+    mine = _mine(comm, view, layout, plan)
+    split_keys = layout.keys_of(SPLIT) if plan.rule else set()
     result: tuple[str, Any]
     try:
-        file_record = None
+        file_record, index_record = None, None
         entries: list[tuple[str, ChunkEntry]] = []
         if mine:
-            name, size, written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, reuse)
+            earlier = reuse.for_rank(_sibling(final, reuse.checkpoint), comm.rank) if reuse is not None else None
+            name, size, written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier)
             crash_point("save:after-write", comm.rank)
-            entries = [(c.key, e) for c, e in written]
+            indexed = [(c.key, e) for c, e in written if c.key in split_keys and e.checkpoint is None]
+            entries = [(c.key, e) for c, e in written if not (c.key in split_keys and e.checkpoint is None)]
+            if indexed and name is not None:
+                data = build_index(comm.rank, name, indexed)
+                index_record = IndexRef(target.write_index(comm.rank, data), len(data), hash_bytes(data))
             file_record = (name, size) if name is not None else None
-        result = ("ok", RankResult(file_record, tuple(entries), tuple(c.spec() for c in mine), view.per_rank))
+        specs = {c.key: c.spec() for c in mine}
+        result = ("ok", RankResult(file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank))
     except Exception as exc:  # every rank must still reach the agreement step
         result = ("error", f"rank {comm.rank}: {type(exc).__name__}: {exc}")
 
@@ -130,9 +155,9 @@ def write_checkpoint(
         for n in sorted({n for r in results for n in r.per_rank}):
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
-        files = {r.file[0]: FileEntry(r.file[1], rank) for rank, r in enumerate(results) if r.file is not None}
+        files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
         manifest = CheckedManifest(**vars(new_manifest(comm.world_size, files, state_bytes, metadata, __version__)))
-        manifest.tensors = _tensor_entries(results)
+        manifest.tensors = tensor_entries(results, layout if plan.rule else None, comm.world_size)
         manifest.state_file = target.state_name()
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
@@ -153,24 +178,74 @@ class CheckedManifest(Manifest):
         return self._made[1]
 
 
-def _plan(comm: Comm, specs: list[ChunkSpec]) -> list[int]:
-    """Every rank's chunk specs to the coordinator, which picks one writer per chunk; each rank learns its own."""
-    gathered = comm.gather(specs)
-    plan = comm.on_coordinator(lambda: assign_writers(gathered or []), default=SaveError)
-    return list(plan[comm.rank])
+def _plan(comm: Comm, view: SaveView, layout: LocalLayout) -> SavePlan:
+    """Who writes what, with one small gather: each rank sends its layout digest and only its
+    irregular chunk specs. Equal digests: the rule plan (O(T + W + irregular) on the coordinator).
+    Otherwise a second gather of every rank's chunk specs and the coordinator picks every writer."""
+    irregular = [c.spec() for c, cls in zip(view.chunks, layout.classes) if cls == IRREGULAR]
+    gathered = comm.gather((layout.digest, irregular))
+
+    def decide() -> SavePlan:
+        assert gathered is not None
+        if len({digest for digest, _ in gathered}) == 1:
+            return SavePlan(True, irregular=assign_writers([specs for _, specs in gathered]))
+        return SavePlan(False)
+
+    plan = comm.on_coordinator(decide, default=SaveError)
+    if plan.rule:
+        return plan
+    stored = [c.spec() for c in view.chunks if is_stored(c)]
+    everything = comm.gather(stored)
+    full = comm.on_coordinator(lambda: assign_writers(everything or []), default=SaveError)
+    return SavePlan(False, full=full)
 
 
-def _tensor_entries(results: list[RankResult]) -> dict[str, TensorEntry]:
+def _mine(comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan) -> list[LocalChunk]:
+    """This rank's chunks to write under ``plan``."""
+    if not plan.rule:
+        assert plan.full is not None
+        stored = [c for c in view.chunks if is_stored(c)]
+        return [stored[i] for i in plan.full[comm.rank]]
+    assert plan.irregular is not None
+    whole = [(c.key, c.spec().nbytes) for c, cls in zip(view.chunks, layout.classes) if cls == WHOLE]
+    writers = whole_writers(whole, comm.world_size)
+    irregular = [c for c, cls in zip(view.chunks, layout.classes) if cls == IRREGULAR]
+    mine_irregular = {id(irregular[i]) for i in plan.irregular[comm.rank]}
+    out = []
+    for chunk, cls in zip(view.chunks, layout.classes):
+        if cls == SPLIT and is_stored(chunk):
+            out.append(chunk)
+        elif cls == WHOLE and writers[chunk.key] == comm.rank:
+            out.append(chunk)
+        elif cls == IRREGULAR and id(chunk) in mine_irregular:
+            out.append(chunk)
+    return out
+
+
+def _sibling(final: Path | RemoteDir, name: str) -> Path | RemoteDir:
+    """The checkpoint ``name`` next to ``final`` (dedup reads its index)."""
+    return final.parent.child(name) if isinstance(final, RemoteDir) else safe_child(final.parent, name)
+
+
+def tensor_entries(results: list[RankResult], layout: LocalLayout | None, world_size: int) -> dict[str, TensorEntry]:
+    """The manifest's tensors: listed chunks from the results; with the rule plan, every split
+    tensor of the coordinator's layout (equal on every rank: the digests agreed) as its rule."""
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     chunks: dict[str, list[ChunkEntry]] = {}
+    split: dict[str, SplitRule] = {}
+    for key, dtype, shape, cls in layout.tensors if layout is not None else ():
+        if cls == SPLIT:
+            rule = rule_for(shape, world_size)
+            assert rule is not None
+            meta[key], split[key] = (dtype, shape), rule
     for r in results:
         for spec in r.specs:
-            meta[spec.key] = (spec.dtype, spec.global_shape)
+            meta.setdefault(spec.key, (spec.dtype, spec.global_shape))
         for key, entry in r.entries:
             chunks.setdefault(key, []).append(entry)
     out = {}
     for key in sorted(meta):
         dtype, shape = meta[key]
-        ordered = sorted(chunks[key], key=lambda c: c.offsets)
-        out[key] = TensorEntry(dtype_from_name(dtype.removeprefix("torch."), key), tuple(shape), tuple(ordered))
+        ordered = sorted(chunks.get(key, []), key=lambda c: c.offsets)
+        out[key] = TensorEntry(dtype_from_name(dtype.removeprefix("torch."), key), tuple(shape), tuple(ordered), split.get(key))
     return out

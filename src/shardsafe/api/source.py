@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from shardsafe.core.format import MANIFEST_NAME, TensorEntry, dtype_from_name, element_size, numel
+from shardsafe.core.format import MANIFEST_NAME, dtype_from_name, element_size, numel
 from shardsafe.core.values import state_tensor_keys as tensor_keys_of
 from shardsafe.errors import CheckpointNotFoundError, FormatError
 from shardsafe.protocol.commit import open_checkpoint
@@ -120,11 +120,11 @@ class CheckpointSource:
         if not self._stored:
             names = sorted({k.split("/", 1)[0] for k in self.manifest.tensors})
             raise FormatError(f"{self.folder}: no tensors under {key!r} (the checkpoint holds {names}); pick one with key=/--key")
+        self._reader = ChunkReader(self.folder, self.manifest, verify)
         recorded = self.export_meta.get("aliases")
         self.aliases_recorded = isinstance(recorded, dict)
         self.aliases: dict[str, str] = {}
         self.tie(recorded if isinstance(recorded, dict) else aliases or {})
-        self._reader = ChunkReader(self.folder, self.manifest, verify)
 
     def _engine_key_for(self, key: str) -> str:
         """The default key ``model`` finds the model of a checkpoint saved from a DeepSpeed engine
@@ -155,8 +155,16 @@ class CheckpointSource:
         listed = set(ordered)
         return {k[len(self.prefix) :]: (k, None) for k in ordered + sorted(k for k in keys if k not in listed)}
 
-    def _entry(self, name: str) -> TensorEntry:
-        return self.manifest.tensors[self._stored[name][0]]
+    def _same_stored_content(self, a: str, b: str) -> bool:
+        """Whether two stored tensors hold the same bytes, judged from their chunk layouts and block
+        hashes (the parts of a split rule from the indexes)."""
+        (key_a, _), (key_b, _) = self._stored[a], self._stored[b]
+        entry_a, entry_b = self.manifest.tensors[key_a], self.manifest.tensors[key_b]
+        if entry_a.dtype != entry_b.dtype or entry_a.shape != entry_b.shape:
+            return False
+        layout_a = sorted((c.offsets, c.shape, c.hashes) for c in self._reader.chunks_of(key_a, entry_a))
+        layout_b = sorted((c.offsets, c.shape, c.hashes) for c in self._reader.chunks_of(key_b, entry_b))
+        return layout_a == layout_b
 
     def tie(self, aliases: dict[str, str]) -> None:
         """Leave out each ``alias`` (name -> the name it is tied to) that holds the same values as its target."""
@@ -164,7 +172,7 @@ class CheckpointSource:
         self.aliases = {}
         for alias, target in aliases.items():
             if alias in names and target in names and alias != target and target not in self.aliases:
-                if _same_stored_content(self._entry(alias), self._entry(target)):
+                if self._same_stored_content(alias, target):
                     self.aliases[alias] = target
                 else:
                     log.warning("%s and %s are declared tied but hold different values; both are exported", alias, target)
@@ -193,12 +201,3 @@ class CheckpointSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _same_stored_content(a: TensorEntry, b: TensorEntry) -> bool:
-    """Whether two stored tensors hold the same bytes, judged from their chunk layouts and block hashes."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    layout_a = sorted((c.offsets, c.shape, c.hashes) for c in a.chunks)
-    layout_b = sorted((c.offsets, c.shape, c.hashes) for c in b.chunks)
-    return layout_a == layout_b

@@ -1,5 +1,6 @@
 """``verify``: a checkpoint checked completely - manifest, state tree, every file's size and
-safetensors header (the checks every load runs on the files it opens), every block hash."""
+safetensors header (the checks every load runs on the files it opens), every per-rank index
+(format version 2: its hash, and every part of every split rule present in it), every block hash."""
 
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     manifest, tree = open_checkpoint(folder)
     check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
     block = manifest.hash_block_size
-    largest = max((c.end - c.begin for t in manifest.tensors.values() for c in t.chunks), default=0)
-    buffer = memoryview(bytearray(min(block, largest)))
     checked = 0
     with ChunkReader(folder, manifest, verify=True) as reader:
         for name in manifest.files:
-            reader.open_file(None, name)
-        for key, entry in manifest.tensors.items():
-            for chunk in entry.chunks:
+            reader.open_file(None, name)  # and its index (format version 2), checked against the manifest
+        stored = {key: reader.chunks_of(key, entry) for key, entry in manifest.tensors.items()}  # every part of every rule
+        largest = max((c.end - c.begin for chunks in stored.values() for c in chunks), default=0)
+        buffer = memoryview(bytearray(min(block, largest)))
+        for key, chunks in stored.items():
+            for chunk in chunks:
                 where = f"{reader.path_of(chunk)} (tensor {key!r}, chunk at {list(chunk.offsets)})"
                 size = chunk.end - chunk.begin
                 for i, start in enumerate(range(0, max(size, 1), block)):
@@ -52,6 +54,7 @@ def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
         "world_size": manifest.world_size,
         "tensors": len(manifest.tensors),
         "files": len(manifest.files),
+        "indexes": sum(1 for f in manifest.files.values() if f.index is not None),
         "bytes_checked": checked,
         "state_entries": sorted(tree),
         "metadata": manifest.metadata,

@@ -5,7 +5,9 @@ A checkpoint is a folder holding
 * ``manifest.json`` - written last by the coordinator; its presence is the commit marker;
 * ``state.json`` - the non-tensor part of the saved state (JSON, tensors replaced by references);
 * ``shard-RRRRR.safetensors`` - one per rank that had data to write, in the safetensors layout
-  (8-byte little-endian header length, JSON header, raw little-endian tensor bytes).
+  (8-byte little-endian header length, JSON header, raw little-endian tensor bytes);
+* ``shard-RRRRR.index.json`` (version 2) - where the parts of rule-described tensors lie in that
+  shard (byte ranges, block hashes); its size and hash are in the manifest (core/index.py).
 
 See docs/FORMAT.md for the prose version. Every parser here validates before it trusts: names
 must be single safe path components, sizes are bounded and cross-checked, JSON has no duplicate
@@ -14,78 +16,56 @@ keys and bounded depth.
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from shardsafe.core.dtypes import dtype_from_name, dtype_from_safetensors_name, dtype_name, element_size, safetensors_dtype
+from shardsafe.core.dtypes import dtype_from_name, dtype_name, element_size
+from shardsafe.core.fields import (
+    MAX_DIMS,
+    MAX_HASH_BLOCK_SIZE,
+    MAX_HEADER_BYTES,
+    MAX_NUMEL,
+    MIN_HASH_BLOCK_SIZE,
+    RESERVED_HEADER_NAME,
+    check_component,
+    check_tensor_key,
+    numel,
+)
+from shardsafe.core.fields import expect_field as _expect
+from shardsafe.core.fields import int_list as _int_list
 from shardsafe.core.integrity import HASH_ALGORITHM, HASH_BLOCK_SIZE, num_blocks
 from shardsafe.core.jsonsafe import MAX_JSON_BYTES, check_plain_json, dump_json, parse_json
+from shardsafe.core.safetensors_header import HeaderEntry, build_safetensors_header, parse_safetensors_header
+from shardsafe.core.split import SplitRule
+
+__all__ = [
+    "MAX_DIMS",
+    "MAX_HEADER_BYTES",
+    "MAX_NUMEL",
+    "RESERVED_HEADER_NAME",
+    "HeaderEntry",
+    "SplitRule",
+    "build_safetensors_header",
+    "check_component",
+    "check_tensor_key",
+    "numel",
+    "parse_safetensors_header",
+]
 from shardsafe.errors import FormatError
 
 FORMAT_NAME = "shardsafe"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OLDEST_FORMAT_VERSION = 1  # version 1: every chunk listed in the manifest, no split rules, no indexes
 MANIFEST_NAME = "manifest.json"
 # A retired checkpoint whose files later checkpoints still store tensors in (dedup) keeps its
 # manifest under this name: no longer a checkpoint, but readers can check a reference against it.
 RETAINED_MANIFEST_NAME = "manifest.retained.json"
 STATE_NAME = "state.json"
 SHARD_PATTERN = "shard-{rank:05d}.safetensors"
-
-MAX_HEADER_BYTES = 256 << 20
-MAX_NUMEL = 1 << 48
-MAX_DIMS = 16
-MIN_HASH_BLOCK_SIZE = 4 << 10
-MAX_HASH_BLOCK_SIZE = 1 << 30
-RESERVED_HEADER_NAME = "__metadata__"
-
-
-def check_component(name: object, where: str) -> str:
-    """A file or folder name that cannot leave its folder: one component, no '..', no '/'."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or name.startswith("~")
-        or len(name) > 255
-    ):
-        raise FormatError(f"{where}: unsafe or invalid file name {name!r}")
-    return name
-
-
-def _int_list(value: object, where: str, *, max_len: int = MAX_DIMS) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > max_len:
-        raise FormatError(f"{where}: expected a list of at most {max_len} integers, got {value!r:.80}")
-    out = []
-    for v in value:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise FormatError(f"{where}: expected non-negative integers, got {v!r:.40}")
-        out.append(v)
-    return tuple(out)
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def check_tensor_key(key: object, where: str) -> str:
-    """A tensor key every reader can use: a non-empty string that is valid UTF-8 (a lone surrogate
-    makes a safetensors header other readers refuse) and not the safetensors metadata name."""
-    if not isinstance(key, str) or not key or key == RESERVED_HEADER_NAME:
-        raise FormatError(f"{where}: invalid tensor key {key!r:.80}")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:
-        raise FormatError(f"{where}: tensor key {key!r:.80} is not valid UTF-8 (a lone surrogate?)") from None
-    return key
-
+INDEX_PATTERN = "shard-{rank:05d}.index.json"
+INDEX_SUFFIX = ".index.json"
 
 # ----------------------------------------------------------------------------- manifest
 
@@ -118,26 +98,60 @@ class ChunkEntry:
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """A stored tensor: its global dtype and shape, and where its pieces are.
+
+    Either ``chunks`` lists every piece (version 1, and irregular or replicated tensors), or
+    ``split`` gives the rule: part p lies in the file rank p wrote, as that file's index says. With
+    a rule, ``chunks`` lists only the parts stored elsewhere (dedup: in a sibling checkpoint), each
+    exactly one part's box; ``overrides`` maps their part numbers to them.
+    """
+
     dtype: torch.dtype
     shape: tuple[int, ...]
     chunks: tuple[ChunkEntry, ...]
+    split: SplitRule | None = None
+    overrides: dict[int, ChunkEntry] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.split is not None and self.chunks and not self.overrides:
+            size = self.split.size
+            object.__setattr__(self, "overrides", {c.offsets[0] // size: c for c in self.chunks})
 
     @property
     def nbytes(self) -> int:
         return numel(self.shape) * element_size(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "dtype": dtype_name(self.dtype),
-            "shape": list(self.shape),
-            "chunks": [c.to_json() for c in self.chunks],
-        }
+        out: dict[str, Any] = {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+        if self.split is not None:
+            out["split"] = self.split.to_json()
+            if self.chunks:
+                out["chunks"] = [c.to_json() for c in self.chunks]
+        else:
+            out["chunks"] = [c.to_json() for c in self.chunks]
+        return out
+
+
+@dataclass(frozen=True)
+class IndexRef:
+    """The per-rank index of a shard file (version 2): its name, exact size and xxh3 hash."""
+
+    file: str
+    size: int
+    hash: str
 
 
 @dataclass(frozen=True)
 class FileEntry:
     size: int
     rank: int
+    index: IndexRef | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size, "rank": self.rank}
+        if self.index is not None:
+            out["index"] = {"file": self.index.file, "size": self.index.size, "hash": self.index.hash}
+        return out
 
 
 @dataclass
@@ -157,7 +171,19 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+        return sum(f.size + (f.index.size if f.index is not None else 0) for f in self.files.values())
+
+    def index_of_rank(self, rank: int) -> tuple[str, FileEntry] | None:
+        """(shard file, entry) of the file rank ``rank`` wrote with an index, if any (O(1) after the first call)."""
+        by_rank = self.__dict__.get("_index_by_rank")
+        if by_rank is None:
+            by_rank = {f.rank: (name, f) for name, f in self.files.items() if f.index is not None}
+            self.__dict__["_index_by_rank"] = by_rank
+        return by_rank.get(rank)
+
+    def stored_names(self) -> set[str]:
+        """Every file of the checkpoint the manifest names (shards, their indexes, the state file)."""
+        return set(self.files) | {f.index.file for f in self.files.values() if f.index is not None} | {self.state_file}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -169,22 +195,13 @@ class Manifest:
             "hash_algorithm": self.hash_algorithm,
             "hash_block_size": self.hash_block_size,
             "state": {"file": self.state_file, "size": self.state_size, "hash": self.state_hash},
-            "files": {name: {"size": f.size, "rank": f.rank} for name, f in sorted(self.files.items())},
+            "files": {name: f.to_json() for name, f in sorted(self.files.items())},
             "metadata": self.metadata,
             "tensors": {key: t.to_json() for key, t in self.tensors.items()},
         }
 
     def to_bytes(self) -> bytes:
         return dump_json(self.to_json())
-
-
-def _expect(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if not isinstance(obj, dict) or key not in obj:
-        raise FormatError(f"{where}: missing field {key!r}")
-    value = obj[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise FormatError(f"{where}: field {key!r} has the wrong type ({type(value).__name__})")
-    return value
 
 
 def _parse_chunk(raw: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...], files: dict[str, FileEntry], block: int) -> ChunkEntry:
@@ -270,6 +287,61 @@ def _check_disjoint_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
                 raise FormatError(f"{where}: tensors {key!r:.100} and {other!r:.100} claim the same bytes of {shown} (from {begin})")
 
 
+def _parse_index_ref(entry: Any, name: str, version: int, where: str) -> IndexRef | None:
+    raw = entry.get("index")
+    if raw is None:
+        return None
+    fwhere = f"{where} file {name!r}"
+    if version < 2:
+        raise FormatError(f"{fwhere}: an index is a format version 2 field, the manifest says version {version}")
+    file = check_component(_expect(raw, "file", str, fwhere), fwhere)
+    size = _expect(raw, "size", int, fwhere)
+    digest = _expect(raw, "hash", str, fwhere)
+    if not file.endswith(INDEX_SUFFIX) or not 0 <= size <= MAX_JSON_BYTES or len(digest) > 64:
+        raise FormatError(f"{fwhere}: index {file!r} must be named *{INDEX_SUFFIX}, at most {MAX_JSON_BYTES} bytes, with an xxh3 hash")
+    return IndexRef(file, size, digest)
+
+
+def _check_file_names(files: dict[str, FileEntry], world_size: int, where: str) -> None:
+    """Index names are not shard names and not shared; at most one indexed file per rank (part p
+    of a split tensor is found through rank p's index), each rank inside the world."""
+    seen: set[str] = set(files) | {MANIFEST_NAME, RETAINED_MANIFEST_NAME}
+    ranks: set[int] = set()
+    for name, f in files.items():
+        if f.index is None:
+            continue
+        if f.index.file in seen or f.index.file.startswith("state"):
+            raise FormatError(f"{where}: file {name!r}: index name {f.index.file!r} is another file's name")
+        seen.add(f.index.file)
+        if f.rank in ranks or f.rank >= world_size:
+            raise FormatError(f"{where}: file {name!r}: rank {f.rank} is outside the world or has a second indexed file")
+        ranks.add(f.rank)
+
+
+def _parse_split(entry: Any, shape: tuple[int, ...], world_size: int, version: int, where: str) -> SplitRule | None:
+    raw = entry.get("split")
+    if raw is None:
+        return None
+    if version < 2:
+        raise FormatError(f"{where}: a split rule is a format version 2 field, the manifest says version {version}")
+    dim, parts, size = (_expect(raw, k, int, where) for k in ("dim", "parts", "size"))
+    if dim != 0 or not shape or shape[0] == 0 or parts != world_size or size != -(-shape[0] // parts):
+        raise FormatError(f"{where}: split rule {raw!r:.100} does not split dim 0 of shape {list(shape)} over the {world_size} ranks")
+    return SplitRule(dim, parts, size)
+
+
+def _check_overrides(split: SplitRule, shape: tuple[int, ...], chunks: list[ChunkEntry], where: str) -> dict[int, ChunkEntry]:
+    """The chunks listed beside a rule (parts stored in a sibling checkpoint): each exactly one
+    non-empty part's box, no part twice."""
+    out: dict[int, ChunkEntry] = {}
+    for c in chunks:
+        part = c.offsets[0] // split.size
+        if part >= split.parts or part in out or (c.offsets, c.shape) != split.box(part, shape) or c.shape[0] == 0:
+            raise FormatError(f"{where}: chunk at {list(c.offsets)} of shape {list(c.shape)} is not a part of its split rule")
+        out[part] = c
+    return out
+
+
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     raw = parse_json(data, where)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
@@ -277,6 +349,8 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     version = _expect(raw, "format_version", int, where)
     if version > FORMAT_VERSION:
         raise FormatError(f"{where}: format version {version} is newer than this shardsafe understands ({FORMAT_VERSION}); upgrade shardsafe")
+    if version < OLDEST_FORMAT_VERSION:
+        raise FormatError(f"{where}: format version {version} is not a shardsafe format version")
     algorithm = _expect(raw, "hash_algorithm", str, where)
     if algorithm != HASH_ALGORITHM:
         raise FormatError(f"{where}: unknown hash algorithm (a {len(algorithm)}-character string; expected {HASH_ALGORITHM})")
@@ -293,7 +367,9 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         rank = _expect(entry, "rank", int, f"{where} file {name!r}")
         if size < 0:
             raise FormatError(f"{where}: file {name!r} has a negative size")
-        files[name] = FileEntry(size, rank)
+        index = _parse_index_ref(entry, name, version, where)
+        files[name] = FileEntry(size, rank, index)
+    _check_file_names(files, world_size, where)
     state = _expect(raw, "state", dict, where)
     state_file = check_component(state.get("file"), where)
     if not (state_file.startswith("state") and state_file.endswith(".json")):
@@ -309,9 +385,14 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         shape = _int_list(_expect(entry, "shape", list, twhere), twhere)
         if numel(shape) > MAX_NUMEL:
             raise FormatError(f"{twhere}: shape {list(shape)} is absurdly large")
-        chunks = [_parse_chunk(c, key, dtype, shape, files, block) for c in _expect(entry, "chunks", list, twhere)]
-        _check_coverage(key, shape, chunks)
-        tensors[key] = TensorEntry(dtype, shape, tuple(chunks))
+        split = _parse_split(entry, shape, world_size, version, twhere)
+        raw_chunks = _expect(entry, "chunks", list, twhere) if split is None or "chunks" in entry else []
+        chunks = [_parse_chunk(c, key, dtype, shape, files, block) for c in raw_chunks]
+        if split is None:
+            _check_coverage(key, shape, chunks)
+            tensors[key] = TensorEntry(dtype, shape, tuple(chunks))
+        else:
+            tensors[key] = TensorEntry(dtype, shape, tuple(chunks), split, _check_overrides(split, shape, chunks, twhere))
     _check_disjoint_ranges(tensors, where)
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
@@ -344,73 +425,6 @@ def box_overlap(
     if any(h <= l for l, h in zip(lo, hi)):
         return None
     return lo, tuple(h - l for l, h in zip(lo, hi))
-
-
-# ----------------------------------------------------------------------------- safetensors
-
-
-@dataclass(frozen=True)
-class HeaderEntry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def build_safetensors_header(entries: list[HeaderEntry]) -> tuple[bytes, list[tuple[int, int]]]:
-    """The file prefix (length + JSON header) and each entry's absolute byte range.
-
-    Shapes are known before any byte is written, so the header is computed up front and tensor
-    bytes can be streamed straight after it.
-    """
-    header: dict[str, Any] = {RESERVED_HEADER_NAME: {"format": "pt", "writer": "shardsafe"}}
-    relative: list[tuple[int, int]] = []
-    pos = 0
-    for e in entries:
-        if e.name in header:  # a second entry would silently replace the first: its bytes unlisted
-            raise FormatError(f"safetensors header: two entries named {e.name!r:.100} (a tensor key containing '@'?), or the reserved name")
-        size = numel(e.shape) * element_size(e.dtype)
-        header[e.name] = {"dtype": safetensors_dtype(e.dtype), "shape": list(e.shape), "data_offsets": [pos, pos + size]}
-        relative.append((pos, pos + size))
-        pos += size
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    if len(body) > MAX_HEADER_BYTES:
-        raise FormatError(f"safetensors header: {len(body)} bytes for {len(entries)} entries is more than the {MAX_HEADER_BYTES} readers accept")
-    prefix = struct.pack("<Q", len(body)) + body
-    return prefix, [(len(prefix) + b, len(prefix) + e) for b, e in relative]
-
-
-def parse_safetensors_header(head: bytes, file_size: int, where: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
-    """Validate a safetensors header; returns name -> (dtype, shape, absolute begin, absolute end).
-
-    ``head`` must start at byte 0 and hold at least the 8-byte length plus the header.
-    """
-    if len(head) < 8:
-        raise FormatError(f"{where}: file too short for a safetensors header")
-    (length,) = struct.unpack("<Q", head[:8])
-    if length > MAX_HEADER_BYTES or 8 + length > file_size:
-        raise FormatError(f"{where}: header length {length} is larger than the file ({file_size} bytes)")
-    if len(head) < 8 + length:
-        raise FormatError(f"{where}: header truncated")
-    raw = parse_json(head[8 : 8 + length], where)
-    if not isinstance(raw, dict):
-        raise FormatError(f"{where}: header is not an object")
-    out = {}
-    base = 8 + length
-    for name, entry in raw.items():
-        if name == RESERVED_HEADER_NAME:
-            continue
-        ewhere = f"{where} entry {name!r}"
-        dtype = dtype_from_safetensors_name(_expect(entry, "dtype", str, ewhere), ewhere)
-        shape = _int_list(_expect(entry, "shape", list, ewhere), ewhere)
-        offsets = _int_list(_expect(entry, "data_offsets", list, ewhere), ewhere, max_len=2)
-        if len(offsets) != 2:
-            raise FormatError(f"{ewhere}: data_offsets must be [begin, end]")
-        begin, end = offsets
-        if end - begin != numel(shape) * element_size(dtype) or base + end > file_size:
-            raise FormatError(f"{ewhere}: data offsets [{begin}, {end}) do not fit its shape or the file")
-        out[name] = (dtype, shape, base + begin, base + end)
-    return out
 
 
 def check_metadata(metadata: Any, where: str = "metadata") -> None:

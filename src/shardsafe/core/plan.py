@@ -8,12 +8,13 @@ chunks tile each tensor. Load: each rank intersects the box it owns with the sto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from shardsafe.core.format import ChunkEntry, TensorEntry, box_overlap, element_size, numel
-from shardsafe.errors import SaveError
+from shardsafe.errors import FormatError, SaveError
 
 
 @dataclass
@@ -96,15 +97,36 @@ class ReadOp:
     shape: tuple[int, ...]
 
 
-def plan_reads(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...]) -> list[ReadOp]:
+PartLookup = Callable[[int], ChunkEntry]
+
+
+def candidate_chunks(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...], part: PartLookup | None) -> list[ChunkEntry]:
+    """The stored chunks that may overlap the box: all listed ones, or, for a split rule, only the
+    parts holding rows ``[a, b)`` of the box (O(1) per tensor, never the W parts), resolved by
+    ``part`` (the per-rank indexes) unless the manifest lists the part itself (dedup)."""
+    rule = entry.split
+    if rule is None:
+        return list(entry.chunks)
+    if part is None:
+        raise FormatError("a tensor described by a split rule needs the per-rank indexes to be read")
+    start = dest_offsets[0] if dest_shape else 0
+    stop = start + (dest_shape[0] if dest_shape else 0)
+    out = []
+    for p in rule.parts_between(start, stop):
+        if rule.bounds(p, entry.shape[0])[1] > rule.bounds(p, entry.shape[0])[0]:
+            out.append(entry.overrides.get(p) or part(p))
+    return out
+
+
+def plan_reads(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...], part: PartLookup | None = None) -> list[ReadOp]:
     """The stored pieces overlapping the box this rank owns, in file order."""
     ops = []
-    for chunk in entry.chunks:
+    if numel(dest_shape) == 0:
+        return []
+    for chunk in candidate_chunks(entry, dest_offsets, dest_shape, part):
         hit = box_overlap(chunk.offsets, chunk.shape, dest_offsets, dest_shape)
         if hit is not None:
             ops.append(ReadOp(chunk, hit[0], hit[1]))
-    if not ops and numel(dest_shape) == 0 and entry.chunks:
-        return []
     ops.sort(key=lambda op: (op.chunk.checkpoint or "", op.chunk.file, op.chunk.begin))
     return ops
 

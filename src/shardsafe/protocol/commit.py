@@ -29,7 +29,18 @@ import torch
 from shardsafe import errors
 from shardsafe.core.comm import Comm
 from shardsafe.core.faults import crash_point
-from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, SHARD_PATTERN, STATE_NAME, FileEntry, Manifest, parse_json, parse_manifest
+from shardsafe.core.format import (
+    INDEX_PATTERN,
+    INDEX_SUFFIX,
+    MANIFEST_NAME,
+    MAX_JSON_BYTES,
+    SHARD_PATTERN,
+    STATE_NAME,
+    FileEntry,
+    Manifest,
+    parse_json,
+    parse_manifest,
+)
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError
 from shardsafe.protocol.temppath import TemporaryPath, publish
@@ -55,6 +66,12 @@ class LocalCommit:
 
     def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
         return write_tensor_file(self.tmp / name, prefix, tensors, block_size, self.fsync, rank)
+
+    def write_index(self, rank: int, data: bytes) -> str:
+        """Write this rank's index (format version 2) next to its shard; returns its name."""
+        name = INDEX_PATTERN.format(rank=rank)
+        write_small_file(self.tmp / name, data, self.fsync)
+        return name
 
     def state_name(self) -> str:
         return STATE_NAME
@@ -88,6 +105,11 @@ class RemoteCommit:
     def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
         return self.folder.write_tensors(name, prefix, tensors, block_size)
 
+    def write_index(self, rank: int, data: bytes) -> str:
+        name = f"shard-{rank:05d}-{self.save_id}{INDEX_SUFFIX}"
+        self.folder.write_bytes(name, data)
+        return name
+
     def state_name(self) -> str:
         return f"state-{self.save_id}.json"
 
@@ -95,7 +117,7 @@ class RemoteCommit:
         previous: set[str] = set()
         if self.folder.exists(MANIFEST_NAME):
             old = parse_manifest(self.folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{self.folder.url}/{MANIFEST_NAME}")
-            previous = set(old.files) | {old.state_file}
+            previous = old.stored_names()
         self.folder.write_bytes(manifest.state_file, state_bytes)
         crash_point("save:before-manifest", rank)
         data = manifest.to_bytes()
@@ -109,7 +131,7 @@ class RemoteCommit:
         self.committed = True
         crash_point("save:after-publish", rank)
         try:
-            self.folder.remove(sorted(previous - set(manifest.files) - {manifest.state_file}))
+            self.folder.remove(sorted(previous - manifest.stored_names()))
         except Exception as exc:  # committed already; what is left over is garbage for collect_garbage
             log.warning("shardsafe: %s: committed, but removing the previous save's objects failed: %s", self.folder.url, exc)
 

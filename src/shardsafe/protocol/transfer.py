@@ -14,7 +14,6 @@ the file with the size it has.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,10 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from shardsafe.core.format import (
-    MANIFEST_NAME,
     MAX_HEADER_BYTES,
-    MAX_JSON_BYTES,
-    RETAINED_MANIFEST_NAME,
     ChunkEntry,
     HeaderEntry,
     Manifest,
@@ -36,10 +32,12 @@ from shardsafe.core.format import (
     parse_manifest,
     parse_safetensors_header,
 )
+from shardsafe.core.index import parse_index
 from shardsafe.core.integrity import BlockHasher, hash_blocks
-from shardsafe.core.plan import LocalChunk, ReadOp, contiguous_span, plan_reads
+from shardsafe.core.plan import LocalChunk, ReadOp, candidate_chunks, contiguous_span, plan_reads
 from shardsafe.errors import FormatError, IntegrityError
-from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes, tensor_pieces
+from shardsafe.protocol.sources import LocalSource, RemoteSource
+from shardsafe.storage.local import tensor_bytes, tensor_pieces
 from shardsafe.storage.remote import RemoteDir
 
 
@@ -50,7 +48,7 @@ def chunk_name(chunk: LocalChunk) -> str:
     return chunk.key
 
 
-ReuseMap = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, ChunkEntry]]
+ReuseChunks = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, ChunkEntry]]  # (key, offsets) -> earlier chunk
 
 
 class ShardSink(Protocol):
@@ -60,9 +58,11 @@ class ShardSink(Protocol):
 
     def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]: ...
 
+    def write_index(self, rank: int, data: bytes) -> str: ...
+
 
 def write_rank_file(
-    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseMap | None = None
+    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None
 ) -> tuple[str | None, int, list[tuple[LocalChunk, ChunkEntry]]]:
     """Write this rank's chunks into its own shard file; returns (file name, size, entries).
 
@@ -90,104 +90,39 @@ def write_rank_file(
     return name, size, entries
 
 
+@dataclass
+class ReuseMap:
+    """The chunks of an earlier committed checkpoint of the same root, for dedup: each a save can
+    point at instead of writing it again. Listed chunks come from its manifest; the parts of its
+    split tensors from the index of this rank (part p of a rule is written by rank p, so a rank
+    needs only its own index, never all W)."""
+
+    manifest: Manifest
+    checkpoint: str
+
+    def for_rank(self, folder: Path | RemoteDir, rank: int) -> ReuseChunks:
+        """(key, offsets) -> (dtype, chunk, pointing at the checkpoint holding its bytes), for ``rank``;
+        ``folder`` is the earlier checkpoint. An unreadable index only means those parts are written again."""
+        out: ReuseChunks = {}
+        for key, entry in self.manifest.tensors.items():
+            for chunk in entry.chunks:
+                origin = chunk if chunk.checkpoint is not None else replace(chunk, checkpoint=self.checkpoint)
+                out[(key, chunk.offsets)] = (entry.dtype, origin)
+        if self.manifest.index_of_rank(rank) is None:
+            return out
+        try:
+            with ChunkReader(folder, self.manifest) as reader:
+                parts = reader.index(rank)
+        except (FormatError, IntegrityError, OSError):
+            return out
+        for key, chunk in parts.items():
+            out[(key, chunk.offsets)] = (self.manifest.tensors[key].dtype, replace(chunk, checkpoint=self.checkpoint))
+        return out
+
+
 def reuse_map(manifest: Manifest, checkpoint_name: str) -> ReuseMap:
-    """Chunks of a committed checkpoint, each resolved to the checkpoint that stores its bytes."""
-    out: ReuseMap = {}
-    for key, entry in manifest.tensors.items():
-        for chunk in entry.chunks:
-            origin = chunk if chunk.checkpoint is not None else replace(chunk, checkpoint=checkpoint_name)
-            out[(key, chunk.offsets)] = (entry.dtype, origin)
-    return out
-
-
-class LocalSource:
-    """Shard files of a checkpoint folder on the local filesystem (or a shared mount)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._fds: dict[tuple[str | None, str], int] = {}
-        self._paths: dict[tuple[str | None, str], Path] = {}
-
-    def describe(self, checkpoint: str | None, file: str) -> str:
-        return str(self._path(checkpoint, file))
-
-    def _path(self, checkpoint: str | None, file: str) -> Path:
-        """The checked path (resolved once per file: errors name it on every read)."""
-        ident = (checkpoint, file)
-        path = self._paths.get(ident)
-        if path is None:
-            folder = self.folder if checkpoint is None else safe_child(self.folder.parent, checkpoint)
-            path = self._paths[ident] = safe_child(folder, file)
-        return path
-
-    def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
-        ident = (checkpoint, file)
-        if ident not in self._fds:
-            path = self._path(checkpoint, file)
-            try:
-                self._fds[ident] = open_regular(path, follow=False)  # never blocks on a planted FIFO
-            except FileNotFoundError:
-                raise IntegrityError(f"{path}: shard file is missing") from None
-            except OSError as exc:
-                raise IntegrityError(f"{path}: cannot open shard file ({exc.strerror})") from None
-        fd = self._fds[ident]
-        return fd, os.fstat(fd).st_size
-
-    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: str) -> None:
-        pread_into(handle, views, offset, where)
-
-    def sibling_manifest(self, checkpoint: str) -> tuple[bytes, str]:
-        """(bytes, path) of the manifest of sibling checkpoint ``checkpoint`` (or the one it kept when
-        retired with referenced files); FileNotFoundError when it has neither."""
-        folder = safe_child(self.folder.parent, checkpoint)
-        if not folder.is_dir():
-            raise FileNotFoundError(folder)
-        for name in (MANIFEST_NAME, RETAINED_MANIFEST_NAME):
-            path = safe_child(folder, name)
-            if os.path.lexists(path):
-                return read_small_file(path, MAX_JSON_BYTES), str(path)
-        raise FileNotFoundError(folder / MANIFEST_NAME)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-class RemoteSource:
-    """Shard objects of a checkpoint under an fsspec URL; each read is one ranged GET."""
-
-    def __init__(self, folder: RemoteDir) -> None:
-        self.folder = folder
-        self._sizes: dict[tuple[str | None, str], int] = {}
-
-    def _dir(self, checkpoint: str | None) -> RemoteDir:
-        return self.folder if checkpoint is None else self.folder.parent.child(checkpoint)
-
-    def describe(self, checkpoint: str | None, file: str) -> str:
-        return f"{self._dir(checkpoint).url}/{file}"
-
-    def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
-        ident = (checkpoint, file)
-        if ident not in self._sizes:
-            folder = self._dir(checkpoint)
-            try:
-                self._sizes[ident] = folder.size(file)
-            except FileNotFoundError:
-                raise IntegrityError(f"{folder.url}/{file}: shard object is missing") from None
-        return (self._dir(checkpoint), file), self._sizes[ident]
-
-    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: str) -> None:
-        folder, file = handle
-        folder.read_into(file, views, offset, where)
-
-    def sibling_manifest(self, checkpoint: str) -> tuple[bytes, str]:
-        folder = self._dir(checkpoint)
-        name = MANIFEST_NAME if folder.exists(MANIFEST_NAME) else RETAINED_MANIFEST_NAME
-        return folder.read_bytes(name, MAX_JSON_BYTES), f"{folder.url}/{name}"
-
-    def close(self) -> None:
-        self._sizes.clear()
+    """The chunks of committed checkpoint ``checkpoint_name`` (its ``manifest``) a save may reuse."""
+    return ReuseMap(manifest, checkpoint_name)
 
 
 REMOTE_CACHE_BYTES = 64 << 20
@@ -203,6 +138,7 @@ class ChunkReader:
         self.verify = verify
         self.block = manifest.hash_block_size
         self._checked: set[tuple[str | None, str]] = set()
+        self._indexes: dict[int, dict[str, ChunkEntry]] = {}  # rank -> its index, parsed and checked once
         self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
         self._scratch = memoryview(bytearray(0))
@@ -219,6 +155,38 @@ class ChunkReader:
 
     def close(self) -> None:
         self.source.close()
+
+    def index(self, rank: int) -> dict[str, ChunkEntry]:
+        """Rank ``rank``'s index (format version 2), read, checked against the manifest, cached."""
+        cached = self._indexes.get(rank)
+        if cached is not None:
+            return cached
+        found = self.manifest.index_of_rank(rank)
+        if found is None:
+            return {}
+        file, entry = found
+        assert entry.index is not None
+        where = self.source.describe(None, entry.index.file)
+        data = self.source.read_small(entry.index.file, entry.index.size)
+        parts = self._indexes[rank] = parse_index(data, self.manifest, file, where)
+        return parts
+
+    def part(self, key: str, entry: TensorEntry, part: int) -> ChunkEntry:
+        """Part ``part`` of split tensor ``key``: from the index of the rank that wrote it."""
+        chunk = self.index(part).get(key)
+        if chunk is None:
+            found = self.manifest.index_of_rank(part)
+            where = self.source.describe(None, found[1].index.file) if found is not None and found[1].index is not None else f"rank {part}"
+            raise FormatError(f"{where}: lists no part {part} of tensor {key!r:.200}, which its split rule places there")
+        return chunk
+
+    def plan(self, key: str, entry: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[ReadOp]:
+        """The reads that fill the box (offsets, shape) of ``key``, parts of a rule resolved through the indexes."""
+        return plan_reads(entry, offsets, shape, lambda p: self.part(key, entry, p))
+
+    def chunks_of(self, key: str, entry: TensorEntry) -> list[ChunkEntry]:
+        """Every stored chunk of ``key`` (for a rule, every non-empty part: reads every index it needs)."""
+        return candidate_chunks(entry, (0,) * len(entry.shape), entry.shape, lambda p: self.part(key, entry, p))
 
     def path_of(self, chunk: ChunkEntry) -> str:
         return self.source.describe(chunk.checkpoint, chunk.file)
@@ -282,12 +250,19 @@ class ChunkReader:
                 )
 
     def _chunks_in(self, checkpoint: str | None, file: str) -> list[tuple[str, torch.dtype, ChunkEntry]]:
+        """Every chunk the manifest places in the file, and, for a shard of this checkpoint with an
+        index, every part its index places there (the index is read and checked first)."""
         if self._by_file is None:
             self._by_file = {}
             for key, entry in self.manifest.tensors.items():
                 for c in entry.chunks:
                     self._by_file.setdefault((c.checkpoint, c.file), []).append((key, entry.dtype, c))
-        return self._by_file.get((checkpoint, file), [])
+        listed = self._by_file.get((checkpoint, file), [])
+        info = self.manifest.files.get(file) if checkpoint is None else None
+        if info is None or info.index is None:
+            return listed
+        parts = self.index(info.rank)
+        return listed + [(key, self.manifest.tensors[key].dtype, c) for key, c in parts.items()]
 
     @property
     def remote(self) -> bool:
@@ -372,7 +347,7 @@ class ChunkReader:
         allocated, so a manifest cannot make the reader allocate more than the files hold.
         """
         zeros = (0,) * len(entry.shape)
-        ops = plan_reads(entry, zeros, entry.shape)
+        ops = self.plan(key, entry, zeros, entry.shape)
         for op in ops:
             self.open(op.chunk)
         out = torch.empty(entry.shape, dtype=entry.dtype)

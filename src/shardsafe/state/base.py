@@ -189,8 +189,9 @@ def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
         unique(path)
         local, global_shape, offsets = placement(tensor)
         check_storable(path, local, global_shape)
-        if local.numel() or not any(global_shape):
-            chunks.append(LocalChunk(path, local, global_shape, offsets))
+        # Empty shards too (FSDP2 ranks past the end of dim 0): they are never written, but say which
+        # part of the split rule this rank holds, so every rank describes the same tensors (core/layout).
+        chunks.append(LocalChunk(path, local, global_shape, offsets))
         return path
 
     return encode_value(value, name, ref)

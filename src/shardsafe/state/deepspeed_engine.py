@@ -85,8 +85,9 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
     state: dict[str, Any] = {section: {} for section in SECTIONS}
 
     def add(key: str, view: torch.Tensor, p: ZeroParam) -> dict[str, str]:
-        if p.count or not p.numel:  # a rank whose share is all padding holds nothing of the tensor
-            chunks.append(LocalChunk(key, view, (p.numel,), (p.start,)))
+        # A rank whose share is all padding holds nothing of the tensor: its empty chunk is never
+        # written, only described (it is the empty part of the split rule, core/layout).
+        chunks.append(LocalChunk(key, view, (p.numel,), (p.start,)))
         return {TENSOR_REF: key}
 
     sync_engine(z)

@@ -1,0 +1,384 @@
+"""Metadata at scale, simulated: `python benchmarks/bench_scale.py [--quick] [--runs N] [--md BENCHMARKS.md]`.
+
+One process, pure functions, no tensor data: W = 64, 1,024 and 16,384 ranks x 2,000 tensors in an
+FSDP2 layout (2-D weights split on dim 0 with rows that do not divide evenly, and small 1-D
+norms/biases, also Shard(0)). For shardsafe it measures, with the code a save and a load run:
+
+* what one rank does before the gather: classify its chunks and digest the layout;
+* the coordinator: decide the plan from the W digests, build the manifest from the W per-rank
+  results (each: file, index size + hash, no chunk list), validate it with the load's parser and
+  serialize it;
+* one rank's load: parse the manifest and plan the reads of the box it owns, reading (from memory)
+  and validating the index it needs.
+
+Side by side, DCP's metadata for the same layout, built with DCP's own classes: W SavePlans of
+WriteItems through ``DefaultSavePlanner.create_global_plan`` (plus the storage records its
+FileSystemWriter adds), pickled; the read side unpickles it and runs
+``create_read_items_for_chunk_list`` for one rank. DCP holds O(tensors x ranks) objects: it is
+measured up to the largest world size in ``--dcp-max`` and the trend reported beyond.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import pickle
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import load_average, write_section  # noqa: E402
+
+from shardsafe._version import __version__  # noqa: E402
+from shardsafe.api.save import RankResult, tensor_entries  # noqa: E402
+from shardsafe.core.format import INDEX_PATTERN, SHARD_PATTERN, ChunkEntry, FileEntry, IndexRef, parse_manifest  # noqa: E402
+from shardsafe.core.index import build_index  # noqa: E402
+from shardsafe.core.integrity import hash_bytes  # noqa: E402
+from shardsafe.core.layout import describe_layout, rule_for  # noqa: E402
+from shardsafe.core.plan import LocalChunk, assign_writers  # noqa: E402
+from shardsafe.protocol.commit import new_manifest  # noqa: E402
+from shardsafe.protocol.transfer import ChunkReader  # noqa: E402
+
+SECTION = "## Scale (metadata, simulated)"
+REAL_SECTION = "## Scale (real processes)"
+REAL_WORLDS = (4, 8, 16)
+TENSORS = 2000
+WORLDS = (64, 1024, 16384)
+
+
+def layout(n: int = TENSORS) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, global shape) of an FSDP2 model's state: per layer a weight (uneven rows) and two 1-D norms/biases."""
+    out = []
+    i = 0
+    while len(out) < n:
+        rows = 4096 + 37 * (i % 29) + 3  # never a multiple of the world sizes
+        out.append((f"model/layers.{i}.weight", (rows, 64)))
+        out.append((f"model/layers.{i}.bias", (rows,)))
+        out.append((f"model/layers.{i}.norm.weight", (1024 + i % 7,)))
+        i += 1
+    return out[:n]
+
+
+def local_box(shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    rule = rule_for(shape, world)
+    assert rule is not None
+    return rule.box(rank, shape)
+
+
+def rank_chunks(tensors: list[tuple[str, tuple[int, ...]]], rank: int, world: int) -> list[LocalChunk]:
+    """The rank's FSDP2 chunks as the state adapters describe them (meta tensors: no data)."""
+    out = []
+    for key, shape in tensors:
+        offsets, local = local_box(shape, rank, world)
+        out.append(LocalChunk(key, torch.empty(local, dtype=torch.float32, device="meta"), shape, offsets))
+    return out
+
+
+def rank_index(tensors: list[tuple[str, tuple[int, ...]]], rank: int, world: int) -> tuple[bytes, int]:
+    """The index bytes rank ``rank`` would write, and the size of its shard."""
+    pos, entries = 4096, []
+    for key, shape in tensors:
+        offsets, local = local_box(shape, rank, world)
+        nbytes = 4 * int(torch.Size(local).numel())
+        if nbytes:
+            entries.append((key, ChunkEntry(offsets, local, SHARD_PATTERN.format(rank=rank), pos, pos + nbytes, ("0123456789abcdef",))))
+            pos += nbytes
+    return build_index(rank, SHARD_PATTERN.format(rank=rank), entries), pos
+
+
+@dataclass
+class Sample:
+    rank_describe: float
+    coordinator: float
+    manifest_bytes: int
+    load_plan: float
+    reads: int
+
+
+def shardsafe_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sample:
+    reader_rank = world // 2 + 1
+    index_data, shard_size = rank_index(tensors, reader_rank, world)
+    gc.collect()
+    # one rank, before the gather
+    t0 = time.perf_counter()
+    mine = describe_layout(rank_chunks(tensors, 0, world), 0, world)
+    rank_describe = time.perf_counter() - t0
+    # what the coordinator receives: W digests (equal), W results without chunk lists
+    digests = [(mine.digest, []) for _ in range(world)]
+    results = [
+        RankResult(
+            (SHARD_PATTERN.format(rank=r), shard_size),
+            IndexRef(INDEX_PATTERN.format(rank=r), len(index_data), hash_bytes(index_data) if r == reader_rank else f"{r:016x}"),
+        )
+        for r in range(world)
+    ]
+    t0 = time.perf_counter()
+    assert len({d for d, _ in digests}) == 1
+    assign_writers([specs for _, specs in digests])
+    files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
+    manifest = new_manifest(world, files, b"{}", {}, __version__)
+    manifest.tensors = tensor_entries(results, mine, world)
+    data = manifest.to_bytes()
+    parse_manifest(data, "the manifest about to be written")
+    coordinator = time.perf_counter() - t0
+    del manifest, results
+    gc.collect()
+    # one rank's load: parse, then plan the reads of its box, reading the one index it needs
+    t0 = time.perf_counter()
+    parsed = parse_manifest(data)
+    reader = ChunkReader(Path("/nonexistent"), parsed)
+    reader.source = MemorySource({INDEX_PATTERN.format(rank=reader_rank): index_data})  # type: ignore[assignment]
+    reads = 0
+    for key, shape in tensors:
+        offsets, local = local_box(shape, reader_rank, world)
+        reads += len(reader.plan(key, parsed.tensors[key], offsets, local))
+    load_plan = time.perf_counter() - t0
+    return Sample(rank_describe, coordinator, len(data), load_plan, reads)
+
+
+class MemorySource:
+    """The index files a load reads, from memory (the benchmark measures parsing and planning, not disk)."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def describe(self, checkpoint: str | None, file: str) -> str:
+        return f"memory:{file}"
+
+    def read_small(self, name: str, limit: int) -> bytes:
+        return self.files[name][: limit + 1]
+
+    def close(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------- DCP
+
+
+def dcp_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sample:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    props = TensorProperties(dtype=torch.float32)
+    gc.collect()
+    t0 = time.perf_counter()
+    plans = []
+    for rank in range(world):
+        items = []
+        for key, shape in tensors:
+            offsets, local = local_box(shape, rank, world)
+            if not local[0]:
+                continue
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(local))
+            data = TensorWriteData(chunk=chunk, properties=props, size=torch.Size(shape))
+            items.append(WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD, tensor_data=data))
+        plans.append(SavePlan(items, planner_data={}))  # planner_data: the flattening map create_local_plan sets (none here)
+    rank_describe = (time.perf_counter() - t0) / world  # one rank's plan
+    t0 = time.perf_counter()
+    planner = DefaultSavePlanner()
+    global_plan, metadata = planner.create_global_plan(plans)
+    storage = {}
+    for rank, plan in enumerate(global_plan):  # what FileSystemWriter.finish adds: where each item lies
+        pos = 0
+        for item in plan.items:
+            assert item.tensor_data is not None
+            length = 4 * int(item.tensor_data.chunk.sizes.numel())
+            storage[item.index] = _StorageInfo(f"__{rank}_0.distcp", pos, length)
+            pos += length
+    metadata.storage_data = storage
+    buffer = io.BytesIO()
+    pickle.dump(metadata, buffer)
+    data = buffer.getvalue()
+    coordinator = time.perf_counter() - t0
+    del plans, global_plan, metadata, storage, planner
+    gc.collect()
+    reader_rank = world // 2 + 1
+    t0 = time.perf_counter()
+    md = pickle.loads(data)
+    reads = 0
+    for key, shape in tensors:
+        offsets, local = local_box(shape, reader_rank, world)
+        mine = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(local))]
+        reads += len(create_read_items_for_chunk_list(key, md.state_dict_metadata[key], mine))
+    load_plan = time.perf_counter() - t0
+    del md
+    gc.collect()
+    return Sample(rank_describe, coordinator, len(data), load_plan, reads)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def median(samples: list[Sample], field: str) -> float:
+    return statistics.median(getattr(s, field) for s in samples)
+
+
+def measure(fn: Callable[..., Sample], tensors: list[tuple[str, tuple[int, ...]]], world: int, runs: int) -> list[Sample]:
+    out = []
+    for _ in range(runs):
+        out.append(fn(tensors, world))
+        print(f"  {fn.__name__} W={world}: {out[-1]}", flush=True)
+    return out
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def secs(t: float) -> str:
+    return f"{t * 1000:.0f} ms" if t < 1 else f"{t:.2f} s"
+
+
+def report(results: dict[int, dict[str, list[Sample]]], runs: int, command: str, elapsed: float, dcp_max: int, big_runs: int) -> str:
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        SECTION,
+        "",
+        f"- **Command:** `{command}` (what `make bench-scale` runs); medians of {runs} runs per cell (DCP above 256 ranks: "
+        f"{min(runs, big_runs)} run, its planning takes minutes there); took {elapsed / 60:.1f} min",
+        f"- **Date:** {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; shardsafe {__version__} at {commit}; torch {torch.__version__}; "
+        f"Python {platform.python_version()}; load average at the end {load_average()}",
+        f"- **Layout:** {TENSORS} tensors in an FSDP2 layout (per layer a `[4099..5135, 64]` weight and a bias of as many rows, "
+        "and a `[1024..1030]` norm weight; all `Shard(0)`, uneven); no data, only metadata. One process.",
+        "- **shardsafe:** one rank classifies + digests its chunks; the coordinator decides the plan from W digests, builds the "
+        "manifest from W per-rank results (file, index size + hash), validates it with the load's parser and serializes it; one "
+        "rank parses the manifest and plans the reads of its box, reading and validating (from memory) the index it needs.",
+        "- **DCP:** the same layout as W `SavePlan`s of `WriteItem`s through `DefaultSavePlanner.create_global_plan`, plus the "
+        "`_StorageInfo` records its `FileSystemWriter` adds, pickled (the `.metadata` file); the read side unpickles it and runs "
+        "`create_read_items_for_chunk_list` for one rank.",
+        "",
+        "| ranks | metadata: shardsafe | DCP | coordinator: shardsafe | DCP "
+        "| one rank's load plan: shardsafe | DCP | one rank's save describe: shardsafe | DCP | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for world, by in sorted(results.items()):
+        ss, dc = by["shardsafe"], by.get("dcp")
+
+        def d(f: str, fmt: Callable[[float], str], dc: list[Sample] | None = dc) -> str:
+            return fmt(median(dc, f)) if dc else "not run"
+
+        target = "manifest <= 8 MB, parse + plan <= 0.5 s" if world == 16384 else ""
+        lines.append(
+            f"| {world:,} | {mb(median(ss, 'manifest_bytes'))} | {d('manifest_bytes', mb)} | {secs(median(ss, 'coordinator'))} | "
+            f"{d('coordinator', secs)} | {secs(median(ss, 'load_plan'))} | {d('load_plan', secs)} | {secs(median(ss, 'rank_describe'))} | "
+            f"{d('rank_describe', secs)} | {target} |"
+        )
+    big = results.get(16384, {}).get("shardsafe")
+    if big:
+        size, plan = median(big, "manifest_bytes"), median(big, "load_plan")
+        ok = size <= 8e6 and plan <= 0.5
+        lines += ["", f"At 16,384 ranks: manifest {mb(size)}, one rank's parse + plan {secs(plan)}: targets {'met' if ok else 'MISSED'}."]
+    measured = sorted(w for w, by in results.items() if "dcp" in by)
+    if len(measured) >= 2:
+        a, b = measured[-2], measured[-1]
+        growth = median(results[b]["dcp"], "manifest_bytes") / median(results[a]["dcp"], "manifest_bytes")
+        lines += [
+            "",
+            f"DCP was run up to {dcp_max:,} ranks: it holds one `WriteItem` / `ChunkStorageMetadata` / `_StorageInfo` per tensor per rank "
+            f"({TENSORS:,} x W objects; 32.8 M at 16,384 ranks, beyond this machine's memory in this form). Its metadata grew "
+            f"{growth:.1f}x from {a:,} to {b:,} ranks ({b // a}x the ranks): linear in W, so about "
+            f"{mb(median(results[b]['dcp'], 'manifest_bytes') * 16384 / b)} at 16,384. shardsafe's manifest grows only by its "
+            "`files` list (one entry per rank, ~150 bytes); its `tensors` section is the same at every world size.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def run_real(worlds: tuple[int, ...], runs: int, layers: int) -> dict[int, dict[str, Any]]:
+    """``worker_scale.py`` under torch.distributed.run for each world size (gloo, CPU, this machine)."""
+    import json
+    import os
+    import tempfile
+
+    out: dict[int, dict[str, Any]] = {}
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO) as tmp:
+            result = Path(tmp) / "result.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   str(Path(__file__).resolve().parent / "worker_scale.py"), "--layers", str(layers), "--runs", str(runs),
+                   "--root", tmp, "--out", str(result)]  # fmt: skip
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}:{Path(__file__).resolve().parent}")
+            start = time.perf_counter()
+            subprocess.run(cmd, check=True, env=env)
+            out[world] = json.loads(result.read_text())
+            print(f"  real W={world}: {out[world]} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return out
+
+
+def report_real(results: dict[int, dict[str, Any]], runs: int, command: str, elapsed: float) -> str:
+    lines = [
+        REAL_SECTION,
+        "",
+        f"- **Command:** `{command}` (what `make bench-scale` runs after the simulation); {runs} rounds, alternating order, medians; "
+        f"took {elapsed / 60:.1f} min; load average at the end {load_average()}",
+        f"- **Setup:** W gloo processes on this 2-core machine, FSDP2 (`fully_shard` per layer) of Linear(64, 64) layers + AdamW "
+        f"after one step: {next(iter(results.values()))['tensors'] if results else '?'} tensors; page cache dropped "
+        "(`sync; echo 3 > /proc/sys/vm/drop_caches`) before every load, for both; DCP via `get_state_dict` / `set_state_dict`.",
+        "",
+        "| ranks | save: shardsafe | DCP | shardsafe is | load: shardsafe | DCP | shardsafe is | target (16 ranks) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for world, r in sorted(results.items()):
+        res = r["results"]
+        ss, ds = statistics.median(res["save"]["shardsafe"]), statistics.median(res["save"]["dcp"])
+        sl, dl = statistics.median(res["load"]["shardsafe"]), statistics.median(res["load"]["dcp"])
+        target = "save >= 2x, load >= 2x DCP" if world == 16 else ""
+        lines.append(f"| {world} | {secs(ss)} | {secs(ds)} | {ds / ss:.2f}x | {secs(sl)} | {secs(dl)} | {dl / sl:.2f}x | {target} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: 64 and 1,024 ranks, 1 run, BENCHMARKS.md untouched unless --md")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dcp-max", type=int, default=1024, help="largest world size DCP is built for (its metadata is O(T x W) objects)")
+    parser.add_argument("--dcp-big-runs", type=int, default=1, help="runs of DCP above 256 ranks (about 3 min each at 1,024 on 2 cores)")
+    parser.add_argument("--md", type=Path, default=None)
+    parser.add_argument("--real-only", action="store_true", help="only the real 4 / 8 / 16-process runs")
+    parser.add_argument("--simulated-only", action="store_true", help="only the simulation")
+    parser.add_argument("--layers", type=int, default=250, help="Linear(64, 64) layers of the real runs (4 tensors each)")
+    args = parser.parse_args()
+    runs = 1 if args.quick else args.runs
+    worlds = WORLDS[:2] if args.quick else WORLDS
+    md = args.md if args.md is not None else (None if args.quick else REPO / "BENCHMARKS.md")
+    tensors = layout()
+    command = "python benchmarks/bench_scale.py" + (" --quick" if args.quick else "") + (f" --runs {args.runs}" if args.runs != 3 else "")
+    if not args.real_only:
+        start = time.perf_counter()
+        results: dict[int, dict[str, list[Sample]]] = {}
+        for world in worlds:
+            results[world] = {"shardsafe": measure(shardsafe_once, tensors, world, runs)}
+            if world <= args.dcp_max:
+                results[world]["dcp"] = measure(dcp_once, tensors, world, runs if world <= 256 else min(runs, args.dcp_big_runs))
+        text = report(results, runs, command, time.perf_counter() - start, args.dcp_max, args.dcp_big_runs)
+        print(text)
+        if md is not None:
+            write_section(md, SECTION, text)
+            print(f"wrote the {SECTION!r} section of {md}")
+    if not args.simulated_only:
+        start = time.perf_counter()
+        real = run_real(REAL_WORLDS[:1] if args.quick else REAL_WORLDS, runs, args.layers)
+        text = report_real(real, runs, command + " --real-only", time.perf_counter() - start)
+        print(text)
+        if md is not None:
+            write_section(md, REAL_SECTION, text)
+            print(f"wrote the {REAL_SECTION!r} section of {md}")
+
+
+if __name__ == "__main__":
+    main()

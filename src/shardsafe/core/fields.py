@@ -1,0 +1,68 @@
+"""Field-level validation shared by every parser of the format: safe names, bounded integer lists,
+typed fields, tensor keys and the size limits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from shardsafe.errors import FormatError
+
+MAX_HEADER_BYTES = 256 << 20
+MAX_NUMEL = 1 << 48
+MAX_DIMS = 16
+MIN_HASH_BLOCK_SIZE = 4 << 10
+MAX_HASH_BLOCK_SIZE = 1 << 30
+RESERVED_HEADER_NAME = "__metadata__"
+
+
+def check_component(name: object, where: str) -> str:
+    """A file or folder name that cannot leave its folder: one component, no '..', no '/'."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or name.startswith("~")
+        or len(name) > 255
+    ):
+        raise FormatError(f"{where}: unsafe or invalid file name {name!r}")
+    return name
+
+
+def int_list(value: object, where: str, *, max_len: int = MAX_DIMS) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > max_len:
+        raise FormatError(f"{where}: expected a list of at most {max_len} integers, got {value!r:.80}")
+    out = []
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise FormatError(f"{where}: expected non-negative integers, got {v!r:.40}")
+        out.append(v)
+    return tuple(out)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def check_tensor_key(key: object, where: str) -> str:
+    """A tensor key every reader can use: a non-empty string that is valid UTF-8 (a lone surrogate
+    makes a safetensors header other readers refuse) and not the safetensors metadata name."""
+    if not isinstance(key, str) or not key or key == RESERVED_HEADER_NAME:
+        raise FormatError(f"{where}: invalid tensor key {key!r:.80}")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FormatError(f"{where}: tensor key {key!r:.80} is not valid UTF-8 (a lone surrogate?)") from None
+    return key
+
+
+def expect_field(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise FormatError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise FormatError(f"{where}: field {key!r} has the wrong type ({type(value).__name__})")
+    return value

@@ -1,0 +1,103 @@
+"""The per-rank index of format version 2: where the parts of rule-described tensors lie in a shard.
+
+``shard-RRRRR.index.json`` is written by rank R right after its shard file (the safetensors header
+is written first, before the block hashes are known, and a trailer would make the file unreadable
+by safetensors readers)::
+
+    {"format": "shardsafe-index", "rank": 3, "file": "shard-00003.safetensors",
+     "chunks": {"model/w": {"offsets": [21, 0], "shape": [7, 16], "begin": 1192, "end": 1640,
+                            "hashes": ["81791884979b2347"]}}}
+
+The manifest records the index's exact size and xxh3 hash (integrity chain: manifest -> index ->
+blocks). :func:`parse_index` trusts nothing: the bytes must match the manifest's record, every
+entry must be exactly part ``rank`` of its tensor's rule, its byte range must hold that part and
+lie inside the shard, and no two entries (nor an entry and a chunk the manifest lists in the same
+file) may share a byte. A rank reads only the indexes of the ranks whose parts it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardsafe.core.fields import check_tensor_key, expect_field, int_list, numel
+from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, element_size
+from shardsafe.core.integrity import hash_bytes, num_blocks
+from shardsafe.core.jsonsafe import dump_json, parse_json
+from shardsafe.errors import FormatError, IntegrityError
+
+INDEX_FORMAT = "shardsafe-index"
+
+
+def build_index(rank: int, file: str, entries: list[tuple[str, ChunkEntry]]) -> bytes:
+    """The index bytes of rank ``rank``'s shard ``file`` (compact JSON: one line, fast to make and parse)."""
+    chunks = {
+        key: {"offsets": list(c.offsets), "shape": list(c.shape), "begin": c.begin, "end": c.end, "hashes": list(c.hashes)}
+        for key, c in sorted(entries, key=lambda kc: kc[0])
+    }
+    return dump_json({"format": INDEX_FORMAT, "rank": rank, "file": file, "chunks": chunks}, f"index of {file}", compact=True)
+
+
+def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> dict[str, ChunkEntry]:
+    """Validate the index of shard ``file`` (read from ``where``) against ``manifest``; key -> its part."""
+    entry: FileEntry = manifest.files[file]
+    ref = entry.index
+    assert ref is not None
+    if len(data) != ref.size or hash_bytes(data) != ref.hash:
+        raise IntegrityError(f"{where}: size or hash differs from the manifest (corrupted or replaced)")
+    raw = parse_json(data, where)
+    if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT:
+        raise FormatError(f"{where}: not a shardsafe index")
+    if expect_field(raw, "rank", int, where) != entry.rank or expect_field(raw, "file", str, where) != file:
+        raise FormatError(f"{where}: index names another rank or file than the manifest ({entry.rank}, {file!r})")
+    out: dict[str, ChunkEntry] = {}
+    ranges: list[tuple[int, int, str]] = []
+    for key, item in expect_field(raw, "chunks", dict, where).items():
+        check_tensor_key(key, where)
+        out[key] = chunk = _parse_part(key, item, manifest, file, entry, where)
+        ranges.append((chunk.begin, chunk.end, key))
+    ranges += explicit_ranges(manifest).get(file, [])  # chunks the manifest lists in the same file
+    ranges = sorted(r for r in ranges if r[1] > r[0])
+    for (_, end, key), (begin, _, other) in zip(ranges, ranges[1:]):
+        if begin < end:
+            raise FormatError(f"{where}: tensors {key!r:.100} and {other!r:.100} claim the same bytes of {file} (from {begin})")
+    return out
+
+
+def _parse_part(key: str, item: Any, manifest: Manifest, file: str, entry: FileEntry, where: str) -> ChunkEntry:
+    kwhere = f"{where} tensor {key!r:.200}"
+    tensor = manifest.tensors.get(key)
+    if tensor is None or tensor.split is None:
+        raise FormatError(f"{kwhere}: the manifest lists no split rule for this tensor")
+    part = entry.rank
+    offsets = int_list(expect_field(item, "offsets", list, kwhere), kwhere)
+    shape = int_list(expect_field(item, "shape", list, kwhere), kwhere)
+    expected = tensor.split.box(part, tensor.shape)
+    if (offsets, shape) != expected or shape[0] == 0 or part in tensor.overrides:
+        raise FormatError(
+            f"{kwhere}: entry at {list(offsets)} of shape {list(shape)} contradicts the split rule "
+            f"(part {part} is at {list(expected[0])} of shape {list(expected[1])}"
+            f"{', stored elsewhere' if part in tensor.overrides else ''})"
+        )
+    begin = expect_field(item, "begin", int, kwhere)
+    end = expect_field(item, "end", int, kwhere)
+    nbytes = numel(shape) * element_size(tensor.dtype)
+    if begin < 0 or end - begin != nbytes or end > entry.size:
+        raise FormatError(f"{kwhere}: byte range [{begin}, {end}) does not hold {nbytes} bytes inside {file} ({entry.size} bytes)")
+    hashes = expect_field(item, "hashes", list, kwhere)
+    blocks = num_blocks(nbytes, manifest.hash_block_size)
+    if len(hashes) != blocks or not all(isinstance(h, str) and len(h) <= 64 for h in hashes):
+        raise FormatError(f"{kwhere}: expected {blocks} block hashes")
+    return ChunkEntry(offsets, shape, file, begin, end, tuple(hashes))
+
+
+def explicit_ranges(manifest: Manifest) -> dict[str, list[tuple[int, int, str]]]:
+    """File -> (begin, end, key) of the chunks the manifest lists in this checkpoint's files (computed once)."""
+    cached = manifest.__dict__.get("_explicit_ranges")
+    if cached is None:
+        cached = {}
+        for key, t in manifest.tensors.items():
+            for c in t.chunks:
+                if c.checkpoint is None:
+                    cached.setdefault(c.file, []).append((c.begin, c.end, key))
+        manifest.__dict__["_explicit_ranges"] = cached
+    return cached
