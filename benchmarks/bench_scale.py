@@ -343,7 +343,8 @@ def report_real(results: dict[int, dict[str, Any]], runs: int, command: str, ela
         res = results[16]["results"]
         save = statistics.median(res["save"]["dcp"]) / statistics.median(res["save"]["shardsafe"])
         load = statistics.median(res["load"]["dcp"]) / statistics.median(res["load"]["shardsafe"])
-        lines += ["", f"At 16 ranks: save {save:.2f}x DCP ({'met' if save >= 2 else 'MISSED'}), load {load:.2f}x DCP ({'met' if load >= 2 else 'MISSED'})."]
+        verdict = {True: "met", False: "MISSED"}
+        lines += ["", f"At 16 ranks: save {save:.2f}x DCP ({verdict[save >= 2]}), load {load:.2f}x DCP ({verdict[load >= 2]})."]
     return "\n".join(lines) + "\n"
 
 
