@@ -430,8 +430,15 @@ def crc(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-if __name__ == "__main__":
-    _torchrun_worker(*sys.argv[1:4])
+def save_trained(rank: int, world_size: int, path: str, seed: int) -> dict[str, Any]:
+    """A rank job: train the test model 2 steps (FSDP2 over the world), save model + AdamW; returns the whole states."""
+    model = make_model(seed)
+    if world_size > 1:
+        shard(model, world_size)
+    optimizer = make_optimizer(model)
+    train(model, optimizer, steps=2, rank=rank, seed=seed)
+    shardsafe.save(path, {"model": model, "optim": optimizer})
+    return {"model": full_model_state(model), "optim": full_optimizer_state(model, optimizer)}
 
 
 # ----------------------------------------------------------------------------- script launches
@@ -475,3 +482,7 @@ def wait_for_scripts(launches: list[ScriptLaunch], deadline: float, what: str, d
         import pytest
 
         pytest.fail(f"{what} failed:\n" + "\n".join(failures))
+
+
+if __name__ == "__main__":
+    _torchrun_worker(*sys.argv[1:4])

@@ -25,19 +25,9 @@ from dist_utils import (
     make_model,
     make_optimizer,
     run_ranks,
+    save_trained,
     shard,
-    train,
 )
-
-
-def save_trained(rank: int, world_size: int, path: str, seed: int) -> dict[str, Any]:
-    model = make_model(seed)
-    if world_size > 1:
-        shard(model, world_size)
-    optimizer = make_optimizer(model)
-    train(model, optimizer, steps=2, rank=rank, seed=seed)
-    shardsafe.save(path, {"model": model, "optim": optimizer})
-    return {"model": full_model_state(model), "optim": full_optimizer_state(model, optimizer)}
 
 
 def load_fresh(rank: int, world_size: int, path: str) -> dict[str, Any]:

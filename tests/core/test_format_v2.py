@@ -18,10 +18,18 @@ from typing import Any
 
 import pytest
 import xxhash
-from test_reshard import save_trained
 
 import shardsafe
-from dist_utils import assert_optimizer_equal, assert_tensors_equal, full_model_state, full_optimizer_state, make_model, make_optimizer, run_ranks
+from dist_utils import (
+    assert_optimizer_equal,
+    assert_tensors_equal,
+    full_model_state,
+    full_optimizer_state,
+    make_model,
+    make_optimizer,
+    run_ranks,
+    save_trained,
+)
 from shardsafe.errors import FormatError, IntegrityError, ShardsafeError
 
 RANK1_FILE = "shard-00001.safetensors"

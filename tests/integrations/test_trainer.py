@@ -361,7 +361,14 @@ def test_zero3_save_model_without_gathering_writes_a_sharded_checkpoint(runs: Ru
     train = runs.train_dir("z3_nogather")
     assert result["after_save"] == ["EXPORT.md", "checkpoint", "config.json", "generation_config.json", "training_args.json"]
     assert not any(name.endswith((".safetensors", ".bin")) for name in result["after_save"]), "no weights file, no dummy"
-    assert result["checkpoint_dir"] == ["manifest.json", "shard-00000.safetensors", "shard-00001.safetensors", "state.json"]
+    assert result["checkpoint_dir"] == [
+        "manifest.json",
+        "shard-00000.index.json",
+        "shard-00000.safetensors",
+        "shard-00001.index.json",
+        "shard-00001.safetensors",
+        "state.json",
+    ]
     assert shardsafe.verify(train / "checkpoint")["world_size"] == 2
     master = {k.split("/", 1)[1]: v for k, v in runs.weights("z3_nogather").items() if k.startswith("w32/")}
     exported = export_hf(train, tmp_path / "exported", progress=False)  # what `shardsafe export` does

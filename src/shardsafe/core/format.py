@@ -16,6 +16,7 @@ keys and bounded depth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,9 @@ INDEX_PATTERN = "shard-{rank:05d}.index.json"
 INDEX_SUFFIX = ".index.json"
 
 # ----------------------------------------------------------------------------- manifest
+
+
+MAX_CREATED = 1e15  # seconds: far beyond any real time, well inside a float
 
 
 @dataclass(frozen=True)
@@ -400,6 +404,8 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     created = raw.get("created", 0.0)
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise FormatError(f"{where}: field 'created' has the wrong type ({type(created).__name__})")
+    if not (isinstance(created, float) or -MAX_CREATED <= created <= MAX_CREATED) or not math.isfinite(float(created)):
+        raise FormatError(f"{where}: field 'created' is not a time (out of range or not finite)")
     return Manifest(
         world_size=world_size,
         tensors=tensors,
