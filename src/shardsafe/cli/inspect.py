@@ -40,6 +40,14 @@ MAX_CREATED = 253_370_764_800.0  # 9998-12-31 UTC: inside what datetime can show
 TENSOR_KINDS = (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR, KIND_DEEPSPEED_ENGINE)
 
 
+def _chunk_count(t: Any) -> int:
+    """Stored pieces of a tensor: its listed chunks, or, under a split rule (format 2), its non-empty parts."""
+    if t.split is None:
+        return len(t.chunks)
+    length = t.shape[t.split.dim] if t.shape else 0
+    return min(t.split.parts, -(-length // t.split.size)) if t.split.size else 0
+
+
 def describe_checkpoint(path: Path) -> dict[str, Any]:
     """A JSON-able description of a committed checkpoint, read through the library's own validation.
 
@@ -59,11 +67,16 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         {"name": name, "kind": "shard", "rank": manifest.files[name].rank, "size": manifest.files[name].size}
         for name in sorted(manifest.files, key=natural_key)
     ]
+    files += [
+        {"name": f.index.file, "kind": "index", "rank": f.rank, "size": f.index.size}
+        for name, f in sorted(manifest.files.items(), key=lambda item: natural_key(item[0]))
+        if f.index is not None
+    ]
     files.append({"name": manifest.state_file, "kind": "state", "rank": None, "size": manifest.state_size})
     files.append({"name": MANIFEST_NAME, "kind": "manifest", "rank": None, "size": (folder / MANIFEST_NAME).lstat().st_size})
     real_shapes = _engine_shapes(tree, state_where)
     tensors = [
-        {"key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes}
+        {"key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": _chunk_count(t), "bytes": t.nbytes}
         | ({"param_shape": list(real_shapes[key])} if key in real_shapes else {})
         for key, t in sorted(manifest.tensors.items(), key=lambda item: natural_key(item[0]))
     ]
@@ -182,7 +195,10 @@ def _file_count(info: dict[str, Any]) -> str:
     """``3 files: 1 shard file (5.3 MB), state.json, manifest.json``: counted as ``verify`` counts
     them, and the shard bytes shown apart, as ``list`` gives a checkpoint's size."""
     shards = sum(f["size"] for f in info["files"] if f["kind"] == "shard")
-    others = ", ".join(printable(f["name"]) for f in info["files"] if f["kind"] != "shard")
+    indexes = sum(1 for f in info["files"] if f["kind"] == "index")
+    others = ", ".join(printable(f["name"]) for f in info["files"] if f["kind"] not in ("shard", "index"))
+    if indexes:
+        others = f"{plural(indexes, 'index file')}, {others}"
     return f"{plural(len(info['files']), 'file')}: {plural(info['shard_files'], 'shard file')} ({format_bytes(shards)}), {others}"
 
 
@@ -259,9 +275,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     summary = verify(args.path)
-    files = summary["files"] + 2  # the shard files, the state file and the manifest, counted as inspect counts them
+    files = summary["files"] + summary.get("indexes", 0) + 2  # shard and index files, the state file and the manifest, as inspect counts them
     print(
-        f"ok: {printable(summary['path'])}: {plural(files, 'file')} checked ({plural(summary['files'], 'shard file')}, the state file "
+        f"ok: {printable(summary['path'])}: {plural(files, 'file')} checked ({plural(summary['files'], 'shard file')}, "
+        f"{plural(summary['indexes'], 'index file') + ', ' if summary.get('indexes') else ''}the state file "
         f"and the manifest), {plural(summary['tensors'], 'tensor')}, {format_bytes(summary['bytes_checked'])} hashed; "
         f"world size {summary['world_size']}, format v{summary['format_version']}"
     )
