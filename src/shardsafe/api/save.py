@@ -26,6 +26,7 @@ from shardsafe.protocol.transfer import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
 from shardsafe.state.registry import SaveView, describe_for_save
 from shardsafe.storage.local import safe_child
+from shardsafe.storage.location import public_path
 from shardsafe.storage.remote import RemoteDir
 
 
@@ -37,7 +38,7 @@ def save(
     overwrite: bool = False,
     metadata: dict[str, Any] | None = None,
     fsync: bool = True,
-) -> Path | RemoteDir:
+) -> Path | str:
     """Save ``state`` as a checkpoint folder at ``path``. Collective: every rank calls it.
 
     Each rank writes only its own chunks into its own file (a replicated tensor is written once,
@@ -51,7 +52,8 @@ def save(
     """
     comm = get_comm(process_group)
     view = describe_collectively(state, comm)
-    return write_checkpoint(location(path), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
+    written = write_checkpoint(location(path), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
+    return public_path(written)  # a Path, or the URL string of an object-store prefix
 
 
 def describe_collectively(state: dict[str, Any], comm: Comm) -> SaveView:
