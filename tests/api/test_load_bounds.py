@@ -86,6 +86,11 @@ def run_bounded(fn: Callable[[], Any]) -> tuple[str, Any, int]:
 
 
 def test_one_tensor_referenced_10000_times_is_read_once(big: Path) -> None:
+    # The same load of the checkpoint as saved (one reference), measured the same way: what a forked
+    # child's peak RSS grows by regardless of the references (allocator arenas, lazy imports) differs by
+    # environment, so the bound applies to the difference.
+    baseline_name, _, baseline = run_bounded(lambda: shardsafe.load(big, {"weights": None, "note": None}))
+    assert baseline_name == "ok"
     tree = json.loads((big / "state.json").read_text())
     tree["note"] = {"kind": "value", "state": [{"__tensor__": "weights/w"}] * 10_000}
     _set_state(big, tree)
@@ -99,7 +104,7 @@ def test_one_tensor_referenced_10000_times_is_read_once(big: Path) -> None:
     name, result, growth = run_bounded(load)
     assert name == "ok", result
     assert result == (10_000, True, True)
-    assert growth < 4 * BIG * 4, f"peak memory grew by {growth >> 20} MiB for an 8 MiB tensor"
+    assert growth - baseline < 4 * BIG * 4, f"peak memory grew by {(growth - baseline) >> 20} MiB more than a plain load, for an 8 MiB tensor"
     record("hostile checkpoint folders (load and verify)", faults=1)
 
 
