@@ -97,10 +97,15 @@ def describe_layout(chunks: list[LocalChunk], rank: int, world_size: int) -> Loc
             classes.append(None)  # a tensor with no elements but not of shape (0,): never listed
             continue
         spec = chunk.spec()
-        cls = classify(spec, rank, world_size)
+        # A per-rank value (RNG state: ``<name>/rank<r>/...``) exists on one rank only: listed explicitly,
+        # which is always correct, and kept out of the digest below.
+        cls = IRREGULAR if f"/rank{rank}/" in spec.key else classify(spec, rank, world_size)
         if cls == IRREGULAR and not is_stored(chunk):
             classes.append(None)
         else:
             classes.append(cls)
         tensors.append((spec.key, spec.dtype, spec.global_shape, cls))
-    return LocalLayout(classes, tensors, layout_digest(tensors))
+    # Irregular chunks travel to the coordinator explicitly (their agreement is checked there), so they
+    # stay out of the digest: per-rank tensors (RNG state, keyed by rank) would otherwise make every
+    # rank's digest differ and send every save to the fully listed layout.
+    return LocalLayout(classes, tensors, layout_digest([t for t in tensors if t[3] != IRREGULAR]))
