@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_export import llama_config  # the same tiny, unevenly split Llama
 
 import shardsafe
 from dist_utils import run_ranks
@@ -16,19 +17,6 @@ from shardsafe.errors import ModelFolderError, StateMismatchError
 
 transformers = pytest.importorskip("transformers")
 pytest_plugins = ["servers.fixtures"]  # hub
-
-
-def llama_config(tie: bool) -> Any:
-    # intermediate 67 and vocab 131 split unevenly over 2 and 3 ranks
-    return transformers.LlamaConfig(
-        vocab_size=131,
-        hidden_size=32,
-        intermediate_size=67,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
 
 
 def make_folder(path: Path, *, tie: bool, dtype: torch.dtype = torch.float32, shard_size: str | None = None) -> Path:

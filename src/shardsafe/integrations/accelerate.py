@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,14 +34,15 @@ from shardsafe.api.checkpoint import describe_collectively, load, location, writ
 from shardsafe.core.comm import get_comm
 from shardsafe.data.sampler import ReshardableSampler
 from shardsafe.errors import CheckpointNotFoundError, ShardsafeError
+from shardsafe.manager.catalog import CheckpointInfo, committed_steps
 from shardsafe.manager.lease import RootLease
-from shardsafe.protocol.commit import is_committed
-from shardsafe.protocol.temppath import retire_folder
+from shardsafe.manager.naming import StepNaming
+from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.state.rng import RNGState
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+ACCELERATE_NAMING = StepNaming("checkpoint_")  # checkpoint_<iteration>, as Accelerate names them
 STEP_KEY = "accelerator_step"
 META_KEY = "shardsafe.accelerate"
 
@@ -105,15 +105,8 @@ def _checkpoints_dir(accelerator: Any) -> Path:
 
 
 def _numbered(folder: Path) -> list[tuple[int, Path]]:
-    """Committed ``checkpoint_<n>`` folders, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = []
-    for entry in folder.iterdir():
-        match = CHECKPOINT_RE.match(entry.name)
-        if match and entry.is_dir() and is_committed(entry):
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
+    """Committed ``checkpoint_<n>`` folders, oldest first (the manager's catalog, with Accelerate's naming)."""
+    return [(n, folder / ACCELERATE_NAMING.name(n)) for n in committed_steps(folder, ACCELERATE_NAMING)]
 
 
 def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None) -> str:
@@ -125,7 +118,7 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
     config = accelerator.project_configuration
     auto = bool(config.automatic_checkpoint_naming)
     if auto:
-        target = _checkpoints_dir(accelerator) / f"checkpoint_{config.iteration}"
+        target = _checkpoints_dir(accelerator) / ACCELERATE_NAMING.name(config.iteration)
     elif output_dir is None:
         raise ShardsafeError("save_state: pass output_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
     else:
@@ -158,13 +151,16 @@ def _lease(root: Path, comm: Any) -> RootLease:
 
 
 def _retire_beyond(folder: Path, limit: int, fence: Callable[[str], None]) -> list[int]:
-    """Retire the oldest committed checkpoints beyond ``limit`` (the newest are kept), each after the lease check."""
+    """Retire the oldest committed checkpoints beyond ``limit`` with the manager's retention rule and
+    deleter (the newest are kept; gone in one rename first), each after the lease check."""
     numbered = _numbered(folder)
+    kept = choose_kept([CheckpointInfo(n, path, 0) for n, path in numbered], limit)
     retired = []
-    for number, path in numbered[: max(0, len(numbered) - limit)]:
-        fence(f"delete {path.name}")
-        retire_folder(path)
-        retired.append(number)
+    for number, path in numbered:
+        if number not in kept.steps:
+            fence(f"delete {path.name}")
+            retire(path)
+            retired.append(number)
     return retired
 
 
