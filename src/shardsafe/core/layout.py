@@ -97,9 +97,9 @@ def describe_layout(chunks: list[LocalChunk], rank: int, world_size: int) -> Loc
             classes.append(None)  # a tensor with no elements but not of shape (0,): never listed
             continue
         spec = chunk.spec()
-        # A per-rank value (RNG state: ``<name>/rank<r>/...``) exists on one rank only: listed explicitly,
-        # which is always correct, and kept out of the digest below.
-        cls = IRREGULAR if f"/rank{rank}/" in spec.key else classify(spec, rank, world_size)
+        # A per-rank value (RNG state) exists on one rank only: listed explicitly, which is always
+        # correct, and kept out of the digest below.
+        cls = IRREGULAR if chunk.per_rank else classify(spec, rank, world_size)
         if cls == IRREGULAR and not is_stored(chunk):
             classes.append(None)
         else:

@@ -25,6 +25,7 @@ class LocalChunk:
     tensor: torch.Tensor  # this rank's data for the box below
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    per_rank: bool = False  # part of a per-rank value (RNG state): exists on this rank only
 
     @property
     def shape(self) -> tuple[int, ...]:

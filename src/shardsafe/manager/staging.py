@@ -8,9 +8,10 @@ same shapes every time), so a save allocates nothing after the first.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from shardsafe.core.plan import LocalChunk
 from shardsafe.state.registry import SaveView
 
 Copy = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, source)
@@ -35,7 +36,7 @@ class StagingBuffers:
                 self.buffers[ident] = buffer
             used.add(ident)
             copies.append((buffer, source))
-            view.chunks[i] = LocalChunk(chunk.key, buffer, chunk.global_shape, chunk.offsets)
+            view.chunks[i] = dataclasses.replace(chunk, tensor=buffer)  # the same chunk (per-rank flag included), staged
         for ident in set(self.buffers) - used:
             del self.buffers[ident]
         return copies

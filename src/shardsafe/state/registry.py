@@ -81,6 +81,8 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
             view.tree[name] = described.entry
         else:
             view.per_rank[name] = described.per_rank
+            for chunk in described.chunks:
+                chunk.per_rank = True
         view.chunks += described.chunks
     encode_state({**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}}, compact=True)
     seen: set[str] = set()
