@@ -31,7 +31,7 @@ from shardsafe.core.format import Manifest
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
-from shardsafe.protocol.transfer import ChunkReader
+from shardsafe.protocol.transfer import BlockRead, ChunkReader
 from shardsafe.state.base import LoadStep
 from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps
 from shardsafe.storage.remote import RemoteDir
@@ -114,7 +114,7 @@ def load(
             problem = exc
         _agree(comm, problem, reset=fresh, undo=applied, default=StateMismatchError)
         try:
-            _read_targets(reader, manifest, binding)
+            _read_targets(reader, manifest, binding, fresh=False if atomic else None)
             for step in (s for s in steps if s.undo is None):
                 step.apply()
         except Exception as exc:
@@ -176,21 +176,29 @@ def _agree(
         raise
 
 
-def _read_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> None:
+def _read_targets(
+    reader: ChunkReader, manifest: Manifest, binding: LoadBinding, *, fresh: bool | None = None, checks: list[BlockRead] | None = None
+) -> None:
+    """Read every in-place target (only the ``fresh`` or only the other ones, when given), and do ``checks``."""
+    items = []
+    for key, target in binding.targets.items():
+        entry = manifest.tensors.get(key)
+        if entry is None or (fresh is not None and target.fresh != fresh):
+            continue
+        items += [(key, op, entry.dtype, target.tensor, target.offsets) for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape))]
     with torch.no_grad():
-        for key, target in binding.targets.items():
-            entry = manifest.tensors.get(key)
-            if entry is None:
-                continue
-            for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape)):
-                reader.read_into(key, op, entry.dtype, target.tensor, target.offsets)
+        reader.read_all(items, checks)
 
 
 def _check_sources(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> None:
-    """The first pass of an atomic load: everything the in-place reads will read, checked, nothing written."""
+    """The first pass of an atomic load: everything the in-place reads will read is checked and no
+    live tensor is written. Tensors the load itself created (a fresh optimizer's state, which a
+    failed load drops) are read, verified, straight into place: they are read once, not twice."""
+    checks = []
     for key, target in binding.targets.items():
         entry = manifest.tensors.get(key)
-        if entry is None:
+        if entry is None or target.fresh:
             continue
         for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape)):
-            reader.check_read(key, op, entry.dtype)
+            checks += reader.check_reads(key, op, entry.dtype)
+    _read_targets(reader, manifest, binding, fresh=True, checks=checks)  # one pass over the files, in order

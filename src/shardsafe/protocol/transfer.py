@@ -14,7 +14,10 @@ the file with the size it has.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +37,7 @@ from shardsafe.core.format import (
 )
 from shardsafe.core.index import parse_index
 from shardsafe.core.integrity import BlockHasher, hash_blocks
+from shardsafe.core.parallel import TaskRunner
 from shardsafe.core.plan import LocalChunk, ReadOp, candidate_chunks, contiguous_span, plan_reads
 from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.protocol.sources import LocalSource, RemoteSource
@@ -126,6 +130,9 @@ def reuse_map(manifest: Manifest, checkpoint_name: str) -> ReuseMap:
 
 
 REMOTE_CACHE_BYTES = 64 << 20
+READ_THREADS = 4  # reads in flight per reader on a local filesystem (each thread keeps up to one block of scratch)
+READ_SCRATCH_BYTES = 64 << 20  # scratch for all reading threads together: fewer threads when hash blocks are large
+STAGED_BATCH_BYTES = 64 << 20  # staging slabs (boxes not read straight into place) held per batch of reads
 HEAD_READ_BYTES = 64 << 10  # the first read of a shard file: its header length and, usually, the whole header
 
 
@@ -141,7 +148,8 @@ class ChunkReader:
         self._indexes: dict[int, dict[str, ChunkEntry]] = {}  # rank -> its index, parsed and checked once
         self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
-        self._scratch = memoryview(bytearray(0))
+        self._local = threading.local()  # each reading thread's scratch block
+        self._runner = TaskRunner(max(1, min(READ_THREADS, READ_SCRATCH_BYTES // self.block)))
         # Object stores only: verified blocks kept for the second pass of an atomic load, so a small
         # state is not downloaded twice (bounded; larger states are fetched again).
         self._cache: dict[tuple[str | None, str, int, int], bytes] = {}
@@ -154,6 +162,7 @@ class ChunkReader:
         self.close()
 
     def close(self) -> None:
+        self._runner.close()
         self.source.close()
 
     def index(self, rank: int) -> dict[str, ChunkEntry]:
@@ -268,17 +277,17 @@ class ChunkReader:
     def remote(self) -> bool:
         return isinstance(self.source, RemoteSource)
 
-    def check_read(self, key: str, op: ReadOp, saved_dtype: torch.dtype) -> None:
-        """Check what :meth:`read_into` would read for ``op`` without writing anywhere.
+    def check_reads(self, key: str, op: ReadOp, saved_dtype: torch.dtype) -> list[BlockRead]:
+        """The block checks that cover what :meth:`plan_into` would read for ``op``, writing nowhere.
 
-        Opens the file (checking its size) and, with ``verify``, reads every hash block that the
-        read touches into one reusable block-sized scratch buffer and checks its hash. Reading the
-        rows of the chunk that the box spans covers both ways :meth:`read_into` may read it.
+        Opens the file (checking its size); with ``verify``, every hash block the read touches is
+        to be read into scratch and hashed (by :meth:`run`). Reading the rows of the chunk that
+        the box spans covers both ways :meth:`plan_into` may read it.
         """
         chunk = op.chunk
         self.open(chunk)
         if not self.verify:
-            return
+            return []
         if chunk.shape:
             row_elems = numel(chunk.shape[1:])
             row0 = op.offsets[0] - chunk.offsets[0]
@@ -286,34 +295,74 @@ class ChunkReader:
         else:
             start, stop = 0, 1
         es = element_size(saved_dtype)
-        self.check_bytes(key, chunk, start * es, stop * es)
+        return self.block_reads(key, chunk, start * es, stop * es, None)
 
-    def check_bytes(self, key: str, chunk: ChunkEntry, lo: int, hi: int) -> None:
-        """Verify the hash blocks of ``chunk`` that bytes [lo, hi) of it touch (each block once per reader)."""
-        if hi <= lo:
-            return
-        where = f"{self.path_of(chunk)} (tensor {key!r}, chunk at {list(chunk.offsets)})"
-        chunk_bytes = chunk.end - chunk.begin
+    def block_reads(self, key: str, chunk: ChunkEntry, lo: int, hi: int, dest: memoryview | None) -> list[BlockRead]:
+        """Bytes [lo, hi) of ``chunk`` (into ``dest``, or only checked), one :class:`BlockRead` per hash block."""
+        out = []
         for i in range(lo // self.block, -(-hi // self.block)):
-            ident = (chunk.checkpoint, chunk.file, chunk.begin, i)
-            if ident in self._verified:
-                continue
-            size = min(self.block, chunk_bytes - i * self.block)
-            if len(self._scratch) < size:
-                self._scratch = memoryview(bytearray(size))
-            view = self._scratch[:size]
-            self.read_raw(chunk, [view], chunk.begin + i * self.block, where)
-            hasher = BlockHasher(self.block)
+            s, e = max(lo, i * self.block), min(hi, (i + 1) * self.block)
+            out.append(BlockRead(key, chunk, i, s, e, None if dest is None else dest[s - lo : e - lo]))
+        return out
+
+    def whole_chunk_checks(self, key: str, chunk: ChunkEntry) -> list[BlockRead]:
+        """A check of every hash block of ``chunk`` (an empty chunk's one block included)."""
+        size = chunk.end - chunk.begin
+        return self.block_reads(key, chunk, 0, size, None) if size else [BlockRead(key, chunk, 0, 0, 0, None)]
+
+    def run(self, reads: list[BlockRead]) -> None:
+        """Do ``reads``, several at a time on a local (or shared) filesystem, in file order.
+
+        Each is independent: a check reads its block into a per-thread scratch buffer, a read
+        fills its destination (and, with ``verify``, the rest of its block into that scratch) and
+        hashes the block. At most :data:`READ_THREADS` blocks are in flight, so the extra memory
+        is that many blocks. An object store is read one request at a time.
+        """
+        reads = sorted(reads, key=lambda r: (r.chunk.checkpoint or "", r.chunk.file, r.chunk.begin + r.lo))
+        tasks = [partial(self._do, r) for r in reads]
+        if self.remote:
+            for task in tasks:
+                task()
+        else:
+            self._runner.run(tasks)
+
+    def _do(self, read: BlockRead) -> None:
+        chunk, block = read.chunk, self.block
+        where = f"{self.path_of(chunk)} (tensor {read.key!r}, chunk at {list(chunk.offsets)})"
+        if read.dest is not None and not self.verify:
+            self.read_raw(chunk, [read.dest], chunk.begin + read.lo, where)
+            return
+        ident = (chunk.checkpoint, chunk.file, chunk.begin, read.block)
+        if read.dest is None and ident in self._verified:
+            return
+        first, last = read.block * block, min((read.block + 1) * block, chunk.end - chunk.begin)
+        scratch = self._thread_scratch(last - first - (0 if read.dest is None else len(read.dest)))
+        if read.dest is None:
+            views = [scratch[: last - first]]
+        else:
+            head = scratch[: read.lo - first]
+            views = [head, read.dest, scratch[len(head) : len(head) + last - read.hi]]
+        self.read_raw(chunk, views, chunk.begin + first, where)
+        hasher = BlockHasher(block)
+        for view in views:
             hasher.update(view)
-            if hasher.finish()[0] != chunk.hashes[i]:
-                raise IntegrityError(
-                    f"{where}: hash mismatch in block {i} (bytes {chunk.begin + i * self.block}..): "
-                    "the file is corrupted; restore it or load an earlier checkpoint"
-                )
-            self._verified.add(ident)
-            if size <= self._cache_left:
-                self._cache[ident] = bytes(view)
-                self._cache_left -= size
+        if hasher.finish()[0] != chunk.hashes[read.block]:
+            raise IntegrityError(
+                f"{where}: hash mismatch in block {read.block} (bytes {chunk.begin + first}..): "
+                "the file is corrupted; restore it or load an earlier checkpoint"
+            )
+        self._verified.add(ident)
+        if read.dest is None and last - first <= self._cache_left:
+            self._cache[ident] = bytes(views[0])
+            self._cache_left -= last - first
+
+    def _thread_scratch(self, size: int) -> memoryview:
+        """This thread's scratch buffer (a whole block, or the head and tail of a partial one), grown
+        to ``size`` when needed: at most one block per reading thread."""
+        scratch: memoryview | None = getattr(self._local, "scratch", None)
+        if scratch is None or len(scratch) < size:
+            scratch = self._local.scratch = memoryview(bytearray(size))
+        return scratch
 
     def read_raw(self, chunk: ChunkEntry, views: list[memoryview], offset: int, where: str) -> None:
         if self._cache and self._from_cache(chunk, views, offset):
@@ -351,51 +400,54 @@ class ChunkReader:
         for op in ops:
             self.open(op.chunk)
         out = torch.empty(entry.shape, dtype=entry.dtype)
-        for op in ops:
-            self.read_into(key, op, entry.dtype, out, zeros)
+        self.read_all([(key, op, entry.dtype, out, zeros) for op in ops])
         return out
-
-    def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None:
-        """Read elements [start, stop) of ``chunk`` into ``dest``, verifying the blocks touched."""
-        es = element_size(dtype)
-        lo, hi = start * es, stop * es
-        if hi <= lo:
-            return
-        where = f"{self.path_of(chunk)} (tensor {key!r}, chunk at {list(chunk.offsets)})"
-        if not self.verify:
-            self.read_raw(chunk, [dest], chunk.begin + lo, where)
-            return
-        chunk_bytes = chunk.end - chunk.begin
-        block_lo = lo // self.block * self.block
-        block_hi = min(-(-hi // self.block) * self.block, chunk_bytes)
-        head = memoryview(bytearray(lo - block_lo))
-        tail = memoryview(bytearray(block_hi - hi))
-        self.read_raw(chunk, [head, dest, tail], chunk.begin + block_lo, where)
-        hasher = BlockHasher(self.block)
-        for piece in (head, dest, tail):
-            hasher.update(piece)
-        got = hasher.finish()
-        first = block_lo // self.block
-        expected = chunk.hashes[first : first + len(got)]
-        for i, (g, e) in enumerate(zip(got, expected)):
-            if g != e:
-                raise IntegrityError(
-                    f"{where}: hash mismatch in block {first + i} (bytes {chunk.begin + (first + i) * self.block}..): "
-                    "the file is corrupted; restore it or load an earlier checkpoint"
-                )
 
     def read_into(self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]) -> None:
         """Copy the box of ``op`` into ``dest`` (which holds the box at ``dest_offsets``)."""
+        self.read_all([(key, op, saved_dtype, dest, dest_offsets)])
+
+    def read_all(self, items: list[tuple[str, ReadOp, torch.dtype, torch.Tensor, tuple[int, ...]]], checks: list[BlockRead] | None = None) -> None:
+        """Copy the box of every ``(key, op, saved dtype, dest, dest offsets)`` into its destination
+        (and do the block ``checks``, from :meth:`check_reads`, with the first batch).
+
+        Reads run in batches (:meth:`run`); a box that cannot be read straight into its
+        destination is read into a temporary slab first and copied once its batch is read, and a
+        batch holds at most :data:`STAGED_BATCH_BYTES` of slabs (or one slab, if larger).
+        """
+        batch: list[BlockRead] = list(checks or ())
+        copies: list[Callable[[], None]] = []
+        staged = 0
+        for item in items:
+            planned = self.plan_into(*item)
+            if planned.staged_bytes and staged and staged + planned.staged_bytes > STAGED_BATCH_BYTES:
+                self._finish(batch, copies)
+                batch, copies, staged = [], [], 0
+            batch += planned.reads
+            staged += planned.staged_bytes
+            if planned.finish is not None:
+                copies.append(planned.finish)
+        self._finish(batch, copies)
+
+    def _finish(self, reads: list[BlockRead], copies: list[Callable[[], None]]) -> None:
+        self.run(reads)
+        for copy in copies:
+            copy()
+
+    def plan_into(self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]) -> PlannedRead:
+        """The block reads that put the box of ``op`` into ``dest``: straight into its memory when
+        the box is contiguous in both and the dtype and device match, else into a slab of the
+        chunk's rows that ``finish`` copies from."""
         chunk = op.chunk
+        self.open(chunk)
         src = contiguous_span(op.offsets, op.shape, chunk.offsets, chunk.shape)
         dst = contiguous_span(op.offsets, op.shape, dest_offsets, tuple(dest.shape))
+        es = element_size(saved_dtype)
         direct = src is not None and dst is not None and dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == saved_dtype
         if direct:
             assert src is not None and dst is not None
-            es = element_size(saved_dtype)
             view = tensor_bytes(dest)[dst[0] * es : dst[1] * es]
-            self.read_elements(key, chunk, saved_dtype, src[0], src[1], view)
-            return
+            return PlannedRead(self.block_reads(key, chunk, src[0] * es, src[1] * es, view))
         # Staged path: read the dim-0 slab of the chunk covering the box, then copy the box.
         if not chunk.shape:
             raise FormatError(f"tensor {key!r}: scalar chunk cannot be partially read")
@@ -403,22 +455,54 @@ class ChunkReader:
         rows = op.shape[0]
         row_elems = numel(chunk.shape[1:])
         slab = torch.empty((rows, *chunk.shape[1:]), dtype=saved_dtype)
-        self.read_elements(key, chunk, saved_dtype, row0 * row_elems, (row0 + rows) * row_elems, tensor_bytes(slab))
-        box = slab
-        for d in range(1, len(op.shape)):
-            box = box.narrow(d, op.offsets[d] - chunk.offsets[d], op.shape[d])
-        target = dest
-        for d in range(len(op.shape)):
-            target = target.narrow(d, op.offsets[d] - dest_offsets[d], op.shape[d])
-        with torch.no_grad():
-            target.copy_(box)
+        reads = self.block_reads(key, chunk, row0 * row_elems * es, (row0 + rows) * row_elems * es, tensor_bytes(slab))
+
+        def copy_box() -> None:
+            box = slab
+            for d in range(1, len(op.shape)):
+                box = box.narrow(d, op.offsets[d] - chunk.offsets[d], op.shape[d])
+            target = dest
+            for d in range(len(op.shape)):
+                target = target.narrow(d, op.offsets[d] - dest_offsets[d], op.shape[d])
+            with torch.no_grad():
+                target.copy_(box)
+
+        return PlannedRead(reads, copy_box, slab.numel() * es)
+
+
+@dataclass(frozen=True)
+class BlockRead:
+    """The bytes of one hash block of a chunk that a read needs, and where they go.
+
+    ``lo``/``hi`` are byte offsets inside the chunk, within block ``block``. With ``dest`` the
+    bytes [lo, hi) are read into it (and, when verifying, the rest of the block into scratch, so
+    the whole block is hashed); without, the block is only checked.
+    """
+
+    key: str
+    chunk: ChunkEntry
+    block: int
+    lo: int
+    hi: int
+    dest: memoryview | None
+
+
+@dataclass
+class PlannedRead:
+    """The block reads that fill one box, and the copy out of a staging slab to run after them."""
+
+    reads: list[BlockRead]
+    finish: Callable[[], None] | None = None
+    staged_bytes: int = 0
 
 
 @dataclass
 class ReadTarget:
-    """Where a tensor's box for this rank goes."""
+    """Where a tensor's box for this rank goes. ``fresh``: the load created the tensor (a fresh
+    optimizer's state) and drops it if it fails, so it may be written before the ranks agree."""
 
     key: str
     tensor: torch.Tensor
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    fresh: bool = False

@@ -1,0 +1,67 @@
+"""Running independent I/O tasks a few at a time, failing as a serial loop would.
+
+Reads of a checkpoint spend their time waiting: on the disk (``os.preadv`` releases the GIL), on
+page faults of freshly allocated destinations, and a little hashing (xxh3 releases the GIL too).
+Keeping a few reads in flight overlaps those waits; the tasks are independent, so the only rule
+to keep is the serial loop's failure: the error reported is the one the first failing task (in
+the given order) raised, and once a task fails no task that has not started yet runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+Task = Callable[[], None]
+
+
+class TaskRunner:
+    """A small thread pool kept for the life of one reader (threads start on first use)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, tasks: Sequence[Task]) -> None:
+        """Run every task; raise what the first failing one (in order) raised, after the others stopped."""
+        if self.threads == 1 or len(tasks) < 2:
+            for task in tasks:
+                task()
+            return
+        pool = self._get_pool()
+        failed = threading.Event()
+
+        def guarded(task: Task) -> Task:
+            def run_unless_failed() -> None:
+                if failed.is_set():
+                    return
+                try:
+                    task()
+                except BaseException:
+                    failed.set()
+                    raise
+
+            return run_unless_failed
+
+        futures: list[Future[None]] = [pool.submit(guarded(task)) for task in tasks]
+        first: BaseException | None = None
+        for future in futures:
+            exc = future.exception()  # waits: every task has finished or been skipped once this loop ends
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:
+            raise first
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="shardsafe-read")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
