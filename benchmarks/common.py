@@ -39,13 +39,20 @@ def param_bytes(layers: int, width: int) -> int:
 
 
 def drop_file_cache(folder: Path) -> int:
-    """Evict the (clean) page-cache pages of every file under ``folder``; returns bytes still cached.
+    """Evict the page-cache pages of every file under ``folder``; returns bytes still cached.
 
-    ``echo 3 > /proc/sys/vm/drop_caches`` needs a privilege containers usually lack;
-    ``posix_fadvise(POSIX_FADV_DONTNEED)`` works for any file we can open, and all files here are
-    fsynced (clean), so it evicts them completely. This only covers the guest's cache: a
-    virtualised disk may still be cached by the host.
+    As root, ``sync; echo 3 > /proc/sys/vm/drop_caches`` empties the whole cache (what a job
+    restarting on a node sees). Without that privilege, ``posix_fadvise(POSIX_FADV_DONTNEED)``
+    works for any file we can open, and all files here are fsynced (clean), so it evicts them
+    completely. Either way only the guest's cache: a virtualised disk may be cached by the host.
     """
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return cached_bytes(folder)
+    except OSError:
+        pass
     for path in folder.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)

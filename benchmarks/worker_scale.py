@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,14 +29,10 @@ import shardsafe
 
 
 def drop_caches(folder: Path) -> None:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root here); else evict the folder's files."""
-    subprocess.run(["sync"], check=False)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        from common import drop_file_cache
+    """The page cache dropped (as root: all of it; else the folder's files): common.drop_file_cache."""
+    from common import drop_file_cache
 
-        drop_file_cache(folder)
+    drop_file_cache(folder)
 
 
 def timed(fn: Callable[[], None]) -> float:
