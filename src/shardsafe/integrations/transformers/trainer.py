@@ -31,6 +31,7 @@ from shardsafe.hf.guard import check_model_folder
 from shardsafe.hf.pretrained import save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
 from shardsafe.hf.push import push
 from shardsafe.integrations.transformers.checkpoints import (
+    DATA,
     ENGINE,
     FILES,
     META_KEY,
@@ -46,6 +47,7 @@ from shardsafe.integrations.transformers.checkpoints import (
     rotate_checkpoints,
     write_trainer_files,
 )
+from shardsafe.integrations.transformers.data_order import ReshardableDataTrainer
 from shardsafe.integrations.transformers.model_folder import install_model_folder, new_hidden, stage_upload
 from shardsafe.integrations.transformers.zero3 import is_zero3_model, parameter_count, zero3_gathered_tensors, zero3_sharded_model
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
@@ -64,7 +66,7 @@ _UNSUPPORTED_STAGE = (
 )
 
 
-class ShardsafeTrainer(Trainer):
+class ShardsafeTrainer(ReshardableDataTrainer):
     """``transformers.Trainer`` with checkpoints, ``save_model``, rotation, resume and push through shardsafe.
 
     Same constructor as ``Trainer``, plus two optional keywords for ``save_model``: ``save_dtype``
@@ -161,6 +163,8 @@ class ShardsafeTrainer(Trainer):
             if scaler is not None:
                 state[SCALER] = scaler
             state[RNG] = RNGState()
+            if self._data is not None:
+                state[DATA] = self._data
         state[FILES] = self._trainer_files()
         return state
 
@@ -276,6 +280,7 @@ class ShardsafeTrainer(Trainer):
     def _restore_training_state(self, path: str) -> None:
         comm = get_comm()
         saved = comm.on_coordinator(lambda: sorted(open_checkpoint(Path(path))[1]))
+        self._restore_data_order(path, DATA in saved)
         engine = self._zero3_engine()
         state: dict[str, Any] = {}
         if engine is not None:
