@@ -29,7 +29,9 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+import transformers.trainer as hf_trainer
 from transformers import Trainer
+from transformers.trainer_utils import has_length
 
 from shardsafe.api.checkpoint import load
 from shardsafe.data.sampler import ReshardableSampler
@@ -53,10 +55,6 @@ def _describe(batch: dict[str, Any]) -> str:
 
 def fallback_reason(trainer: Any) -> str | None:
     """Why the Trainer's own sampler is kept (its position does not reshard), or None to use a ReshardableSampler."""
-    from transformers.trainer_utils import has_length
-
-    import transformers.trainer as hf_trainer
-
     dataset, args = trainer.train_dataset, trainer.args
     if dataset is None:
         return "no train_dataset"
@@ -110,7 +108,9 @@ class DataOrder:
             then = {k: int(saved[k]) for k in ("global_batch", "world_size", "per_device", "accumulation")}
             sampler = saved["sampler"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise StateMismatchError(f"{checkpoint}: its 'data' entry is not a ShardsafeTrainer data position ({type(exc).__name__}: {exc})") from None
+            raise StateMismatchError(
+                f"{checkpoint}: its 'data' entry is not a ShardsafeTrainer data position ({type(exc).__name__}: {exc})"
+            ) from None
         if then["global_batch"] != self.batch["global_batch"]:
             raise StateMismatchError(
                 f"{checkpoint} was trained with a global batch of {_describe(then)}; this run has {_describe(self.batch)}. "
@@ -210,8 +210,6 @@ def trainer_skips_nothing() -> Iterator[None]:
     The Trainer keeps its bookkeeping (which micro-step it is at, when to restore the RNG); only
     the data is not skipped twice, since the sampler itself continues at the saved position.
     """
-    import transformers.trainer as hf_trainer
-
     original = hf_trainer.skip_first_batches
     hf_trainer.skip_first_batches = _passthrough
     try:

@@ -14,14 +14,11 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
@@ -48,7 +45,7 @@ from shardsafe.integrations.transformers.checkpoints import (
     write_trainer_files,
 )
 from shardsafe.integrations.transformers.data_order import ReshardableDataTrainer
-from shardsafe.integrations.transformers.model_folder import install_model_folder, new_hidden, stage_upload
+from shardsafe.integrations.transformers.model_folder import hub_token, install_model_folder, new_hidden, stage_upload
 from shardsafe.integrations.transformers.zero3 import is_zero3_model, parameter_count, zero3_gathered_tensors, zero3_sharded_model
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.protocol.commit import open_checkpoint
@@ -460,7 +457,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         stage = Path(comm.on_coordinator(card_and_stage))
         private = private if private is not None else self.args.hub_private_repo
         try:
-            with _hub_token(token if comm.is_coordinator else None):
+            with hub_token(token if comm.is_coordinator else None):
                 return push(
                     stage,
                     f"hf://{repo_id}",
@@ -502,7 +499,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
                 write_small_file(staging / TRAINING_ARGS_NAME, self.args.to_json_string().encode())
 
             comm.on_coordinator(extras)
-            with _hub_token(self.args.hub_token if comm.is_coordinator else None):
+            with hub_token(self.args.hub_token if comm.is_coordinator else None):
                 push(staging, f"hf://{repo_id}", revision=self.args.hub_revision, message=message, progress=False)
         finally:
             if comm.is_coordinator:
@@ -515,20 +512,3 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(inner, torch.optim.Optimizer):
         raise ShardsafeError(f"the Trainer's optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it")
     return inner
-
-
-@contextmanager
-def _hub_token(token: str | None) -> Iterator[None]:
-    """Use ``token`` for the Hub calls inside (huggingface_hub reads ``HF_TOKEN`` on each call)."""
-    if token is None:
-        yield
-        return
-    before = os.environ.get("HF_TOKEN")
-    os.environ["HF_TOKEN"] = token
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HF_TOKEN", None)
-        else:
-            os.environ["HF_TOKEN"] = before
