@@ -128,7 +128,7 @@ def test_ddp_final_weights_equal_the_plain_trainer_and_checkpoints_are_shardsafe
     for step in (2, 4, 6):
         summary = shardsafe.verify(train / f"checkpoint-{step}")
         assert summary["world_size"] == 2
-        assert summary["state_entries"] == ["model", "optimizer", "rng", "scheduler", "trainer_files"]
+        assert summary["state_entries"] == ["data", "model", "optimizer", "rng", "scheduler", "trainer_files"]
         assert summary["metadata"]["shardsafe.trainer"]["step"] == step
     # the files the Trainer and exporters read, written next to the committed checkpoint
     assert main["checkpoint_2"] == [
@@ -321,7 +321,7 @@ def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_pa
     train = runs.train_dir("z3_main")
     for step in (2, 4, 6):
         summary = shardsafe.verify(train / f"checkpoint-{step}")
-        assert summary["state_entries"] == ["engine", "rng", "scheduler", "trainer_files"]
+        assert summary["state_entries"] == ["data", "engine", "rng", "scheduler", "trainer_files"]
         assert (train / f"checkpoint-{step}" / "trainer_state.json").is_file()
     resumed = runs.result("z3_resume")
     assert after(resumed["losses"], 2) == after(main["losses"], 2) and len(after(resumed["losses"], 2)) == 4

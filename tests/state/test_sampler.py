@@ -61,6 +61,36 @@ def _run(n: int, plan: list[tuple[int, int]], epochs: int, batch: int, **kw: Any
     return taken
 
 
+def test_block_deals_contiguous_batches_like_the_trainer_and_resumes_at_another_layout() -> None:
+    """block=B: rank r takes positions [rB, rB + B) of each round of W*B (a global micro-batch cut as accelerate's
+    BatchSamplerShard cuts it); a position saved at 2 ranks x 3 continues at 3 ranks x 2 and at 1 rank x 6."""
+    n, seed = 26, 3
+    order = ReshardableSampler(range(n), num_replicas=1, rank=0, seed=seed).global_order(0)
+    two = _samplers(n, 2, seed=seed, block=3)
+    assert [list(s) for s in two] == [
+        [order[(2 * k + r) * 3 + i] if (2 * k + r) * 3 + i < n else order[(2 * k + r) * 3 + i - n] for k in range(5) for i in range(3)]
+        for r in range(2)
+    ], "rank r's k-th batch is block 2k + r of the order; the last round padded from the start"
+    assert {len(s) for s in two} == {15}
+    taken: list[int] = []
+    its = [iter(s) for s in two]
+    for _ in range(2):  # two global micro-batches of 6
+        for it in its:
+            taken += [next(it) for _ in range(3)]
+    state = two[0].state_dict()
+    assert state["consumed"] == 12 and all(s.state_dict() == state for s in two)
+    for world, block in ((3, 2), (1, 6)):
+        resumed = _samplers(n, world, seed=seed, block=block)
+        for s in resumed:
+            s.load_state_dict(state)
+            s.set_epoch(0)
+        rest = [list(s) for s in resumed]
+        merged = [i for k in range(len(rest[0]) // block) for r in range(world) for i in rest[r][k * block : (k + 1) * block]]
+        assert taken + merged[: n - 12] == order, f"{world} ranks x {block}: not the uninterrupted order"
+    with pytest.raises(ValueError, match="block must be a positive"):
+        ReshardableSampler(range(4), num_replicas=1, rank=0, block=0)
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("n", [37, 48])

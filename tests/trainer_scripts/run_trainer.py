@@ -17,6 +17,13 @@ DeepSpeed ZeRO-3 (``use_cpu=True`` plus a DeepSpeed config dict: on CPU it is wh
 bf16): ``z3_plain``, ``z3_main`` (checkpoints when the engine adapter is ready; ``save_model`` with
 ``stage3_gather_16bit_weights_on_model_save`` true, and DeepSpeed's own ``save_16bit_model``),
 ``z3_resume`` (from z3_main's checkpoint-2), ``z3_nogather`` (the flag false).
+
+Data order across world sizes (tests/integrations/test_trainer_data_order.py; 24 samples whose first
+token is their index, global batch 6, 10 steps, checkpoints every 3): ``order2`` (2 ranks x 3,
+uninterrupted), then ``order3`` (3 ranks x 2) and ``order1`` (1 rank x 3 x 2 accumulation steps), both
+resumed from order2's checkpoint-6; ``order1`` also records the refusal of a resume with a global batch
+of 3 and that an iterable dataset keeps the Trainer's sampler. Each rank writes ``taken.rank<r>.json``:
+``[step, [sample indices]]`` per micro-batch it trained on.
 """
 
 from __future__ import annotations
@@ -314,6 +321,69 @@ def z3_nogather(out: Path) -> None:
     run.finish()
 
 
+# ----------------------------------------------------------------------------- data order across world sizes
+
+ORDER_SAMPLES = 24  # 4 steps per epoch at a global batch of 6
+ORDER_STEPS = 10  # 2.5 epochs
+
+
+class Indexed(Tokens):
+    """Row i's first token is i, so the batch a rank trains on tells which samples it took."""
+
+    def __init__(self) -> None:
+        super().__init__(ORDER_SAMPLES, seed=11)
+        self.x[:, 0] = torch.arange(ORDER_SAMPLES)
+
+
+class Recording(ShardsafeTrainer):
+    """Records, per micro-batch, the optimizer step it belongs to and the samples in it."""
+
+    taken: list[Any]
+
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        self.taken.append([self.state.global_step + 1, inputs["input_ids"][:, 0].tolist()])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def order_trainer(root: Path, per_device: int, accumulation: int, dataset: Any = None) -> Recording:
+    args = arguments(root, max_steps=ORDER_STEPS, save_steps=3, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation)
+    trainer = Recording(model=model(), args=args, train_dataset=Indexed() if dataset is None else dataset)
+    trainer.taken = []
+    return trainer
+
+
+def order_run(out: Path, name: str, per_device: int, accumulation: int, resume: str | None = None) -> Run:
+    run = Run(out, name)
+    trainer = order_trainer(run.dir / "train", per_device, accumulation)
+    trainer.train(resume_from_checkpoint=resume)
+    (run.dir / f"taken.rank{run.rank}.json").write_text(json.dumps(trainer.taken))
+    run.result["losses"] = losses(trainer)
+    run.result["sampler"] = type(trainer._data.sampler).__name__ if trainer._data is not None else None
+    run.result["world_size"] = dist.get_world_size()
+    return run
+
+
+def order1(out: Path) -> None:
+    checkpoint = str(out / "order2" / "train" / "checkpoint-6")
+    refused = order_trainer(out / "order1_refused", per_device=3, accumulation=1)
+    try:
+        refused.train(resume_from_checkpoint=checkpoint)
+        refusal = None
+    except Exception as exc:
+        refusal = f"{type(exc).__name__}: {exc}"
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return iter(Indexed())
+
+    streamed = order_trainer(out / "order1_stream", per_device=3, accumulation=1, dataset=Stream())
+    streamed.get_train_dataloader()
+    run = order_run(out, "order1", per_device=3, accumulation=2, resume=checkpoint)
+    run.result["refusal"] = refusal
+    run.result["iterable_keeps_the_trainers_sampler"] = streamed._data is None
+    run.finish()
+
+
 SCENARIOS = {
     "plain": plain,
     "main": main_run,
@@ -327,6 +397,9 @@ SCENARIOS = {
     "z3_main": z3_main,
     "z3_resume": z3_resume,
     "z3_nogather": z3_nogather,
+    "order2": lambda out: order_run(out, "order2", per_device=3, accumulation=1).finish(),
+    "order3": lambda out: order_run(out, "order3", per_device=2, accumulation=1, resume=str(out / "order2" / "train" / "checkpoint-6")).finish(),
+    "order1": order1,
 }
 
 

@@ -9,6 +9,12 @@ the same global sequence exactly where it stopped:
 
     global order of the epoch:  o[0] o[1] o[2] ...
     W ranks from position p:    rank r reads o[p + r], o[p + r + W], o[p + r + 2W], ...
+    the same with block=B:      rank r reads o[p + rB .. p + rB + B-1], then the same W*B further on
+
+``block`` is how many consecutive positions a rank takes per round (default 1). With ``block`` set to
+the per-rank batch size, one round is one global micro-batch cut into contiguous per-rank pieces,
+which is how the Trainer's default (``RandomSampler`` + accelerate's ``BatchSamplerShard``) deals
+batches, so ``ShardsafeTrainer`` gives the ranks the same batches as the plain Trainer.
 
 :meth:`state_dict` (``epoch``, ``seed``, ``consumed``) is the same on every rank and is saved like
 any stateful value (``{"sampler": sampler}``). ``consumed`` advances by ``W`` per sample a rank
@@ -16,7 +22,7 @@ takes, which is exact when every rank takes the same number of samples between s
 data-parallel training: one batch per step). For training to be *equivalent* after a change of
 world size, keep the global batch size constant (per-rank batch x W x gradient accumulation).
 
-The end of an epoch: the last round may have fewer than ``W`` samples left. With
+The end of an epoch: the last round may have fewer than ``W * block`` samples left. With
 ``drop_last=True`` those are skipped (as DistributedSampler drops them); otherwise the round is
 completed with samples from the start of the order, so every rank takes the same number. Which
 samples that tail drops or repeats depends on the world size of the last part of the epoch;
@@ -57,12 +63,16 @@ class ReshardableSampler(torch.utils.data.Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        block: int = 1,
     ) -> None:
         world, me = _world()
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = me if rank is None else int(rank)
         if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank {self.rank} is not in [0, {self.num_replicas})")
+        if int(block) < 1:
+            raise ValueError(f"block must be a positive number of samples, not {block}")
+        self.block = int(block)
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
@@ -85,12 +95,16 @@ class ReshardableSampler(torch.utils.data.Sampler[int]):
         g.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
         return torch.randperm(n, generator=g).tolist()
 
+    def _round(self) -> int:
+        """Positions all ranks take together per round: ``block`` each."""
+        return self.num_replicas * self.block
+
     def _end(self, start: int) -> int:
-        """Where the epoch ends for ranks starting at ``start``: a whole number of rounds of W past it,
+        """Where the epoch ends for ranks starting at ``start``: a whole number of rounds past it,
         so every rank takes the same number of samples (the last round dropped or padded)."""
-        remaining, w = max(0, self._length() - start), self.num_replicas
-        rounds = remaining // w if self.drop_last else math.ceil(remaining / w)
-        return start + rounds * w
+        remaining, size = max(0, self._length() - start), self._round()
+        rounds = remaining // size if self.drop_last else math.ceil(remaining / size)
+        return start + rounds * size
 
     def _start(self) -> int:
         return self._resume_at if self._resume_at is not None else 0
@@ -111,14 +125,16 @@ class ReshardableSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self.global_order()
-        n, w = len(order), self.num_replicas
+        n, size = len(order), self._round()
         start = self._start()
         self._resume_at = None
         self.consumed = start
         end = self._end(start)
-        for pos in range(start + self.rank, end, w):
-            self.consumed = pos - self.rank + w  # this round is taken, on every rank
-            yield order[pos] if pos < n else order[pos - n]  # the last round padded from the start
+        for base in range(start, end, size):
+            self.consumed = base + size  # this round is taken, on every rank
+            first = base + self.rank * self.block
+            for pos in range(first, first + self.block):
+                yield order[pos % n]  # the last round padded from the start
         self.consumed = end
 
     # ------------------------------------------------------------------ state

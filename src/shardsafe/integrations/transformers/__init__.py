@@ -15,6 +15,10 @@ folders are overridden, and each does what the Trainer's does, collectively:
   ``accelerator.prepare``, in one read, and each rank's RNG state at the moment the Trainer
   restores its own (after skipping the batches already trained), so the following losses equal an
   uninterrupted run's.
+* The train sampler is a :class:`shardsafe.data.ReshardableSampler` (the plain Trainer's batches at
+  the same world size) whose global position is saved in each checkpoint, so a resume on another
+  world size continues the data order, provided the global batch (per device x accumulation x world)
+  is unchanged; another one is refused (:mod:`.data_order`).
 * Rotation (``save_total_limit``) is done by the coordinator alone and never deletes the newest or
   the best checkpoint (also not at the end of training, where the Trainer would delete the newest
   when ``save_total_limit=1``); a checkpoint disappears by an atomic rename before its data is

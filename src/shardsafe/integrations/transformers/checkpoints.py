@@ -37,6 +37,7 @@ META_KEY = "shardsafe.trainer"  # checkpoint metadata: step, epoch, metrics, bes
 
 # Names of the entries of a checkpoint's state.
 MODEL, OPTIMIZER, SCHEDULER, SCALER, RNG, ENGINE, FILES = "model", "optimizer", "scheduler", "scaler", "rng", "engine", "trainer_files"
+DATA = "data"  # the train sampler's global position (shardsafe.integrations.transformers.data_order)
 
 
 def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:

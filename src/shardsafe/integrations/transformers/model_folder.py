@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -85,3 +87,20 @@ def _link_or_copy(src: str, dst: str) -> str:
     except OSError:
         shutil.copy2(src, dst)
     return dst
+
+
+@contextmanager
+def hub_token(token: str | None) -> Iterator[None]:
+    """Use ``token`` for the Hub calls inside (huggingface_hub reads ``HF_TOKEN`` on each call)."""
+    if token is None:
+        yield
+        return
+    before = os.environ.get("HF_TOKEN")
+    os.environ["HF_TOKEN"] = token
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_TOKEN", None)
+        else:
+            os.environ["HF_TOKEN"] = before

@@ -14,14 +14,11 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
@@ -31,6 +28,7 @@ from shardsafe.hf.guard import check_model_folder
 from shardsafe.hf.pretrained import save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
 from shardsafe.hf.push import push
 from shardsafe.integrations.transformers.checkpoints import (
+    DATA,
     ENGINE,
     FILES,
     META_KEY,
@@ -46,7 +44,8 @@ from shardsafe.integrations.transformers.checkpoints import (
     rotate_checkpoints,
     write_trainer_files,
 )
-from shardsafe.integrations.transformers.model_folder import install_model_folder, new_hidden, stage_upload
+from shardsafe.integrations.transformers.data_order import ReshardableDataTrainer
+from shardsafe.integrations.transformers.model_folder import hub_token, install_model_folder, new_hidden, stage_upload
 from shardsafe.integrations.transformers.zero3 import is_zero3_model, parameter_count, zero3_gathered_tensors, zero3_sharded_model
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.protocol.commit import open_checkpoint
@@ -64,7 +63,7 @@ _UNSUPPORTED_STAGE = (
 )
 
 
-class ShardsafeTrainer(Trainer):
+class ShardsafeTrainer(ReshardableDataTrainer):
     """``transformers.Trainer`` with checkpoints, ``save_model``, rotation, resume and push through shardsafe.
 
     Same constructor as ``Trainer``, plus two optional keywords for ``save_model``: ``save_dtype``
@@ -161,6 +160,8 @@ class ShardsafeTrainer(Trainer):
             if scaler is not None:
                 state[SCALER] = scaler
             state[RNG] = RNGState()
+            if self._data is not None:
+                state[DATA] = self._data
         state[FILES] = self._trainer_files()
         return state
 
@@ -276,6 +277,7 @@ class ShardsafeTrainer(Trainer):
     def _restore_training_state(self, path: str) -> None:
         comm = get_comm()
         saved = comm.on_coordinator(lambda: sorted(open_checkpoint(Path(path))[1]))
+        self._restore_data_order(path, DATA in saved)
         engine = self._zero3_engine()
         state: dict[str, Any] = {}
         if engine is not None:
@@ -455,7 +457,7 @@ class ShardsafeTrainer(Trainer):
         stage = Path(comm.on_coordinator(card_and_stage))
         private = private if private is not None else self.args.hub_private_repo
         try:
-            with _hub_token(token if comm.is_coordinator else None):
+            with hub_token(token if comm.is_coordinator else None):
                 return push(
                     stage,
                     f"hf://{repo_id}",
@@ -497,7 +499,7 @@ class ShardsafeTrainer(Trainer):
                 write_small_file(staging / TRAINING_ARGS_NAME, self.args.to_json_string().encode())
 
             comm.on_coordinator(extras)
-            with _hub_token(self.args.hub_token if comm.is_coordinator else None):
+            with hub_token(self.args.hub_token if comm.is_coordinator else None):
                 push(staging, f"hf://{repo_id}", revision=self.args.hub_revision, message=message, progress=False)
         finally:
             if comm.is_coordinator:
@@ -510,20 +512,3 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(inner, torch.optim.Optimizer):
         raise ShardsafeError(f"the Trainer's optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it")
     return inner
-
-
-@contextmanager
-def _hub_token(token: str | None) -> Iterator[None]:
-    """Use ``token`` for the Hub calls inside (huggingface_hub reads ``HF_TOKEN`` on each call)."""
-    if token is None:
-        yield
-        return
-    before = os.environ.get("HF_TOKEN")
-    os.environ["HF_TOKEN"] = token
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HF_TOKEN", None)
-        else:
-            os.environ["HF_TOKEN"] = before

@@ -1,0 +1,222 @@
+"""The Trainer's data order as a :class:`~shardsafe.data.ReshardableSampler`, so a resume on another world size continues it.
+
+The Trainer's own position is per rank: on resume it skips ``steps_trained_in_current_epoch``
+batches of each rank's sampler, which at another world size takes other samples. Here the train
+dataloader's sampler is a ``ReshardableSampler`` over one global order (``seed + epoch``, the
+Trainer's ``RandomSampler`` permutation), each rank taking contiguous ``per_device_train_batch_size``
+blocks of each global micro-batch, exactly the batches accelerate's ``BatchSamplerShard`` deals
+the plain Trainer. accelerate still wraps the sampler (device placement, end of data), but its
+shard wrapper is made a passthrough (``num_processes=1``, as the Trainer does for its rank-aware
+``BatchRebalanceSampler``) since the sampler already shards.
+
+The position saved in a checkpoint (entry ``data``, the same on every rank) is *what the optimizer
+steps consumed*: the epoch's start position plus ``global batch`` per optimizer step since, not
+what the dataloader drew (accelerate prefetches a batch, workers prefetch more). On resume the
+sampler continues there by itself, so the Trainer must not skip batches as well: during the
+resumed epoch its ``skip_first_batches`` is a passthrough, its step bookkeeping untouched.
+
+That is equivalent to the uninterrupted run only if every optimizer step takes as many samples as
+before: the global batch (per device x world size x accumulation) must be the one the checkpoint
+was trained with, otherwise the resume is refused (``ignore_data_skip=True`` opts out: the epoch's
+data starts from its beginning, as the Trainer documents that flag).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import transformers.trainer as hf_trainer
+from transformers import Trainer
+from transformers.trainer_utils import has_length
+
+from shardsafe.api.checkpoint import load
+from shardsafe.data.sampler import ReshardableSampler
+from shardsafe.errors import ShardsafeError, StateMismatchError
+from shardsafe.integrations.transformers.checkpoints import DATA
+
+log = logging.getLogger(__name__)
+
+
+def global_batch(trainer: Any) -> dict[str, int]:
+    """Samples per optimizer step and its factors, as the Trainer runs now."""
+    args = trainer.args
+    world, per_device, accumulation = max(1, int(args.world_size)), int(trainer._train_batch_size), int(args.gradient_accumulation_steps)
+    return {"global_batch": world * per_device * accumulation, "world_size": world, "per_device": per_device, "accumulation": accumulation}
+
+
+def _describe(batch: dict[str, Any]) -> str:
+    ranks = "rank" if batch["world_size"] == 1 else "ranks"
+    return f"{batch['global_batch']} ({batch['world_size']} {ranks} x {batch['per_device']} per device x {batch['accumulation']} accumulation steps)"
+
+
+def fallback_reason(trainer: Any) -> str | None:
+    """Why the Trainer's own sampler is kept (its position does not reshard), or None to use a ReshardableSampler."""
+    dataset, args = trainer.train_dataset, trainer.args
+    if dataset is None:
+        return "no train_dataset"
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not has_length(dataset):
+        return "the train dataset is iterable (no __len__): its order is the dataset's own"
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "sequential"):
+        return f"train_sampling_strategy={strategy!r} has its own sampler"
+    config = trainer.accelerator.dataloader_config
+    if getattr(config, "split_batches", False) or getattr(config, "dispatch_batches", None):
+        return "accelerator_config split_batches / dispatch_batches deal the batches from one process"
+    if getattr(trainer.accelerator, "torch_device_mesh", None) is not None or getattr(trainer.accelerator, "parallelism_config", None) is not None:
+        return "a device mesh (tensor, context or sequence parallelism) decides which ranks share data"
+    if not callable(getattr(hf_trainer, "skip_first_batches", None)):
+        return "this transformers version skips resumed batches another way"
+    return None
+
+
+class DataOrder:
+    """The train sampler and the position the optimizer steps reached in it: the checkpoint's ``data`` entry.
+
+    A state value (``state_dict`` / ``load_state_dict``), the same on every rank. ``load_state_dict``
+    only keeps what was saved; :meth:`resume` checks it against this run and moves the sampler there.
+    """
+
+    def __init__(self, sampler: ReshardableSampler, batch: dict[str, int], global_step: Callable[[], int]) -> None:
+        self.sampler = sampler
+        self.batch = batch
+        self._global_step = global_step
+        self._anchor: tuple[int, int, int] | None = None  # (epoch, global step, position) where this run entered the epoch
+        self._saved: dict[str, Any] | None = None
+        self._resumed_epoch: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self.sampler.state_dict()
+        if self._anchor is not None:
+            epoch, step, start = self._anchor
+            consumed = start + (self._global_step() - step) * self.batch["global_batch"]
+            sampler.update(epoch=epoch, consumed=min(consumed, sampler["dataset_length"]))
+        return {"sampler": sampler, **self.batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._saved = dict(state)
+
+    def resume(self, checkpoint: str, *, ignore_data_skip: bool) -> None:
+        """Continue the saved position (collective-free: every rank holds the same state); refuse another global batch."""
+        saved, self._saved = self._saved, None
+        if saved is None or ignore_data_skip:
+            return
+        try:
+            then = {k: int(saved[k]) for k in ("global_batch", "world_size", "per_device", "accumulation")}
+            sampler = saved["sampler"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateMismatchError(
+                f"{checkpoint}: its 'data' entry is not a ShardsafeTrainer data position ({type(exc).__name__}: {exc})"
+            ) from None
+        if then["global_batch"] != self.batch["global_batch"]:
+            raise StateMismatchError(
+                f"{checkpoint} was trained with a global batch of {_describe(then)}; this run has {_describe(self.batch)}. "
+                "Keep per_device_train_batch_size x gradient_accumulation_steps x world size equal to resume the same data order "
+                "(or pass ignore_data_skip=True to start the epoch's data from its beginning)"
+            )
+        try:
+            self.sampler.load_state_dict(sampler)
+        except ValueError as exc:
+            raise StateMismatchError(f"{checkpoint}: the saved data position does not fit this train dataset: {exc}") from None
+        self._resumed_epoch = self.sampler.epoch
+
+    def begin_epoch(self, epoch: int, global_step: int) -> bool:
+        """Called as the Trainer starts ``epoch``: True if the sampler resumes inside it (the Trainer must then skip nothing)."""
+        resumes = self._resumed_epoch == epoch
+        self._resumed_epoch = None
+        self.sampler.set_epoch(epoch)  # keeps a restored position of this epoch; accelerate's set_epoch may not reach the sampler
+        self._anchor = (epoch, global_step, self.sampler.state_dict()["consumed"] if resumes else 0)
+        return resumes
+
+
+class ReshardableDataTrainer(Trainer):
+    """The ``Trainer`` hooks of the data order (``ShardsafeTrainer`` is one): the train dataloader, the epoch, the resume."""
+
+    _data: DataOrder | None = None  # the train sampler and its position, when it reshards
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's train dataloader, its sampler a ``ReshardableSampler`` when the dataset is sized."""
+        reason = fallback_reason(self)
+        if reason is not None:
+            self._data = None
+            log.info("ShardsafeTrainer keeps the Trainer's sampler (%s): a resume continues the data order only at the same world size", reason)
+            return super().get_train_dataloader()
+        loader, self._data = reshardable_train_dataloader(self)
+        return loader
+
+    def _run_epoch(self, model: Any, epoch: int, train_dataloader: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's epoch; in a resumed epoch whose sampler continues by itself, the Trainer skips no batches."""
+        resumes = self._data is not None and self._data.begin_epoch(epoch, self.state.global_step)
+        with trainer_skips_nothing() if resumes else nullcontext():
+            return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
+
+    def _restore_data_order(self, path: str, saved: bool) -> None:
+        """The sampler's saved position (collective), checked against this run's global batch before anything else is loaded."""
+        if self._data is None:
+            return
+        if not saved:
+            log.warning("%s holds no data position: the Trainer skips batches per rank, right only at the world size it was saved at", path)
+            return
+        load(path, {DATA: self._data})
+        self._data.resume(path, ignore_data_skip=self.args.ignore_data_skip)
+
+
+def reshardable_train_dataloader(trainer: Any) -> tuple[Any, DataOrder]:
+    """The Trainer's train dataloader (its collator, workers, accelerate wrapping) with a ReshardableSampler."""
+    args = trainer.args
+    world, rank = max(1, int(args.world_size)), int(args.process_index) if args.world_size > 1 else 0
+    made: list[ReshardableSampler] = []
+
+    def sampler_fn(dataset: Any) -> ReshardableSampler:
+        made.append(
+            ReshardableSampler(
+                dataset,
+                num_replicas=world,
+                rank=rank,
+                shuffle=getattr(args, "train_sampling_strategy", "random") != "sequential",
+                seed=args.data_seed if args.data_seed is not None else args.seed,
+                drop_last=args.dataloader_drop_last,
+                block=trainer._train_batch_size,
+            )
+        )
+        return made[-1]
+
+    loader = trainer._get_dataloader(
+        dataset=trainer.train_dataset, description="Training", batch_size=trainer._train_batch_size, sampler_fn=sampler_fn, is_training=True
+    )
+    _keep_sampler_sharding(loader, made[0])
+    return loader, DataOrder(made[0], global_batch(trainer), lambda: int(trainer.state.global_step))
+
+
+def _keep_sampler_sharding(loader: Any, sampler: ReshardableSampler) -> None:
+    """Make accelerate's ``BatchSamplerShard`` a passthrough: the sampler already gives each rank its share."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    outer = getattr(loader, "batch_sampler", None)
+    inner = outer.batch_sampler if isinstance(outer, BatchSamplerShard) else outer
+    if getattr(inner, "sampler", None) is not sampler:
+        raise ShardsafeError(f"accelerate wrapped the train dataloader as {type(outer).__name__}; ShardsafeTrainer cannot find its sampler in it")
+    if isinstance(outer, BatchSamplerShard):
+        outer.num_processes, outer.process_index = 1, 0
+
+
+@contextmanager
+def trainer_skips_nothing() -> Iterator[None]:
+    """While the resumed epoch runs, the Trainer's ``skip_first_batches`` returns the dataloader as it is.
+
+    The Trainer keeps its bookkeeping (which micro-step it is at, when to restore the RNG); only
+    the data is not skipped twice, since the sampler itself continues at the saved position.
+    """
+    original = hf_trainer.skip_first_batches
+    hf_trainer.skip_first_batches = _passthrough
+    try:
+        yield
+    finally:
+        hf_trainer.skip_first_batches = original
+
+
+def _passthrough(dataloader: Any, num_batches: int = 0) -> Any:
+    return dataloader

@@ -1,0 +1,99 @@
+"""``ShardsafeTrainer`` resumed on another world size continues the data order (``ReshardableSampler``).
+
+Real ``transformers.Trainer`` runs under ``torch.distributed.run`` on CPU (gloo), from
+``tests/trainer_scripts/run_trainer.py``: 2 ranks x 3 per device train 10 steps uninterrupted
+(checkpoints every 3 steps), then checkpoint-6 is resumed at 3 ranks x 2 and at 1 rank x 3 x 2
+accumulation steps (the global batch stays 6). Every rank records the samples of each micro-batch
+it trained on; per optimizer step, all ranks together must have taken exactly the uninterrupted
+run's samples, and each epoch every sample once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import shardsafe  # noqa: E402
+from dist_utils import TESTS_DIR, launch_script, wait_for_scripts  # noqa: E402
+from shardsafe.data import ReshardableSampler  # noqa: E402
+
+SCRIPT = TESTS_DIR / "trainer_scripts" / "run_trainer.py"
+SAMPLES, GLOBAL_BATCH, STEPS, SEED = 24, 6, 10, 1  # the script's ORDER_* and seed
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("order")
+    env = {"TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    wait_for_scripts([launch_script("order2", SCRIPT, 2, [str(out), "order2"], cwd=out, env=env)], time.monotonic() + 180, "uninterrupted run")
+    resumed = [launch_script(f"order{n}", SCRIPT, n, [str(out), f"order{n}"], cwd=out, env=env) for n in (3, 1)]
+    wait_for_scripts(resumed, time.monotonic() + 240, "resumed runs", lambda _: "\n".join(p.read_text()[-3000:] for p in out.glob("*.error")))
+    return out
+
+
+def taken(root: Path, name: str) -> dict[int, list[list[int]]]:
+    """Per rank: ``[step, samples]`` for every micro-batch it trained on."""
+    return {int(p.name.split(".rank")[1].split(".")[0]): json.loads(p.read_text()) for p in (root / name).glob("taken.rank*.json")}
+
+
+def per_step(by_rank: dict[int, list[list[int]]]) -> dict[int, Counter[int]]:
+    steps: dict[int, Counter[int]] = {}
+    for records in by_rank.values():
+        for step, samples in records:
+            steps.setdefault(step, Counter()).update(samples)
+    return steps
+
+
+def result(root: Path, name: str) -> dict[str, Any]:
+    return json.loads((root / name / "result.json").read_text())
+
+
+def test_uninterrupted_run_takes_the_global_order_each_rank_its_share(root: Path) -> None:
+    by_rank = taken(root, "order2")
+    assert sorted(by_rank) == [0, 1] and result(root, "order2")["sampler"] == "ReshardableSampler"
+    steps = per_step(by_rank)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    order = ReshardableSampler(range(SAMPLES), num_replicas=1, rank=0, seed=SEED)
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for step, samples in steps.items():
+        epoch, k = divmod(step - 1, per_epoch)
+        assert samples == Counter(order.global_order(epoch)[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]), f"step {step}"
+        assert all(len(s) == 3 for records in by_rank.values() for t, s in records if t == step)
+    # rank r trains on block r of each global batch (as accelerate's BatchSamplerShard deals the plain Trainer's)
+    assert [s for _, s in by_rank[1]][0] == order.global_order(0)[3:6]
+
+
+@pytest.mark.parametrize(("name", "world"), [("order3", 3), ("order1", 1)])
+def test_resume_on_another_world_size_continues_the_data_order(root: Path, name: str, world: int) -> None:
+    reference = per_step(taken(root, "order2"))
+    resumed = taken(root, name)
+    assert sorted(resumed) == list(range(world)) and result(root, name)["world_size"] == world
+    steps = per_step(resumed)
+    assert sorted(steps) == list(range(7, STEPS + 1)), "the resumed run trains steps 7.. and skips nothing"
+    for step in steps:
+        assert steps[step] == reference[step], f"{name} step {step}: {sorted(steps[step].elements())} vs {sorted(reference[step].elements())}"
+    # epoch 1 (steps 5-8) split by the resume at step 6: every sample exactly once
+    epoch1 = sum((reference[s] for s in (5, 6)), Counter()) + sum((steps[s] for s in (7, 8)), Counter())
+    assert epoch1 == Counter(range(SAMPLES))
+    summary = shardsafe.verify(root / name / "train" / "checkpoint-9")
+    assert "data" in summary["state_entries"] and summary["world_size"] == world
+
+
+def test_a_changed_global_batch_is_refused_and_an_iterable_dataset_keeps_the_trainers_sampler(root: Path) -> None:
+    one = result(root, "order1")
+    assert one["refusal"] == (
+        f"StateMismatchError: {root / 'order2' / 'train' / 'checkpoint-6'} was trained with a global batch of "
+        "6 (2 ranks x 3 per device x 1 accumulation steps); this run has 3 (1 rank x 3 per device x 1 accumulation steps). "
+        "Keep per_device_train_batch_size x gradient_accumulation_steps x world size equal to resume the same data order "
+        "(or pass ignore_data_skip=True to start the epoch's data from its beginning)"
+    )
+    assert not (root / "order1_refused" / "checkpoint-9").exists(), "the refused resume trained nothing"
+    assert one["iterable_keeps_the_trainers_sampler"]
