@@ -36,6 +36,7 @@ from shardsafe.core.index import parse_index
 from shardsafe.core.integrity import BlockHasher, hash_blocks
 from shardsafe.core.plan import LocalChunk, ReadOp, candidate_chunks, contiguous_span, plan_reads
 from shardsafe.errors import FormatError, IntegrityError
+from shardsafe.protocol.device_read import read_into_cuda
 from shardsafe.protocol.sources import LocalSource, RemoteSource
 from shardsafe.storage.local import tensor_bytes, tensor_pieces
 from shardsafe.storage.remote import RemoteDir
@@ -395,6 +396,9 @@ class ChunkReader:
             es = element_size(saved_dtype)
             view = tensor_bytes(dest)[dst[0] * es : dst[1] * es]
             self.read_elements(key, chunk, saved_dtype, src[0], src[1], view)
+            return
+        if dest.is_cuda:  # pinned buffers, verified on the host, uploaded on a side stream (device_read.py)
+            read_into_cuda(self, key, op, saved_dtype, dest, dest_offsets)
             return
         # Staged path: read the dim-0 slab of the chunk covering the box, then copy the box.
         if not chunk.shape:
