@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench bench-core bench-export bench-manager bench-deepspeed bench-scale stress clean
+.PHONY: demo test lint docs bench bench-core bench-export bench-manager bench-deepspeed bench-scale bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ bench-deepspeed: $(STAMP)
 
 bench-scale: $(STAMP)
 	$(PY) benchmarks/bench_scale.py --md BENCHMARKS.md
+
+# Not part of `make bench`: needs a CUDA GPU and a CUDA build of torch (stops with a message otherwise); < 8 min on one H200.
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/bench_gpu.py --md BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) demo-run bench-run

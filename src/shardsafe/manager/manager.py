@@ -52,7 +52,7 @@ from shardsafe.manager.catalog import (
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.retention import choose_kept, retire
-from shardsafe.manager.staging import Copy, StagingBuffers, copy_all
+from shardsafe.manager.staging import Staged, StagingBuffers, copy_all
 from shardsafe.protocol.transfer import ReuseMap, reuse_map
 from shardsafe.state.registry import SaveView
 from shardsafe.storage.remote import RemoteDir
@@ -234,7 +234,7 @@ class CheckpointManager:
                 log.warning("shardsafe: retention after saving step %d failed (retried after the next save): %s", step, exc)
                 self.retention_errors.append(f"step {step}: {type(exc).__name__}: {exc}")
 
-    def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: list[Copy]) -> None:
+    def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: Staged) -> None:
         try:
             if not self._copied.is_set():
                 try:

@@ -3,18 +3,37 @@
 An async save copies every local chunk of the state into a host buffer (pinned when the source is
 on a GPU, so the copy is a DMA), then writes from the buffers in the background while training
 changes the originals. The buffers are kept from one save to the next (the same chunks have the
-same shapes every time), so a save allocates nothing after the first.
+same shapes every time), so a save allocates nothing after the first. Copies from a GPU run on
+shardsafe's side stream (:func:`~shardsafe.storage.device_copy.side_stream`), ordered after the
+caller's stream at the save call, and are waited for by event, never by a device-wide synchronize.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from shardsafe.state.registry import SaveView
+from shardsafe.storage.device_copy import side_stream
 
 Copy = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, source)
+
+
+@dataclass
+class Staged:
+    """The copies one async save makes, and where their CUDA sources are ready.
+
+    ``ready`` holds, per CUDA device, an event recorded on the caller's current stream when the
+    save was called: the side stream waits for it before copying, so the copies see every value
+    queued before the call, even when they are issued later from the background thread (overlap
+    mode), whose current stream is not the caller's.
+    """
+
+    copies: list[Copy]
+    ready: dict[torch.device, Any] = field(default_factory=dict)
 
 
 class StagingBuffers:
@@ -23,8 +42,11 @@ class StagingBuffers:
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
-    def prepare(self, view: SaveView) -> list[Copy]:
-        """Point the view's chunks at staging buffers; returns the (buffer, source) copies to make."""
+    def prepare(self, view: SaveView) -> Staged:
+        """Point the view's chunks at staging buffers; returns the (buffer, source) copies to make.
+
+        Called in the caller's thread at the save call: that is where CUDA sources' readiness is recorded.
+        """
         copies = []
         used = set()
         for i, chunk in enumerate(view.chunks):
@@ -39,13 +61,42 @@ class StagingBuffers:
             view.chunks[i] = dataclasses.replace(chunk, tensor=buffer)  # the same chunk (per-rank flag included), staged
         for ident in set(self.buffers) - used:
             del self.buffers[ident]
-        return copies
+        return Staged(copies, _record_ready(copies))
 
 
-def copy_all(copies: list[Copy]) -> None:
-    """Make the copies; returns once every buffer holds its source's bytes."""
+def _record_ready(copies: list[Copy]) -> dict[torch.device, Any]:
+    """An event on the current stream of every CUDA device a source lives on (none for CPU-only state)."""
+    ready = {}
+    for _, source in copies:
+        if source.is_cuda and source.device not in ready:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(source.device))
+            ready[source.device] = event
+    return ready
+
+
+def copy_all(staged: Staged) -> None:
+    """Make the copies; returns once every buffer holds its source's bytes.
+
+    CPU sources are copied in this thread. CUDA sources are copied non-blocking into their pinned
+    buffers on the side stream of their device, after it waits for the save call's ``ready``
+    event; then only those copies are waited for (an event per device), not the whole device, so
+    the training stream keeps running.
+    """
+    done = []
     with torch.no_grad():
-        for buffer, source in copies:
-            buffer.copy_(source, non_blocking=source.is_cuda)
-        if any(source.is_cuda for _, source in copies):
-            torch.cuda.synchronize()
+        for buffer, source in staged.copies:
+            if not source.is_cuda:
+                buffer.copy_(source)
+        for device in {source.device for _, source in staged.copies if source.is_cuda}:
+            stream = side_stream(device)
+            stream.wait_event(staged.ready[device])
+            with torch.cuda.stream(stream):
+                for buffer, source in staged.copies:
+                    if source.device == device:
+                        buffer.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            done.append(event)
+    for event in done:
+        event.synchronize()

@@ -40,6 +40,7 @@ from shardsafe.core.integrity import BlockHasher, hash_blocks
 from shardsafe.core.parallel import TaskRunner
 from shardsafe.core.plan import LocalChunk, ReadOp, candidate_chunks, contiguous_span, plan_reads
 from shardsafe.errors import FormatError, IntegrityError
+from shardsafe.protocol.device_read import read_into_cuda
 from shardsafe.protocol.sources import LocalSource, RemoteSource
 from shardsafe.storage.local import tensor_bytes, tensor_pieces
 from shardsafe.storage.remote import RemoteDir
@@ -403,6 +404,11 @@ class ChunkReader:
         self.read_all([(key, op, entry.dtype, out, zeros) for op in ops])
         return out
 
+    def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None:
+        """Read elements [start, stop) of ``chunk`` into ``dest``, verifying the blocks touched."""
+        es = element_size(dtype)
+        self.run(self.block_reads(key, chunk, start * es, stop * es, dest))
+
     def read_into(self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]) -> None:
         """Copy the box of ``op`` into ``dest`` (which holds the box at ``dest_offsets``)."""
         self.read_all([(key, op, saved_dtype, dest, dest_offsets)])
@@ -448,6 +454,8 @@ class ChunkReader:
             assert src is not None and dst is not None
             view = tensor_bytes(dest)[dst[0] * es : dst[1] * es]
             return PlannedRead(self.block_reads(key, chunk, src[0] * es, src[1] * es, view))
+        if dest.is_cuda:  # pinned buffers, verified on the host, uploaded on a side stream (device_read.py)
+            return PlannedRead([], partial(read_into_cuda, self, key, op, saved_dtype, dest, dest_offsets))
         # Staged path: read the dim-0 slab of the chunk covering the box, then copy the box.
         if not chunk.shape:
             raise FormatError(f"tensor {key!r}: scalar chunk cannot be partially read")

@@ -1,1 +1,1 @@
-"""Where bytes land: the local filesystem (local.py) and fsspec URLs such as s3:// (remote.py)."""
+"""Where bytes land: the local filesystem (local.py), fsspec URLs such as s3:// (remote.py), pinned host buffers for GPU copies (pinned.py)."""

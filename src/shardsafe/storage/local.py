@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from shardsafe.errors import FormatError, IntegrityError
+from shardsafe.storage.device_copy import device_pieces
 
-WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for device tensors
+WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for tensors on devices other than CUDA (CUDA: the pinned pool's buffers)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -33,16 +34,25 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def tensor_pieces(tensor: torch.Tensor, piece: int = WRITE_PIECE) -> Iterator[memoryview]:
-    """Yield a tensor's bytes in order; device tensors are staged through host memory piecewise."""
+    """Yield a tensor's bytes in order; device tensors are staged through host memory piecewise.
+
+    A CPU tensor is one zero-copy view. A CUDA tensor streams through the process's reused pinned
+    buffers, double-buffered on a side stream (:func:`~shardsafe.storage.device_copy.device_pieces`):
+    nothing is pinned per call. Any other device is staged through one pageable buffer of ``piece``
+    bytes. Each yielded view is valid until the next is asked for.
+    """
     tensor = tensor.detach()
     if tensor.device.type == "cpu":
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         yield tensor_bytes(tensor)
         return
+    if tensor.device.type == "cuda":
+        yield from device_pieces(tensor)
+        return
     flat = tensor.reshape(-1)
     step = max(1, piece // max(1, flat.element_size()))
-    staging = torch.empty(min(step, flat.numel()), dtype=flat.dtype, pin_memory=torch.cuda.is_available())
+    staging = torch.empty(min(step, flat.numel()), dtype=flat.dtype)
     for start in range(0, flat.numel(), step):
         part = flat[start : start + step]
         staging[: part.numel()].copy_(part)
