@@ -6,14 +6,17 @@ Run with ``python -m torch.distributed.run --nproc_per_node W accelerate_state.p
 with what it saw (losses; whole tensors gathered by DeepSpeed's own ``safe_get_full_*`` helpers;
 scheduler, counters, sampler and registered object state; error messages); the test compares.
 
-* ``save`` (W=2): run A trains ``SAVE_AT`` steps, is saved by shardsafe (``OUT/ss``) and by Accelerate
-  (``OUT/acc``: ``engine.save_checkpoint`` plus Accelerate's pickles), then trains ``MORE`` steps
-  (the uninterrupted reference).
+Each phase runs twice, once per scheduler kind (``SCHEDULERS``: a torch StepLR that Accelerate keeps out
+of DeepSpeed, and DeepSpeed's WarmupLR that the engine steps), folders suffixed ``_<kind>``.
+
+* ``save`` (W=2): run A trains ``SAVE_AT`` steps, is saved by shardsafe (``OUT/ss_<kind>``) and by
+  Accelerate (``OUT/acc_<kind>``: ``engine.save_checkpoint`` plus Accelerate's pickles), then trains
+  ``MORE`` steps (the uninterrupted reference).
 * ``resume`` (W=2, a new launch: new process group, new engines with other initial weights and RNG):
-  run B loads ``OUT/ss`` with shardsafe and trains ``MORE`` steps; run C does the same from ``OUT/acc``
-  with ``Accelerator.load_state``.
-* ``reshard`` (W=1 or 3): a fresh run loads ``OUT/ss`` (which ``engine.load_checkpoint`` would refuse at
-  another world size), is snapshotted, and trains one step.
+  run B loads ``OUT/ss_<kind>`` with shardsafe and trains ``MORE`` steps; run C does the same from
+  ``OUT/acc_<kind>`` with ``Accelerator.load_state``.
+* ``reshard`` (W=1 or 3): a fresh run loads ``OUT/ss_<kind>``, is snapshotted, and trains one step;
+  ``Accelerator.load_state`` of ``OUT/acc_torch`` is tried as well (its error is recorded).
 
 Accelerate selects DeepSpeed only when its state is not created with ``cpu=True`` (``AcceleratorState``
 checks ``ACCELERATE_USE_DEEPSPEED ... and not cpu``), so, as ``transformers.TrainingArguments(use_cpu=True)``
@@ -91,8 +94,11 @@ def setup(project: Path, init_seed: int, scheduler_kind: str) -> dict[str, Any]:
 
     from shardsafe.data import ReshardableSampler
 
-    # Accelerate takes the plugin from the first Accelerator of a process only (a second one shares its state)
-    plugin = None if AcceleratorState._shared_state else DeepSpeedPlugin(hf_ds_config=dict(DS_CONFIG))
+    # Accelerate takes the plugins from the first Accelerator of a process only (a second one shares its
+    # state); the first named is active. "zero2" is selected only for the refusal check in phase_reshard.
+    zero2 = dict(DS_CONFIG, zero_optimization={"stage": 2})
+    plugins = {"zero3": DeepSpeedPlugin(hf_ds_config=dict(DS_CONFIG)), "zero2": DeepSpeedPlugin(hf_ds_config=zero2)}
+    plugin = None if AcceleratorState._shared_state else plugins
     accelerator = Accelerator(deepspeed_plugin=plugin, project_config=ProjectConfiguration(str(project)))
     torch.manual_seed(init_seed)
     model = Net()
@@ -217,6 +223,20 @@ def phase_reshard(out: Path) -> dict[str, Any]:
         result[kind] = r
     s = setup(out / "project", SEED + 13, "torch")
     result["accelerate_error"] = error_of(s["acc"].load_state, str(out / "acc_torch"))
+    if dist.get_world_size() == 1:  # a ZeRO-2 engine (Accelerate's second plugin): refused with a clear error
+        from accelerate.state import AcceleratorState
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        AcceleratorState().select_deepspeed_plugin("zero2")
+        z2 = setup(out / "project", SEED, "torch")
+        result["zero2_stage"] = z2["model"].zero_optimization_stage()
+        result["zero2_save_error"] = error_of(ss.save_state, z2["acc"], out / "ss_zero2")
+        result["zero2_load_error"] = error_of(ss.load_state, z2["acc"], out / "ss_torch")
+        result["zero2_folder_exists"] = (out / "ss_zero2").exists()
+        train(z2, 1)
+        z2["acc"].save_state(str(out / "acc_zero2"))  # what the error points to; the test converts it
+        result["zero2_fp32"] = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in z2["model"].module.named_parameters()}
+        AcceleratorState().select_deepspeed_plugin("zero3")
     return result
 
 
