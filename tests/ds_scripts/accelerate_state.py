@@ -86,11 +86,10 @@ def setup(project: Path, init_seed: int, scheduler_kind: str) -> dict[str, Any]:
     ``AcceleratedScheduler``, stepped by the loop, once per process as Accelerate does); ``"ds"``:
     DeepSpeed's WarmupLR, which Accelerate hands to ``deepspeed.initialize`` (the engine steps it;
     the loop's ``DeepSpeedSchedulerWrapper.step`` does nothing)."""
-    from deepspeed.runtime.lr_schedules import WarmupLR
-
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration
+    from deepspeed.runtime.lr_schedules import WarmupLR
 
     from shardsafe.data import ReshardableSampler
 
