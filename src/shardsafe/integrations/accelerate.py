@@ -38,6 +38,7 @@ from shardsafe.manager.catalog import CheckpointInfo, committed_steps
 from shardsafe.manager.lease import RootLease
 from shardsafe.manager.naming import StepNaming
 from shardsafe.manager.retention import choose_kept, retire
+from shardsafe.state.deepspeed_engine import is_deepspeed_engine
 from shardsafe.state.rng import RNGState
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,32 @@ def _position_of(dataloader: Any) -> Any:
     return None
 
 
+def _check_zero3(model: Any, i: int) -> None:
+    """Only ZeRO-3 engines are state values (docs/DEEPSPEED.md); say so in Accelerate's terms, before any
+    collective (the stage is the same on every rank, so every rank raises alike)."""
+    if not is_deepspeed_engine(model):
+        return
+    stage = int(model.zero_optimization_stage())
+    if stage != 3:
+        raise ShardsafeError(
+            f"model {i} is a DeepSpeed ZeRO stage {stage} engine; shardsafe's save_state/load_state handle ZeRO stage 3 only. "
+            "Use accelerator.save_state for stages 0-2 (`shardsafe convert <its folder> OUT` converts that checkpoint)"
+        )
+
+
 def accelerator_state(accelerator: Any) -> dict[str, Any]:
-    """The state dict shardsafe saves for ``accelerator``: the same on every rank, in registration order."""
+    """The state dict shardsafe saves for ``accelerator``: the same on every rank, in registration order.
+
+    Under DeepSpeed each prepared model is the engine, whose value also holds its optimizer (ZeRO-3
+    partitions, moments, step counts; state/deepspeed_engine.py), so the ``DeepSpeedOptimizerWrapper``
+    entries are not saved again; schedulers are saved as their own values (a DeepSpeed scheduler the
+    engine steps as well as a torch one Accelerate steps), as the engine value does not cover them.
+    """
     deepspeed = _is_deepspeed(accelerator)
     state: dict[str, Any] = {}
     for i, model in enumerate(accelerator._models):
+        if deepspeed:
+            _check_zero3(model, i)
         state[_name("model", i)] = model
     if not deepspeed:
         for i, optimizer in enumerate(accelerator._optimizers):
