@@ -1,9 +1,10 @@
 """shardsafe.load_pretrained into DeepSpeed ZeRO-3 models, on CPU ranks (gloo).
 
-Run with ``python -m torch.distributed.run --nproc_per_node W load_pretrained.py OUT TIED_FP32 UNTIED_BF16 OTHER``
-(tests/hf/test_load_pretrained_zero3.py does). The three arguments after OUT are model folders the test
-wrote with ``save_pretrained``: a tied fp32 tiny Llama (one file), an untied bf16 one (sharded, with an
-index) and a folder whose config does not fit the first (another intermediate size). Models are built
+Run with ``python -m torch.distributed.run --nproc_per_node W load_pretrained.py OUT TIED_FP32 UNTIED_BF16 OTHER CASES``
+(tests/hf/test_load_pretrained_zero3.py does; CASES: a comma-separated subset of the cases below, or ``all``).
+The three folders were written by the test with ``save_pretrained``: a tied fp32 tiny Llama (one file), an
+untied bf16 one (sharded, with an index) and one whose config does not fit the first (other MLP sizes, one
+more layer). Models are built
 from the folders' own ``config.json``. Every rank writes ``OUT/w<W>.rank<r>.pt``: whole tensors gathered
 by DeepSpeed itself (``GatheredParameters``, ``safe_get_full_fp32_param``), losses, bytes read, errors.
 
@@ -38,6 +39,9 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardsafe  # noqa: E402
+
+CASES = ("init", "fp32_module", "bf16_into_fp32", "bf16_engine", "mismatch")
+SMALL = ("bytes_read", "error", "unchanged", "gathered_before", "gathered_after_load")  # what ranks other than 0 return
 
 
 def config(precision: str) -> dict[str, Any]:
@@ -107,25 +111,16 @@ def partitions(engine: Any) -> list[torch.Tensor]:
     return [t.detach().clone() for t in (*opt.fp16_partitioned_groups_flat, *opt.fp32_partitioned_groups_flat)]
 
 
-def main() -> None:
-    out, tied, untied_bf16, other = sys.argv[1:5]
-    # DeepSpeed's Muon module decorates functions with torch.compile when deepspeed.initialize checks the
-    # optimizer, which imports inductor (seconds per process). Nothing here compiles: make it the identity.
-    torch.compile = lambda model=None, **kwargs: model if model is not None else (lambda fn: fn)  # type: ignore[assignment]
-    import deepspeed
-    from transformers import LlamaForCausalLM
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    r: dict[str, Any] = {}
-
+def case_init(r: dict[str, Any], tied: str, rank: int) -> None:
     model = build_model(tied, seed=11 + rank, zero_init=True)
     result = shardsafe.load_pretrained(model, tied)
     r["init"] = {"bytes_read": result["bytes_read"], "tensors": result["tensors"]}
     engine = engine_of(model, "fp32")
     r["init"] |= {"weights": weights(engine.module), "masters": masters(engine.module)}
-    del engine, model
+
+
+def case_fp32_module(r: dict[str, Any], tied: str, rank: int) -> None:
+    from transformers import LlamaForCausalLM
 
     engine = engine_of(build_model(tied, seed=21 + rank), "fp32")
     result = shardsafe.load_pretrained(engine.module, tied)
@@ -135,14 +130,16 @@ def main() -> None:
     del engine
     reference = engine_of(LlamaForCausalLM.from_pretrained(tied, dtype=torch.float32), "fp32")
     r["reference"] = {"loss": [train(reference, 0), train(reference, 1)], "after_step": masters(reference.module)}
-    del reference
 
+
+def case_bf16_into_fp32(r: dict[str, Any], untied_bf16: str, rank: int) -> None:
     engine = engine_of(build_model(untied_bf16, seed=31 + rank), "fp32")
     train(engine, 0)  # mid-training: optimizer moments exist
     result = shardsafe.load_pretrained(engine, untied_bf16)
     r["bf16_into_fp32"] = {"bytes_read": result["bytes_read"], "weights": weights(engine.module), "masters": masters(engine.module)}
-    del engine
 
+
+def case_bf16_engine(r: dict[str, Any], tied: str, rank: int) -> None:
     engine = engine_of(build_model(tied, seed=41 + rank), "bf16")
     train(engine, 0)
     r["bf16_engine"] = {"gathered_before": sum(p.ds_status.name == "AVAILABLE" for p in engine.module.parameters())}
@@ -151,8 +148,9 @@ def main() -> None:
     with torch.no_grad():
         engine(input_ids=torch.zeros((1, 4), dtype=torch.long))  # gathers the persistent parameters again
     r["bf16_engine"] |= {"weights": weights(engine.module), "masters": masters(engine.module)}
-    del engine
 
+
+def case_mismatch(r: dict[str, Any], tied: str, other: str, rank: int) -> None:
     engine = engine_of(build_model(other, seed=51 + rank), "fp32")
     before = partitions(engine)
     try:
@@ -162,8 +160,33 @@ def main() -> None:
         r["mismatch"] = {"error": (type(exc).__name__, str(exc))}
     r["mismatch"]["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, partitions(engine)))
 
+
+def main() -> None:
+    out, tied, untied_bf16, other, cases = sys.argv[1:6]
+    wanted = set(CASES if cases == "all" else cases.split(","))
+    # DeepSpeed's Muon module decorates functions with torch.compile when deepspeed.initialize checks the
+    # optimizer, which imports inductor (seconds per process). Nothing here compiles: make it the identity.
+    torch.compile = lambda model=None, **kwargs: model if model is not None else (lambda fn: fn)  # type: ignore[assignment]
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    r: dict[str, Any] = {}
+
+    if "init" in wanted:
+        case_init(r, tied, rank)
+    if "fp32_module" in wanted:
+        case_fp32_module(r, tied, rank)
+    if "bf16_into_fp32" in wanted:
+        case_bf16_into_fp32(r, untied_bf16, rank)
+    if "bf16_engine" in wanted:
+        case_bf16_engine(r, tied, rank)
+    if "mismatch" in wanted:
+        case_mismatch(r, tied, other, rank)
+
     if rank != 0:  # whole tensors from rank 0 only; bytes and errors from every rank
-        r = {case: {k: v for k, v in values.items() if k in ("bytes_read", "error", "unchanged", "gathered_before", "gathered_after_load")} for case, values in r.items()}
+        r = {case: {k: v for k, v in values.items() if k in SMALL} for case, values in r.items()}
     torch.save(r, Path(out) / f"w{world}.rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -146,9 +146,7 @@ def _match_names(wanted: list[str], stored: dict[str, StoredTensor], prefix: str
     return out
 
 
-def _plan(
-    module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero3: Zero3Targets
-) -> tuple[list[_Target], list[str], list[str]]:
+def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero3: Zero3Targets) -> tuple[list[_Target], list[str], list[str]]:
     tensors, aliases = _destinations(module)
     prefix = str(getattr(module, "base_model_prefix", "") or "")
     matched = _match_names(list(tensors), layout, prefix)
@@ -166,6 +164,8 @@ def _plan(
     for name, stored_name in matched.items():
         stored = layout[stored_name]
         tensor, flat = tensors[name], is_zero3_param(tensors[name])
+        shape: tuple[int, ...]
+        offsets: tuple[int, ...]
         if flat:
             share, local = zero3.destination(name, tensor)
             shape, offsets = share.shape, (share.start,)
@@ -260,9 +260,9 @@ def load_pretrained(
     Collective: every rank of ``process_group`` calls it. ``model`` may be plain, DDP-wrapped,
     FSDP2-sharded, a DeepSpeed ZeRO-3 engine or its ``engine.module`` (or a model built under
     ``deepspeed.zero.Init``): each rank reads its flat partition only, into the fp32 master weights
-    of an engine's optimizer (the 16-bit partitions are refreshed from them); floating-point weights are converted to the parameters' dtype (bf16 files into
-    fp32 parameters); a tied weight stored under either name fills both; non-persistent buffers
-    are left as the model built them. With ``strict``, missing and unexpected keys are errors
+    of an engine's optimizer (the 16-bit partitions are refreshed from them). Floating-point weights
+    are converted to the parameters' dtype (bf16 files into fp32 parameters); a tied weight stored
+    under either name fills both; non-persistent buffers are left as the model built them. With ``strict``, missing and unexpected keys are errors
     (all reported at once, before anything is written); otherwise they are returned.
     The guard refuses a folder without real weights first (a ZeRO-3 dummy file, say).
 

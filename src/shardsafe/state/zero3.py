@@ -66,7 +66,9 @@ def zero3_partition(name: str, p: Any, where: str, sub_group: int = -1, flat_off
     if not hasattr(p, "ds_tensor") or p.ds_tensor is None:
         raise ShardsafeError(f"{where}: parameter {name!r} is not partitioned by ZeRO-3 (no ds_tensor)")
     if getattr(p.ds_tensor, "ds_quant_scale", None) is not None:
-        raise ShardsafeError(f"{where}: parameter {name!r} is stored quantized (zero_quantized_nontrainable_weights); shardsafe does not support that")
+        raise ShardsafeError(
+            f"{where}: parameter {name!r} is stored quantized (zero_quantized_nontrainable_weights); shardsafe does not support that"
+        )
     if getattr(getattr(p.ds_tensor, "final_location", None), "name", "") == "nvme":
         raise ShardsafeError(f"{where}: parameter {name!r} is offloaded to NVMe, which shardsafe does not support")
     import torch.distributed as dist
