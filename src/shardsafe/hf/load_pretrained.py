@@ -8,6 +8,12 @@ of it), and the safetensors header gives where the tensor's bytes start, so the 
 byte range, converts the dtype and copies it into its local tensor, at most :data:`READ_BUDGET`
 bytes (or one row, if larger) at a time.
 
+A DeepSpeed ZeRO-3 parameter (``engine.module``, the engine, or a model built under
+``deepspeed.zero.Init``) is partitioned flat: rank r holds elements ``[r*part, (r+1)*part)`` of the
+flattened tensor. That is one contiguous byte range of the stored tensor too, so the rank preads
+exactly it (whole rows and the partial rows at its ends) into its fp32 master partition or its
+``ds_tensor`` (state/zero3.py's :class:`Zero3Targets` says which, and refreshes the rest after).
+
 Before any parameter is written, every rank has checked every name, shape and byte range against
 the files, and the ranks agree: missing and unexpected keys, shape mismatches and damaged headers
 are reported together, and nothing is modified.
@@ -30,6 +36,8 @@ from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
 from shardsafe.hf.weights_file import read_weights_file
 from shardsafe.state.base import placement, unwrap_module
+from shardsafe.state.deepspeed_engine import is_deepspeed_engine
+from shardsafe.state.zero3 import Zero3Targets, is_zero3_param
 from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes
 
 READ_BUDGET = 64 << 20  # bytes read per step (at least one row of the tensor)
@@ -56,6 +64,7 @@ class _Target:
     stored: StoredTensor
     local: torch.Tensor
     offsets: tuple[int, ...]
+    flat: bool = False  # local is elements [offsets[0], offsets[0] + local.numel()) of the flattened tensor (a ZeRO-3 partition)
 
 
 def _resolve(source: str | os.PathLike[str], revision: str | None, comm: Comm) -> Path:
@@ -137,7 +146,7 @@ def _match_names(wanted: list[str], stored: dict[str, StoredTensor], prefix: str
     return out
 
 
-def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool) -> tuple[list[_Target], list[str], list[str]]:
+def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero3: Zero3Targets) -> tuple[list[_Target], list[str], list[str]]:
     tensors, aliases = _destinations(module)
     prefix = str(getattr(module, "base_model_prefix", "") or "")
     matched = _match_names(list(tensors), layout, prefix)
@@ -154,13 +163,20 @@ def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool) -> t
     targets = []
     for name, stored_name in matched.items():
         stored = layout[stored_name]
-        local, shape, offsets = placement(tensors[name])
+        tensor, flat = tensors[name], is_zero3_param(tensors[name])
+        shape: tuple[int, ...]
+        offsets: tuple[int, ...]
+        if flat:
+            share, local = zero3.destination(name, tensor)
+            shape, offsets = share.shape, (share.start,)
+        else:
+            local, shape, offsets = placement(tensor)
         if tuple(shape) != stored.shape:
             problems.append(f"{name}: the model has shape {list(shape)}, {stored.file} stores {stored_name} as {list(stored.shape)}")
         elif stored.dtype.is_floating_point != local.dtype.is_floating_point and stored.dtype != local.dtype:
             problems.append(f"{name}: cannot load {stored.dtype} weights into a {local.dtype} tensor")
         else:
-            targets.append(_Target(name, stored, local, offsets))
+            targets.append(_Target(name, stored, local, offsets, flat))
     if strict:
         problems += [f"missing in the model folder: {n}" for n in missing] + [f"unexpected in the model folder: {n}" for n in unexpected]
     if problems:
@@ -169,18 +185,37 @@ def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool) -> t
     return targets, missing, unexpected
 
 
+def _read_elements(fd: int, stored: StoredTensor, first: int, count: int, where: str) -> torch.Tensor:
+    """Elements ``[first, first + count)`` of the flattened stored tensor, in its dtype: one pread of exactly their bytes."""
+    out = torch.empty(count, dtype=stored.dtype)
+    pread_into(fd, [tensor_bytes(out)], stored.begin + first * element_size(stored.dtype), where)
+    return out
+
+
 def _read_rows(fd: int, stored: StoredTensor, first_row: int, rows: int, where: str) -> torch.Tensor:
     row_elems = 1
     for d in stored.shape[1:]:
         row_elems *= d
-    row_bytes = row_elems * element_size(stored.dtype)
-    out = torch.empty((rows, *stored.shape[1:]) if stored.shape else (), dtype=stored.dtype)
-    pread_into(fd, [tensor_bytes(out)], stored.begin + first_row * row_bytes, where)
-    return out
+    block = _read_elements(fd, stored, first_row * row_elems, rows * row_elems, where)
+    return block.view((rows, *stored.shape[1:]) if stored.shape else ())
+
+
+def _fill_flat(target: _Target, fd: int, where: str) -> int:
+    """A ZeRO-3 partition: its contiguous range of the flattened tensor, :data:`READ_BUDGET` bytes at a time."""
+    size = element_size(target.stored.dtype)
+    step = max(1, READ_BUDGET // size)
+    total = target.local.numel()
+    with torch.no_grad():  # the fp32 master partitions require grad (DeepSpeed marks them so)
+        for start in range(0, total, step):
+            count = min(step, total - start)
+            target.local[start : start + count].copy_(_read_elements(fd, target.stored, target.offsets[0] + start, count, where))
+    return total * size
 
 
 def _fill(target: _Target, fd: int, where: str) -> int:
     """Copy this rank's box of the stored tensor into ``target.local``, a bounded number of rows at a time."""
+    if target.flat:
+        return _fill_flat(target, fd, where)
     stored, local = target.stored, target.local
     if not stored.shape:  # a scalar
         local.copy_(_read_rows(fd, stored, 0, 1, where))
@@ -201,6 +236,17 @@ def _fill(target: _Target, fd: int, where: str) -> int:
     return done
 
 
+def _unwrap(model: nn.Module) -> tuple[nn.Module, Zero3Targets]:
+    """The module whose names the model folder uses (inside DDP or a DeepSpeed engine), and where its ZeRO-3 partitions go."""
+    if not is_deepspeed_engine(model):
+        return unwrap_module(model), Zero3Targets("load_pretrained")
+    if getattr(model, "mp_world_size", 1) != 1 or getattr(model, "pipeline_parallelism", False) or getattr(model, "has_moe_layers", False):
+        raise ShardsafeError("load_pretrained: the DeepSpeed engine uses tensor, pipeline or expert parallelism, which shardsafe does not support")
+    module = model.module
+    assert isinstance(module, nn.Module)
+    return module, Zero3Targets("load_pretrained", getattr(model, "optimizer", None))
+
+
 def load_pretrained(
     model: nn.Module,
     source: str | os.PathLike[str],
@@ -211,10 +257,12 @@ def load_pretrained(
 ) -> dict[str, Any]:
     """Load a Hugging Face model folder (or ``hf://owner/name``) into ``model``, each rank reading only what it owns.
 
-    Collective: every rank of ``process_group`` calls it. ``model`` may be plain, DDP-wrapped or
-    FSDP2-sharded; floating-point weights are converted to the parameters' dtype (bf16 files into
-    fp32 parameters); a tied weight stored under either name fills both; non-persistent buffers
-    are left as the model built them. With ``strict``, missing and unexpected keys are errors
+    Collective: every rank of ``process_group`` calls it. ``model`` may be plain, DDP-wrapped,
+    FSDP2-sharded, a DeepSpeed ZeRO-3 engine or its ``engine.module`` (or a model built under
+    ``deepspeed.zero.Init``): each rank reads its flat partition only, into the fp32 master weights
+    of an engine's optimizer (the 16-bit partitions are refreshed from them). Floating-point weights
+    are converted to the parameters' dtype (bf16 files into fp32 parameters); a tied weight stored
+    under either name fills both; non-persistent buffers are left as the model built them. With ``strict``, missing and unexpected keys are errors
     (all reported at once, before anything is written); otherwise they are returned.
     The guard refuses a folder without real weights first (a ZeRO-3 dummy file, say).
 
@@ -222,13 +270,13 @@ def load_pretrained(
     (this rank's tensors and bytes).
     """
     comm = get_comm(process_group)
-    module = unwrap_module(model)
+    module, zero3 = _unwrap(model)
     folder = _resolve(source, revision, comm)
     comm.on_coordinator(lambda: check_model_folder(folder))
     plan: tuple[list[_Target], list[str], list[str]] | None = None
     problem: Exception | None = None
     try:
-        plan = _plan(module, read_layout(folder), strict)
+        plan = _plan(module, read_layout(folder), strict, zero3)
     except Exception as exc:  # every rank raises together below
         problem = exc
     comm.agree(problem)
@@ -245,4 +293,5 @@ def load_pretrained(
     finally:
         for fd in fds.values():
             os.close(fd)
+        zero3.finish()  # even after a failed read: the 16-bit partitions match the master, no stale gathered copy
     return {"missing_keys": missing, "unexpected_keys": unexpected, "tensors": len(targets), "bytes_read": read}

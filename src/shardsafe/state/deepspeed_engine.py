@@ -42,7 +42,7 @@ from shardsafe.state.base import (
     type_problems,
 )
 from shardsafe.state.engine_entry import engine_meta, flat_tensor_shapes, same_scalars, saved_meta, saved_params, saved_sections, scalars_by_param
-from shardsafe.state.zero3 import COUNTERS, SECTIONS, Zero3Layout, ZeroParam, tensor_key
+from shardsafe.state.zero3 import COUNTERS, SECTIONS, Zero3Layout, ZeroParam, refresh_16bit_partitions, tensor_key
 
 __all__ = ["KIND_DEEPSPEED_ENGINE", "SECTIONS", "DeepSpeedEngineAdapter", "engine_meta", "flat_tensor_shapes", "is_deepspeed_engine", "tensor_key"]
 
@@ -353,14 +353,7 @@ def prepare_engine(z: Zero3Layout, staged: list[tuple[torch.Tensor, torch.Tensor
                 opt.overflow = bool(meta["overflow"])
             for counter, value in counters.items():
                 setattr(z.engine, counter, value)
-            # The 16-bit partitions (param.ds_tensor, views of fp16_partitioned_groups_flat) from the
-            # fp32 master, exactly as DeepSpeed's _rigid_load_state_dict and its optimizer step do.
-            for sub_group, (flat32, flat16) in enumerate(zip(z.flats, opt.fp16_partitioned_groups_flat)):
-                if flat32.numel():
-                    flat16.data.copy_(flat32.data)
-                opt._unflatten_partitioned_parameters(sub_group)
-            if hasattr(opt, "invalidate_secondary_tensor"):
-                opt.invalidate_secondary_tensor()  # ZeRO++ hpZ copies are rebuilt from the partitions
+        refresh_16bit_partitions(opt, range(len(z.flats)))
         sync_engine(z)
 
     return LoadStep(z.name, apply, after_tensors=True)
