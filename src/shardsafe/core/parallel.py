@@ -1,10 +1,10 @@
 """Running independent I/O tasks a few at a time, failing as a serial loop would.
 
-Reads of a checkpoint spend their time waiting: on the disk (``os.preadv`` releases the GIL), on
-page faults of freshly allocated destinations, and a little hashing (xxh3 releases the GIL too).
-Keeping a few reads in flight overlaps those waits; the tasks are independent, so the only rule
-to keep is the serial loop's failure: the error reported is the one the first failing task (in
-the given order) raised, and once a task fails no task that has not started yet runs.
+A reader reading several files (a rank whose share spans other ranks' shards after a resharding,
+a dedup sibling's files) spends its time waiting on the disk, and ``os.preadv`` releases the GIL:
+one thread per file keeps each file's stream going at once. The tasks are independent, so the only
+rule to keep is the serial loop's failure: the error reported is the one the first failing task
+(in the given order) raised, and once a task fails no task that has not started yet runs.
 """
 
 from __future__ import annotations

@@ -42,11 +42,13 @@ class LocalSource:
         if ident not in self._fds:
             path = self._path(checkpoint, file)
             try:
-                self._fds[ident] = open_regular(path, follow=False)  # never blocks on a planted FIFO
+                fd = self._fds[ident] = open_regular(path, follow=False)  # never blocks on a planted FIFO
             except FileNotFoundError:
                 raise IntegrityError(f"{path}: shard file is missing") from None
             except OSError as exc:
                 raise IntegrityError(f"{path}: cannot open shard file ({exc.strerror})") from None
+            if hasattr(os, "posix_fadvise"):  # reads go through each file in order: a larger readahead window (as cat asks)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         fd = self._fds[ident]
         return fd, os.fstat(fd).st_size
 

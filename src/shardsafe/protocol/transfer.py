@@ -131,7 +131,7 @@ def reuse_map(manifest: Manifest, checkpoint_name: str) -> ReuseMap:
 
 
 REMOTE_CACHE_BYTES = 64 << 20
-READ_THREADS = 4  # reads in flight per reader on a local filesystem (each thread keeps up to one block of scratch)
+READ_THREADS = 4  # files read at once per reader on a local filesystem (each thread keeps up to one block of scratch)
 READ_SCRATCH_BYTES = 64 << 20  # scratch for all reading threads together: fewer threads when hash blocks are large
 STAGED_BATCH_BYTES = 64 << 20  # staging slabs (boxes not read straight into place) held per batch of reads
 HEAD_READ_BYTES = 64 << 10  # the first read of a shard file: its header length and, usually, the whole header
@@ -312,20 +312,30 @@ class ChunkReader:
         return self.block_reads(key, chunk, 0, size, None) if size else [BlockRead(key, chunk, 0, 0, 0, None)]
 
     def run(self, reads: list[BlockRead]) -> None:
-        """Do ``reads``, several at a time on a local (or shared) filesystem, in file order.
+        """Do ``reads``: each file's in file order, one reading thread per file, up to
+        :data:`READ_THREADS` files at a time on a local (or shared) filesystem.
 
-        Each is independent: a check reads its block into a per-thread scratch buffer, a read
-        fills its destination (and, with ``verify``, the rest of its block into that scratch) and
-        hashes the block. At most :data:`READ_THREADS` blocks are in flight, so the extra memory
-        is that many blocks. An object store is read one request at a time.
+        One sequential stream per file is what keeps the disk busy: the kernel reads ahead of it
+        (the source asks for sequential readahead), so the next blocks are in flight while a block
+        is copied and hashed (xxh3, ~1 ms per 16 MiB block); several threads on one file would
+        break that pattern and read slower. Each read is independent: a check reads its block into
+        the thread's scratch buffer, a read fills its destination (and, with ``verify``, the rest
+        of its block into that scratch) and hashes the block. An object store is read one request
+        at a time.
         """
-        reads = sorted(reads, key=lambda r: (r.chunk.checkpoint or "", r.chunk.file, r.chunk.begin + r.lo))
-        tasks = [partial(self._do, r) for r in reads]
+        by_file: dict[tuple[str, str], list[BlockRead]] = {}
+        for read in sorted(reads, key=lambda r: (r.chunk.checkpoint or "", r.chunk.file, r.chunk.begin + r.lo)):
+            by_file.setdefault((read.chunk.checkpoint or "", read.chunk.file), []).append(read)
+        tasks = [partial(self._do_each, file_reads) for file_reads in by_file.values()]
         if self.remote:
             for task in tasks:
                 task()
         else:
             self._runner.run(tasks)
+
+    def _do_each(self, reads: list[BlockRead]) -> None:
+        for read in reads:
+            self._do(read)
 
     def _do(self, read: BlockRead) -> None:
         chunk, block = read.chunk, self.block
