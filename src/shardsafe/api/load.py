@@ -28,6 +28,7 @@ from shardsafe.api.foreign import foreign_format
 from shardsafe.api.location import location, shown
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import Manifest
+from shardsafe.core.gcpause import gc_paused
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
@@ -71,6 +72,13 @@ def load(
     and re-verified. ``atomic=False`` reads once, straight into the destinations: faster, but a
     hash mismatch found midway leaves the tensors read before it overwritten.
     """
+    with gc_paused():  # thousands of small entries: see core/gcpause.py
+        return _load(path, state, process_group, strict, verify, atomic)
+
+
+def _load(
+    path: str | os.PathLike[str] | RemoteDir, state: dict[str, Any], process_group: Any, strict: bool, verify: bool, atomic: bool
+) -> dict[str, Any]:
     comm = get_comm(process_group)
     folder = location(path)
     foreign = foreign_format(folder)  # a DCP folder, ...: read by the reader registered for it (see api/foreign.py)

@@ -15,6 +15,7 @@ from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.dtypes import dtype_from_name
 from shardsafe.core.faults import crash_point
 from shardsafe.core.format import ChunkEntry, FileEntry, IndexRef, Manifest, SplitRule, TensorEntry, check_metadata, parse_manifest
+from shardsafe.core.gcpause import gc_paused
 from shardsafe.core.index import build_index
 from shardsafe.core.integrity import HASH_BLOCK_SIZE, hash_bytes
 from shardsafe.core.layout import IRREGULAR, SPLIT, WHOLE, LocalLayout, describe_layout, is_stored, rule_for, whole_writers
@@ -51,8 +52,9 @@ def save(
     rank failed (nothing is published; earlier checkpoints are untouched).
     """
     comm = get_comm(process_group)
-    view = describe_collectively(state, comm)
-    written = write_checkpoint(location(path), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
+    with gc_paused():  # thousands of small entries: see core/gcpause.py
+        view = describe_collectively(state, comm)
+        written = write_checkpoint(location(path), view, comm, overwrite=overwrite, metadata=metadata, fsync=fsync)
     return public_path(written)  # a Path, or the URL string of an object-store prefix
 
 
@@ -62,7 +64,8 @@ def describe_collectively(state: dict[str, Any], comm: Comm) -> SaveView:
     problem: Exception | None = None
     view = None
     try:
-        view = describe_for_save(state, comm.rank)
+        with gc_paused():  # the part of an async save the training loop waits for (core/gcpause.py)
+            view = describe_for_save(state, comm.rank)
     except Exception as exc:
         problem = exc
     comm.agree(problem)

@@ -52,7 +52,7 @@ class LocalSource:
         fd = self._fds[ident]
         return fd, os.fstat(fd).st_size
 
-    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: str) -> None:
+    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: object) -> None:
         pread_into(handle, views, offset, where)
 
     def read_small(self, name: str, limit: int) -> bytes:
@@ -104,7 +104,7 @@ class RemoteSource:
                 raise IntegrityError(f"{folder.url}/{file}: shard object is missing") from None
         return (self._dir(checkpoint), file), self._sizes[ident]
 
-    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: str) -> None:
+    def read_into(self, handle: Any, views: list[memoryview], offset: int, where: object) -> None:
         folder, file = handle
         folder.read_into(file, views, offset, where)
 

@@ -145,7 +145,7 @@ class ChunkReader:
         self.manifest = manifest
         self.verify = verify
         self.block = manifest.hash_block_size
-        self._checked: set[tuple[str | None, str]] = set()
+        self._checked: dict[tuple[str | None, str], Any] = {}  # (checkpoint, file) -> its handle, once checked
         self._indexes: dict[int, dict[str, ChunkEntry]] = {}  # rank -> its index, parsed and checked once
         self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
@@ -210,15 +210,16 @@ class ChunkReader:
         byte of it is used: its size (the manifest's, or the sibling manifest's, and at least
         ``needed``), the sibling's commit, and that its safetensors header agrees with the manifest."""
         ident = (checkpoint, file)
-        if ident in self._checked:
-            return self.source.open(checkpoint, file)[0]
+        checked = self._checked.get(ident)
+        if checked is not None:
+            return checked
         where = self.source.describe(checkpoint, file)
         expected = self.manifest.files[file].size if checkpoint is None else self._sibling_size(checkpoint, file, where)
         handle, size = self.source.open(checkpoint, file)
         if size != expected or size < needed:
             raise IntegrityError(f"{where}: file is {size} bytes, the manifest expects {max(expected, needed)} (truncated or altered)")
         self._check_header(checkpoint, file, handle, size, where)  # every chunk in the file: their ends included
-        self._checked.add(ident)
+        self._checked[ident] = handle
         return handle
 
     def _sibling_size(self, checkpoint: str, file: str, where: str) -> int:
@@ -339,7 +340,7 @@ class ChunkReader:
 
     def _do(self, read: BlockRead) -> None:
         chunk, block = read.chunk, self.block
-        where = f"{self.path_of(chunk)} (tensor {read.key!r}, chunk at {list(chunk.offsets)})"
+        where = _Where(self, read)
         if read.dest is not None and not self.verify:
             self.read_raw(chunk, [read.dest], chunk.begin + read.lo, where)
             return
@@ -375,7 +376,7 @@ class ChunkReader:
             scratch = self._local.scratch = memoryview(bytearray(size))
         return scratch
 
-    def read_raw(self, chunk: ChunkEntry, views: list[memoryview], offset: int, where: str) -> None:
+    def read_raw(self, chunk: ChunkEntry, views: list[memoryview], offset: int, where: object) -> None:
         if self._cache and self._from_cache(chunk, views, offset):
             return
         self.source.read_into(self.open(chunk), views, offset, where)
@@ -486,6 +487,20 @@ class ChunkReader:
                 target.copy_(box)
 
         return PlannedRead(reads, copy_box, slab.numel() * es)
+
+
+class _Where:
+    """Where a block read is, for its errors: built only if one is raised (reads of small tensors are many)."""
+
+    def __init__(self, reader: ChunkReader, read: BlockRead) -> None:
+        self.reader, self.read = reader, read
+
+    def __str__(self) -> str:
+        chunk = self.read.chunk
+        return f"{self.reader.path_of(chunk)} (tensor {self.read.key!r}, chunk at {list(chunk.offsets)})"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,10 @@ def read_small_file(path: Path, limit: int) -> bytes:
         return f.read(limit + 1)
 
 
-def pread_into(fd: int, views: list[memoryview], offset: int, where: str) -> None:
-    """Fill ``views`` from consecutive bytes at ``offset``; a short read means a truncated file."""
+def pread_into(fd: int, views: list[memoryview], offset: int, where: object) -> None:
+    """Fill ``views`` from consecutive bytes at ``offset``; a short read means a truncated file.
+
+    ``where`` names the place in an error: anything whose ``str()`` does (built only if one is raised)."""
     pending = [v for v in views if len(v)]
     while pending:
         got = os.preadv(fd, pending, offset)

@@ -77,7 +77,7 @@ class RemoteDir:
         """Stream ``prefix`` and the tensors into one object (multipart upload), hashing blocks."""
         return write_tensor_stream(self.fs.open(self.key(name), "wb"), prefix, tensors, block_size, f"{self.url}/{name}")
 
-    def read_into(self, name: str, views: Iterable[memoryview], offset: int, where: str) -> None:
+    def read_into(self, name: str, views: Iterable[memoryview], offset: int, where: object) -> None:
         """Fill ``views`` from consecutive bytes at ``offset`` with one ranged GET."""
         views = [v for v in views if len(v)]
         total = sum(len(v) for v in views)
