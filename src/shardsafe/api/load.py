@@ -19,6 +19,7 @@ The phases, each ended by an agreement of every rank (so all raise, or none):
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import BlockRead, ChunkReader
 from shardsafe.state.base import LoadStep
 from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps
+from shardsafe.storage.local import prefault_writable
 from shardsafe.storage.remote import RemoteDir
 
 
@@ -209,4 +211,10 @@ def _check_sources(reader: ChunkReader, manifest: Manifest, binding: LoadBinding
             continue
         for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape)):
             checks += reader.check_reads(key, op, entry.dtype)
-    _read_targets(reader, manifest, binding, fresh=True, checks=checks)  # one pass over the files, in order
+    fresh = [t.tensor for t in binding.targets.values() if t.fresh]
+    prefault = threading.Thread(target=prefault_writable, args=(fresh,), name="shardsafe-prefault", daemon=True)
+    prefault.start()  # the new memory's page faults are taken while the reads wait on the disk
+    try:
+        _read_targets(reader, manifest, binding, fresh=True, checks=checks)  # one pass over the files, in order
+    finally:
+        prefault.join()

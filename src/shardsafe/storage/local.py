@@ -236,3 +236,40 @@ def exchange_paths(a: Path, b: Path) -> bool:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
+_PAGE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _libc_madvise() -> Any:
+    name = ctypes.util.find_library("c")
+    function = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None) if name else None
+    if function is not None:
+        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        function.restype = ctypes.c_int
+    return function
+
+
+_madvise = _libc_madvise()
+
+
+def prefault_writable(tensors: list[torch.Tensor]) -> None:
+    """Fault in the pages of freshly allocated CPU tensors ahead of the reads that fill them.
+
+    A read into new memory pays a page fault per 4 KiB page inside the copy, on the reading thread
+    (~0.16 s per 800 MB here). Run on a second thread, ``madvise(MADV_POPULATE_WRITE)`` does that
+    work while the reader waits on the disk; it never changes a byte (a page already written by the
+    reader stays as it is), so it may run concurrently with the reads. Best effort: nothing happens
+    where the call does not exist (another OS, a kernel before 5.14), and errors are ignored.
+    """
+    if _madvise is None:
+        return
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or not tensor.numel():
+            continue
+        start = tensor.data_ptr()
+        first = -(-start // _PAGE) * _PAGE
+        last = (start + tensor.numel() * tensor.element_size()) // _PAGE * _PAGE
+        if last > first and _madvise(first, last - first, _MADV_POPULATE_WRITE) != 0:
+            return  # unsupported here (EINVAL): do not try the others
