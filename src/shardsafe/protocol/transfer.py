@@ -150,6 +150,7 @@ class ChunkReader:
         self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
         self._local = threading.local()  # each reading thread's scratch block
+        self._open_lock = threading.RLock()  # reading threads may open a file first (a sibling's, in verify)
         self._runner = TaskRunner(max(1, min(READ_THREADS, READ_SCRATCH_BYTES // self.block)))
         # Object stores only: verified blocks kept for the second pass of an atomic load, so a small
         # state is not downloaded twice (bounded; larger states are fetched again).
@@ -209,6 +210,12 @@ class ChunkReader:
         """Open (once) a file of this checkpoint (or of sibling ``checkpoint``) and check it before any
         byte of it is used: its size (the manifest's, or the sibling manifest's, and at least
         ``needed``), the sibling's commit, and that its safetensors header agrees with the manifest."""
+        if (checkpoint, file) in self._checked:
+            return self.source.open(checkpoint, file)[0]
+        with self._open_lock:  # one open and one header check per file, whichever thread comes first
+            return self._open_checked(checkpoint, file, needed)
+
+    def _open_checked(self, checkpoint: str | None, file: str, needed: int) -> Any:
         ident = (checkpoint, file)
         if ident in self._checked:
             return self.source.open(checkpoint, file)[0]
