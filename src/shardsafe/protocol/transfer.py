@@ -340,10 +340,12 @@ class ChunkReader:
         if read.dest is not None and not self.verify:
             self.read_raw(chunk, [read.dest], chunk.begin + read.lo, where)
             return
+        # A chunk's bytes are its own (no two chunks share any), so its begin names it; an empty
+        # chunk may begin where the next one does, so it is never marked (its check is free anyway).
         ident = (chunk.checkpoint, chunk.file, chunk.begin, read.block)
-        if read.dest is None and ident in self._verified:
-            return
         first, last = read.block * block, min((read.block + 1) * block, chunk.end - chunk.begin)
+        if read.dest is None and last > first and ident in self._verified:
+            return
         scratch = self._thread_scratch(last - first - (0 if read.dest is None else len(read.dest)))
         if read.dest is None:
             views = [scratch[: last - first]]
@@ -359,8 +361,9 @@ class ChunkReader:
                 f"{where}: hash mismatch in block {read.block} (bytes {chunk.begin + first}..): "
                 "the file is corrupted; restore it or load an earlier checkpoint"
             )
-        self._verified.add(ident)
-        if read.dest is None and last - first <= self._cache_left:
+        if last > first:
+            self._verified.add(ident)
+        if read.dest is None and last > first and last - first <= self._cache_left:
             self._cache[ident] = bytes(views[0])
             self._cache_left -= last - first
 
