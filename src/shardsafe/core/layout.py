@@ -71,9 +71,10 @@ def whole_writers(whole: list[tuple[str, int]], world_size: int) -> dict[str, in
 
 def is_stored(chunk: LocalChunk) -> bool:
     """Whether a chunk has a place in the files: data, or the whole of a tensor with no elements
-    along every dimension (a scalar, a (0,) tensor). Empty shards of other tensors are only
-    described (they say which part this rank holds), never written."""
-    return bool(numel(chunk.shape)) or not any(chunk.global_shape)
+    (a scalar, a (0,) or (0, 4) tensor: without a chunk the manifest would not list a tensor that
+    state.json names). Empty shards of other tensors are only described (they say which part this
+    rank holds), never written."""
+    return bool(numel(chunk.shape)) or not any(chunk.global_shape) or (chunk.shape == chunk.global_shape and not any(chunk.offsets))
 
 
 @dataclass

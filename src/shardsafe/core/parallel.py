@@ -4,7 +4,9 @@ A reader reading several files (a rank whose share spans other ranks' shards aft
 a dedup sibling's files) spends its time waiting on the disk, and ``os.preadv`` releases the GIL:
 one thread per file keeps each file's stream going at once. The tasks are independent, so the only
 rule to keep is the serial loop's failure: the error reported is the one the first failing task
-(in the given order) raised, and once a task fails no task that has not started yet runs.
+(in the given order) raised, and once a task fails no later task that has not started yet runs.
+Every task before the first failure runs (a thread that took an earlier task off the queue may
+see a later task's failure before it starts it: skipping it then would report a later error).
 """
 
 from __future__ import annotations
@@ -31,21 +33,23 @@ class TaskRunner:
                 task()
             return
         pool = self._get_pool()
-        failed = threading.Event()
+        first_failed = [len(tasks)]  # the lowest index of a task that failed so far
+        lock = threading.Lock()
 
-        def guarded(task: Task) -> Task:
-            def run_unless_failed() -> None:
-                if failed.is_set():
+        def guarded(index: int, task: Task) -> Task:
+            def run_unless_after_a_failure() -> None:
+                if index > first_failed[0]:  # only later tasks are skipped: an earlier one may fail first
                     return
                 try:
                     task()
                 except BaseException:
-                    failed.set()
+                    with lock:
+                        first_failed[0] = min(first_failed[0], index)
                     raise
 
-            return run_unless_failed
+            return run_unless_after_a_failure
 
-        futures: list[Future[None]] = [pool.submit(guarded(task)) for task in tasks]
+        futures: list[Future[None]] = [pool.submit(guarded(i, task)) for i, task in enumerate(tasks)]
         first: BaseException | None = None
         for future in futures:
             exc = future.exception()  # waits: every task has finished or been skipped once this loop ends

@@ -150,6 +150,7 @@ class ChunkReader:
         self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
         self._local = threading.local()  # each reading thread's scratch block
+        self._open_lock = threading.RLock()  # reading threads may open a file first (a sibling's, in verify)
         self._runner = TaskRunner(max(1, min(READ_THREADS, READ_SCRATCH_BYTES // self.block)))
         # Object stores only: verified blocks kept for the second pass of an atomic load, so a small
         # state is not downloaded twice (bounded; larger states are fetched again).
@@ -209,6 +210,12 @@ class ChunkReader:
         """Open (once) a file of this checkpoint (or of sibling ``checkpoint``) and check it before any
         byte of it is used: its size (the manifest's, or the sibling manifest's, and at least
         ``needed``), the sibling's commit, and that its safetensors header agrees with the manifest."""
+        if (checkpoint, file) in self._checked:
+            return self.source.open(checkpoint, file)[0]
+        with self._open_lock:  # one open and one header check per file, whichever thread comes first
+            return self._open_checked(checkpoint, file, needed)
+
+    def _open_checked(self, checkpoint: str | None, file: str, needed: int) -> Any:
         ident = (checkpoint, file)
         checked = self._checked.get(ident)
         if checked is not None:
@@ -344,10 +351,12 @@ class ChunkReader:
         if read.dest is not None and not self.verify:
             self.read_raw(chunk, [read.dest], chunk.begin + read.lo, where)
             return
+        # A chunk's bytes are its own (no two chunks share any), so its begin names it; an empty
+        # chunk may begin where the next one does, so it is never marked (its check is free anyway).
         ident = (chunk.checkpoint, chunk.file, chunk.begin, read.block)
-        if read.dest is None and ident in self._verified:
-            return
         first, last = read.block * block, min((read.block + 1) * block, chunk.end - chunk.begin)
+        if read.dest is None and last > first and ident in self._verified:
+            return
         scratch = self._thread_scratch(last - first - (0 if read.dest is None else len(read.dest)))
         if read.dest is None:
             views = [scratch[: last - first]]
@@ -363,8 +372,9 @@ class ChunkReader:
                 f"{where}: hash mismatch in block {read.block} (bytes {chunk.begin + first}..): "
                 "the file is corrupted; restore it or load an earlier checkpoint"
             )
-        self._verified.add(ident)
-        if read.dest is None and last - first <= self._cache_left:
+        if last > first:
+            self._verified.add(ident)
+        if read.dest is None and last > first and last - first <= self._cache_left:
             self._cache[ident] = bytes(views[0])
             self._cache_left -= last - first
 
