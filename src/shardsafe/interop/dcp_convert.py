@@ -52,6 +52,40 @@ def _insert(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any) -> No
         node[last] = value
 
 
+def dcp_state_tree(ckpt: DcpCheckpoint) -> tuple[dict[str, str], dict[str, Any]]:
+    """(flattened DCP key -> shardsafe tensor key, the state tree): what :func:`convert_dcp` writes and
+    ``shardsafe.load`` of the folder reads. ``model`` and ``optim`` become a module and an optimizer
+    entry, any other top-level entry a plain value; the non-tensor values are read (restricted) here."""
+    nested: dict[Any, Any] = {}
+    keys: dict[str, str] = {}
+    key_of: dict[int, str] = {}
+    placeholders = []  # kept alive, so no id is reused while the tree is encoded
+    for fqn in ckpt.meta.tensors:
+        path = ckpt.meta.paths[fqn]
+        key = keys[fqn] = "/".join(str(p) for p in path)
+        placeholder = torch.empty(0)
+        placeholders.append(placeholder)
+        key_of[id(placeholder)] = key
+        _insert(nested, path, placeholder)
+    if len(set(keys.values())) != len(keys):
+        raise FormatError(f"{ckpt.folder}: two tensors of the DCP checkpoint have the same state-dict path")
+    for fqn in ckpt.meta.values:
+        _insert(nested, ckpt.meta.paths[fqn], ckpt.value(fqn))
+    tree: dict[str, Any] = {}
+    for name, value in nested.items():
+        if not isinstance(name, str):
+            raise FormatError(f"{ckpt.folder}: a top-level state-dict key {name!r} that is not a string")
+
+        def ref(path: str, tensor: torch.Tensor) -> str:
+            if id(tensor) not in key_of:
+                raise FormatError(f"{ckpt.folder}: value {path!r} holds a tensor saved as a value; only plain values are converted")
+            return key_of[id(tensor)]
+
+        kind = _KINDS.get(name, "value") if isinstance(value, dict) else "value"
+        tree[name] = {"kind": kind, "state": encode_value(value, name, ref)}
+    return keys, tree
+
+
 def convert_dcp(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -67,30 +101,10 @@ def convert_dcp(
     with DcpCheckpoint(src, key="") as ckpt:
         if isinstance(final, Path) and final == ckpt.folder:
             raise ShardsafeError(f"{final}: the output folder must not be the source")
-        planned: list[Planned] = []
-        nested: dict[Any, Any] = {}
-        key_of: dict[int, str] = {}
-        for fqn, entry in ckpt.meta.tensors.items():
-            path = ckpt.meta.paths[fqn]
-            key = "/".join(str(p) for p in path)
-            placeholder = torch.empty(0)
-            key_of[id(placeholder)] = key
-            planned.append(Planned(key, entry.dtype, entry.shape, functools.partial(ckpt.read_fqn, fqn)))
-            _insert(nested, path, placeholder)
-        for fqn in ckpt.meta.values:
-            _insert(nested, ckpt.meta.paths[fqn], ckpt.value(fqn))
-        tree: dict[str, Any] = {}
-        for name, value in nested.items():
-            if not isinstance(name, str):
-                raise FormatError(f"{ckpt.folder}: a top-level state-dict key {name!r} that is not a string")
-
-            def ref(path: str, tensor: torch.Tensor) -> str:
-                if id(tensor) not in key_of:
-                    raise FormatError(f"{ckpt.folder}: value {path!r} holds a tensor saved as a value; only plain values are converted")
-                return key_of[id(tensor)]
-
-            kind = _KINDS.get(name, "value") if isinstance(value, dict) else "value"
-            tree[name] = {"kind": kind, "state": encode_value(value, name, ref)}
+        keys, tree = dcp_state_tree(ckpt)
+        planned = [
+            Planned(keys[fqn], entry.dtype, entry.shape, functools.partial(ckpt.read_fqn, fqn)) for fqn, entry in ckpt.meta.tensors.items()
+        ]
         planned.sort(key=lambda p: p.key)
         info = {"format": "torch.distributed.checkpoint", "version": ckpt.meta.version, "folder": str(ckpt.folder)}
         write_planned(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)

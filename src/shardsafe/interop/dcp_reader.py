@@ -39,7 +39,7 @@ class DcpCheckpoint:
             name = self._export_name(fqn)
             if name is not None:
                 self._names[name] = fqn
-        if not self._names:
+        if not self._names and key:
             keys = sorted({str(p[0]) for p in self.meta.paths.values()})
             raise FormatError(f"{self.folder}: no tensors under {key!r} (the DCP checkpoint holds {keys}); pick one with key=/--key")
         self.aliases: dict[str, str] = {}
