@@ -130,7 +130,9 @@ class DcpChunkReader(ChunkReader):
         self.source.read_into(self.open(chunk), [dest], chunk.begin + found.start + start * es, where)
 
 
-def load_dcp(folder: Path, state: dict[str, Any], *, process_group: Any = None, strict: bool = True, verify: bool = True, atomic: bool = True) -> dict[str, Any]:
+def load_dcp(
+    folder: Path, state: dict[str, Any], *, process_group: Any = None, strict: bool = True, verify: bool = True, atomic: bool = True
+) -> dict[str, Any]:
     """Load the DCP folder into ``state`` like :func:`shardsafe.load` (collective), reading its items in place."""
 
     def opened() -> tuple[Manifest, dict[str, Any]]:

@@ -9,8 +9,8 @@ file per writer. Each item (a tensor chunk, or a non-tensor value as ``BytesIO``
 metadata classes, ``torch.Size``, dtypes, the layout and memory-format encodings, ``pathlib`` paths
 as strings, plain containers), unpickles it into the stand-ins below (nothing of torch's DCP is
 imported or constructed), and turns it into a :class:`DcpMetadata` whose every path is a plain file
-name in the folder and every ``(offset, length)`` lies inside that file, and whose chunks lie inside
-their tensors and hold at most as many bytes as their item. Every refusal is a :class:`FormatError`
+name in the folder and every ``(offset, length)`` lies inside that file (no two items sharing bytes),
+and whose chunks lie inside their tensors and hold at most as many bytes as their item. Every refusal is a :class:`FormatError`
 naming the file.
 """
 

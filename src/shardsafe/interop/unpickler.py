@@ -497,8 +497,6 @@ def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo,
         f.seek(offsets[byteorder.filename])
         if f.read(min(byteorder.file_size, 16)) != b"little":
             raise FormatError(f"{path}: saved on a big-endian machine; only little-endian files are read")
-    records = {
-        e.filename[len(prefix) + 6 :]: (offsets[e.filename], e.file_size, e.CRC) for e in entries if e.filename.startswith(f"{prefix}/data/")
-    }
+    records = {e.filename[len(prefix) + 6 :]: (offsets[e.filename], e.file_size, e.CRC) for e in entries if e.filename.startswith(f"{prefix}/data/")}
     pickle_info = next(e for e in entries if e.filename == f"{prefix}/data.pkl")
     return offsets[pickle_info.filename], pickle_info, records
