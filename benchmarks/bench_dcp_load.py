@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         shardsafe.load(args.folder, {"model": model})
         seconds = time.perf_counter() - start
         peak, io1 = _status("VmHWM"), _io()
-        checksum = sum(float(p.to_local().double().sum()) for p in model.parameters())  # type: ignore[attr-defined]
+        checksum = sum(float(p.detach().to_local().double().sum()) for p in model.parameters())  # type: ignore[attr-defined]
         out[rank] = {
             "seconds": round(seconds, 3),
             "peak_extra_rss_mb": round((peak - rss0) / 2**20, 1),
