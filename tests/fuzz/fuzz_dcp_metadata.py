@@ -49,9 +49,8 @@ with atheris.instrument_imports(include=["shardsafe"]):
     from shardsafe.core.values import check_state_tree
     from shardsafe.errors import ShardsafeError
     from shardsafe.interop.dcp_convert import dcp_state_tree
-    from shardsafe.interop.dcp_load import dcp_manifest
     from shardsafe.interop.dcp_metadata import RULES, read_metadata
-    from shardsafe.interop.dcp_reader import DcpCheckpoint
+    from shardsafe.interop.dcp_reader import DcpCheckpoint, dcp_manifest
     from shardsafe.interop.pickle_scan import scan_pickle
 
 _BASE = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
