@@ -212,7 +212,39 @@ def test_hostile_item_pickle_is_refused_without_running_code(tmp_path: Path, fqn
     _rewrite(folder, meta)
     with pytest.raises(FormatError, match=r"\.distcp.*not allowed"):
         shardsafe.convert_dcp(folder, tmp_path / "out")
-    with pytest.raises(FormatError, match=r"\.distcp"):
-        shardsafe.load(folder, {"model": torch.nn.Module()}, strict=False)
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.full((3, 4), -1.0))
+    with pytest.raises(FormatError, match=r"\.distcp"):  # read in place: the item is located (restricted) before any byte is written
+        shardsafe.load(folder, {"model": holder, "n": 0})
+    assert torch.equal(holder.w.detach(), torch.full((3, 4), -1.0))
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_damaged_item_bytes_fail_the_crc_before_anything_is_written(tmp_path: Path) -> None:
+    """A flipped byte inside a tensor's record: the atomic load's check pass finds it (the record's CRC-32) and leaves the
+    model as it was; verify=False reads it in place as stored."""
+    import io
+    import zipfile
+
+    folder = tmp_path / "dcp"
+    meta = _small(folder)
+    info = meta.storage_data[next(i for i in meta.storage_data if i.fqn == "model.w")]
+    data_file = folder / info.relative_path
+    raw = bytearray(data_file.read_bytes())
+    item = bytes(raw[info.offset : info.offset + info.length])
+    with zipfile.ZipFile(io.BytesIO(item)) as z:
+        record = next(e for e in z.infolist() if "/data/" in e.filename)
+    local = info.offset + record.header_offset
+    start = local + 30 + int.from_bytes(raw[local + 26 : local + 28], "little") + int.from_bytes(raw[local + 28 : local + 30], "little")
+    raw[start + 4] ^= 0x40  # a bit of element 1
+    data_file.write_bytes(bytes(raw))
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.full((3, 4), -1.0))
+    with pytest.raises(shardsafe.IntegrityError, match=r"\.distcp.*model/w.*CRC-32"):
+        shardsafe.load(folder, {"model": holder, "n": 0})
+    assert torch.equal(holder.w.detach(), torch.full((3, 4), -1.0))
+    state = {"model": holder, "n": 0}
+    shardsafe.load(folder, state, verify=False)
+    expected = torch.arange(12.0).reshape(3, 4)
+    assert state["n"] == 7 and torch.equal(holder.w.detach()[0, 2:], expected[0, 2:]) and not torch.equal(holder.w.detach(), expected)

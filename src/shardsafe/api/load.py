@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,31 +81,50 @@ def load(
 def _load(
     path: str | os.PathLike[str] | RemoteDir, state: dict[str, Any], process_group: Any, strict: bool, verify: bool, atomic: bool
 ) -> dict[str, Any]:
-    comm = get_comm(process_group)
     folder = location(path)
     foreign = foreign_format(folder)  # a DCP folder, ...: read by the reader registered for it (see api/foreign.py)
     if foreign is not None and foreign.load is not None:
         return foreign.load(folder, state, process_group=process_group, strict=strict, verify=verify, atomic=atomic)
+
+    def opened() -> tuple[Manifest, dict[str, Any]]:
+        manifest, tree = open_checkpoint(folder)
+        check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
+        return manifest, tree
+
+    return load_from(state, opened, lambda manifest: ChunkReader(folder, manifest, verify), process_group, strict, verify, atomic)
+
+
+OpenChecked = Callable[[], tuple[Manifest, dict[str, Any]]]  # the manifest and the state tree, parsed and cross-checked
+OpenReader = Callable[[Manifest], ChunkReader]
+
+
+def load_from(
+    state: dict[str, Any], opened: OpenChecked, open_reader: OpenReader, process_group: Any, strict: bool, verify: bool, atomic: bool
+) -> dict[str, Any]:
+    """:func:`load`'s phases over any checkpoint that can be described as a manifest, a state tree and a
+    :class:`ChunkReader` of its bytes: shardsafe's own, or a foreign format's reader (a DCP folder,
+    read in place through its own reader), so every format gets the same checks, agreement and
+    atomicity."""
+    comm = get_comm(process_group)
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
     fresh = fresh_optimizers(state)
     problem: Exception | None = None
-    opened: tuple[Manifest, dict[str, Any], LoadBinding] | None = None
+    checked: tuple[Manifest, dict[str, Any], LoadBinding] | None = None
     try:
-        manifest, tree = open_checkpoint(folder)
-        check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
+        manifest, tree = opened()
         binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest), strict)
         problems = check_binding(binding, manifest, tree, strict)
         if problems:
             raise describe_mismatch(problems)
-        opened = (manifest, tree, binding)
+        checked = (manifest, tree, binding)
     except Exception as exc:  # shared with every rank below, so none waits alone
         problem = exc
     _agree(comm, problem, reset=fresh)
-    assert opened is not None
-    manifest, tree, binding = opened
+    assert checked is not None
+    manifest, tree, binding = checked
     steps: list[LoadStep] = []
-    with ChunkReader(folder, manifest, verify) as reader:
+    with open_reader(manifest) as reader:
         try:
             if atomic:  # check everything this rank will read in place, nothing written
                 _check_sources(reader, manifest, binding)

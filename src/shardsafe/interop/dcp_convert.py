@@ -23,6 +23,7 @@ import torch
 
 from shardsafe.core.values import decode_value, encode_value
 from shardsafe.errors import FormatError, ShardsafeError
+from shardsafe.interop.dcp_metadata import METADATA_NAME
 from shardsafe.interop.dcp_reader import DcpCheckpoint
 from shardsafe.interop.deepspeed_convert import Planned, write_planned
 
@@ -31,25 +32,62 @@ log = logging.getLogger(__name__)
 _KINDS = {"model": "module", "optim": "optimizer"}
 
 
-def _insert(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any) -> None:
+def _insert(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any, limit: int, where: str) -> None:
+    """Put ``value`` at ``path`` of the nested state dict ``tree``: an int part indexes a list (below ``limit``, the number
+    of entries, so a path cannot make a huge list), any other a dict; two paths that conflict are refused."""
     node: Any = tree
-    for i, part in enumerate(path[:-1]):
-        nxt = path[i + 1]
+    for i, part in enumerate(path):
+        nxt: Any = value if i == len(path) - 1 else ([] if isinstance(path[i + 1], int) else {})
         if isinstance(node, list):
-            while len(node) <= int(part):
-                node.append(None)
-            if node[int(part)] is None:
-                node[int(part)] = [] if isinstance(nxt, int) else {}
-            node = node[int(part)]
+            if not isinstance(part, int) or isinstance(part, bool) or not 0 <= part < limit:
+                raise FormatError(f"{where}: a state-dict path {list(path)[:8]!r:.200} indexes a list with {part!r:.40}")
+            node.extend([None] * (part + 1 - len(node)))
+            current = node[part]
+            if current is None:
+                node[part] = current = nxt
         else:
-            node = node.setdefault(part, [] if isinstance(nxt, int) else {})
-    last = path[-1]
-    if isinstance(node, list):
-        while len(node) <= int(last):
-            node.append(None)
-        node[int(last)] = value
-    else:
-        node[last] = value
+            current = node.setdefault(part, nxt)
+        if i == len(path) - 1:
+            if current is not value:
+                raise FormatError(f"{where}: two entries have the state-dict path {list(path)[:8]!r:.200}")
+        elif not isinstance(current, (dict, list)):
+            raise FormatError(f"{where}: the state-dict path {list(path)[:8]!r:.200} runs through another entry")
+        node = current
+
+
+def dcp_state_tree(ckpt: DcpCheckpoint) -> tuple[dict[str, str], dict[str, Any]]:
+    """(flattened DCP key -> shardsafe tensor key, the state tree): what :func:`convert_dcp` writes and
+    ``shardsafe.load`` of the folder reads. ``model`` and ``optim`` become a module and an optimizer
+    entry, any other top-level entry a plain value; the non-tensor values are read (restricted) here."""
+    where = str(ckpt.folder / METADATA_NAME)
+    nested: dict[Any, Any] = {}
+    keys: dict[str, str] = {}
+    key_of: dict[int, str] = {}
+    placeholders = []  # kept alive, so no id is reused while the tree is encoded
+    for fqn in ckpt.meta.tensors:
+        path = ckpt.meta.paths[fqn]
+        key = keys[fqn] = "/".join(str(p) for p in path)
+        placeholder = torch.empty(0)
+        placeholders.append(placeholder)
+        key_of[id(placeholder)] = key
+        _insert(nested, path, placeholder, len(ckpt.meta.paths), where)
+    if len(set(keys.values())) != len(keys):
+        raise FormatError(f"{where}: two tensors have the same state-dict path")
+    for fqn in ckpt.meta.values:
+        _insert(nested, ckpt.meta.paths[fqn], ckpt.value(fqn), len(ckpt.meta.paths), where)
+    tree: dict[str, Any] = {}
+    for name, value in nested.items():
+        if not isinstance(name, str):
+            raise FormatError(f"{ckpt.folder}: a top-level state-dict key {name!r} that is not a string")
+
+        def ref(path: str, tensor: torch.Tensor) -> str:
+            if id(tensor) not in key_of:
+                raise FormatError(f"{ckpt.folder}: value {path!r} holds a tensor saved as a value; only plain values are converted")
+            return key_of[id(tensor)]
+
+        kind = _KINDS.get(name, "value") if isinstance(value, dict) else "value"
+        tree[name] = {"kind": kind, "state": encode_value(value, name, ref)}
+    return keys, tree
 
 
 def convert_dcp(
@@ -67,30 +105,8 @@ def convert_dcp(
     with DcpCheckpoint(src, key="") as ckpt:
         if isinstance(final, Path) and final == ckpt.folder:
             raise ShardsafeError(f"{final}: the output folder must not be the source")
-        planned: list[Planned] = []
-        nested: dict[Any, Any] = {}
-        key_of: dict[int, str] = {}
-        for fqn, entry in ckpt.meta.tensors.items():
-            path = ckpt.meta.paths[fqn]
-            key = "/".join(str(p) for p in path)
-            placeholder = torch.empty(0)
-            key_of[id(placeholder)] = key
-            planned.append(Planned(key, entry.dtype, entry.shape, functools.partial(ckpt.read_fqn, fqn)))
-            _insert(nested, path, placeholder)
-        for fqn in ckpt.meta.values:
-            _insert(nested, ckpt.meta.paths[fqn], ckpt.value(fqn))
-        tree: dict[str, Any] = {}
-        for name, value in nested.items():
-            if not isinstance(name, str):
-                raise FormatError(f"{ckpt.folder}: a top-level state-dict key {name!r} that is not a string")
-
-            def ref(path: str, tensor: torch.Tensor) -> str:
-                if id(tensor) not in key_of:
-                    raise FormatError(f"{ckpt.folder}: value {path!r} holds a tensor saved as a value; only plain values are converted")
-                return key_of[id(tensor)]
-
-            kind = _KINDS.get(name, "value") if isinstance(value, dict) else "value"
-            tree[name] = {"kind": kind, "state": encode_value(value, name, ref)}
+        keys, tree = dcp_state_tree(ckpt)
+        planned = [Planned(keys[fqn], entry.dtype, entry.shape, functools.partial(ckpt.read_fqn, fqn)) for fqn, entry in ckpt.meta.tensors.items()]
         planned.sort(key=lambda p: p.key)
         info = {"format": "torch.distributed.checkpoint", "version": ckpt.meta.version, "folder": str(ckpt.folder)}
         write_planned(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)

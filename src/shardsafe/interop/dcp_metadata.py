@@ -9,8 +9,8 @@ file per writer. Each item (a tensor chunk, or a non-tensor value as ``BytesIO``
 metadata classes, ``torch.Size``, dtypes, the layout and memory-format encodings, ``pathlib`` paths
 as strings, plain containers), unpickles it into the stand-ins below (nothing of torch's DCP is
 imported or constructed), and turns it into a :class:`DcpMetadata` whose every path is a plain file
-name in the folder and every ``(offset, length)`` lies inside that file, and whose chunks lie inside
-their tensors and hold at most as many bytes as their item. Every refusal is a :class:`FormatError`
+name in the folder and every ``(offset, length)`` lies inside that file (no two items sharing bytes),
+and whose chunks lie inside their tensors and hold at most as many bytes as their item. Every refusal is a :class:`FormatError`
 naming the file.
 """
 
@@ -293,6 +293,7 @@ def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 -
         if key in items:
             raise FormatError(f"{where}: {fqn[:120]!r} is stored twice at the same offsets")
         items[key] = DcpItem(name, begin, length)
+    _check_disjoint(items, where)
     for fqn, entry in sd_meta.items():
         if not isinstance(fqn, str):
             raise FormatError(f"{where}: a state_dict_metadata key that is not a string")
@@ -312,6 +313,20 @@ def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 -
     for fqn in sd_meta:
         meta.paths.setdefault(fqn, (fqn,))
     return meta
+
+
+def _check_disjoint(items: dict[tuple[str, tuple[int, ...] | None], DcpItem], where: str) -> None:
+    """No two items share bytes of a file (DCP writes each once, one after another): so what a load
+    allocates for the tensors the metadata declares is bounded by the bytes on disk."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for (fqn, _), item in items.items():
+        if item.length:
+            by_file.setdefault(item.file, []).append((item.offset, item.offset + item.length, fqn))
+    for name, spans in by_file.items():
+        spans.sort()
+        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+            if begin < end:
+                raise FormatError(f"{where}: {a[:120]!r} and {b[:120]!r} share bytes of {name} (at {begin}); each item is stored once")
 
 
 def _tensor(fqn: str, entry: TensorStorageStandIn, items: dict[tuple[str, tuple[int, ...] | None], DcpItem], where: str) -> DcpTensor:

@@ -1,26 +1,128 @@
 """A DCP checkpoint folder as a :class:`~shardsafe.api.source.TensorSource`: whole tensors and plain values, read safely.
 
-Each item is read by a positional read of exactly its ``length`` bytes (already checked to lie in its
-file) and unpickled by the package's restricted loader (:func:`~shardsafe.interop.unpickler.load_bytes`):
-a tensor chunk must come back as a tensor of the chunk's dtype and sizes; a non-tensor value
-(``step`` ints, optimizer ``param_groups`` entries) as plain values only. A whole tensor is allocated
-only after :mod:`~shardsafe.interop.dcp_metadata` checked its chunks cover it once, so what a read
-allocates is bounded by the items' bytes on disk.
+A tensor chunk's item (a ``torch.save`` archive of one contiguous tensor: its bytes are one stored
+zip record) is read by :class:`DcpChunkReader`, the reader ``shardsafe.load`` of the folder uses too:
+the item's zip directory and pickle are read and checked by the restricted loader
+(:func:`~shardsafe.interop.unpickler.locate_tensor`: a tensor of the chunk's dtype and sizes, inside
+its record, inside the item), its record checked against its CRC-32, then the bytes wanted are read
+by positional reads straight into the destination. A non-tensor value (``step`` ints, optimizer
+``param_groups`` entries) is read by a positional read of exactly its item's ``length`` bytes and
+unpickled (:func:`~shardsafe.interop.unpickler.load_bytes`) as plain values only. A whole tensor is
+allocated only after :mod:`~shardsafe.interop.dcp_metadata` checked its chunks cover it once, so what
+a read allocates is bounded by the items' bytes on disk.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardsafe.api.source import TensorInfo, find_config_files
-from shardsafe.errors import FormatError
+from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, TensorEntry
+from shardsafe.core.plan import ReadOp
+from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.interop.dcp_metadata import DcpItem, DcpMetadata, read_metadata
-from shardsafe.interop.unpickler import load_bytes
-from shardsafe.storage.local import safe_child
+from shardsafe.interop.unpickler import TensorAt, load_bytes, locate_tensor
+from shardsafe.protocol.transfer import BlockRead, ChunkReader
+from shardsafe.storage.local import FileWindow, safe_child
+
+CRC_PIECE = 8 << 20  # the scratch buffer a record's CRC-32 is computed through
+
+
+def dcp_manifest(meta: DcpMetadata, keys: dict[str, str]) -> Manifest:
+    """The manifest of a DCP folder: each tensor under its shardsafe key, each chunk at its item's
+    bytes in its ``.distcp`` file (no hashes: DCP records none), each file with the size it had."""
+    tensors = {}
+    for fqn, tensor in meta.tensors.items():
+        chunks = tuple(ChunkEntry(c.offsets, c.sizes, c.item.file, c.item.offset, c.item.offset + c.item.length, ()) for c in tensor.chunks)
+        tensors[keys[fqn]] = TensorEntry(tensor.dtype, tensor.shape, chunks)
+    files = {name: FileEntry(size, 0) for name, size in meta.file_sizes.items()}
+    info = {"format": "torch.distributed.checkpoint", "version": meta.version, "folder": str(meta.folder)}
+    return Manifest(world_size=1, tensors=tensors, files=files, state_size=0, state_hash="", metadata={"converted_from": info})
+
+
+class DcpChunkReader(ChunkReader):
+    """:class:`ChunkReader`'s reads over a DCP folder: a chunk is a ``.distcp`` item, located before any byte of it is used.
+
+    Overrides only where the bytes of a chunk are (:meth:`open`: the file sized as the metadata
+    found it, the item's archive located and checked against the chunk) and how a read is checked
+    (a CRC-32 per record instead of block hashes); the read planning and the direct or staged
+    copies into the destinations are the base class's.
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, verify: bool = True) -> None:
+        super().__init__(folder, manifest, verify)
+        self._dtypes = {(c.file, c.begin): (key, entry.dtype) for key, entry in manifest.tensors.items() for c in entry.chunks}
+        self._located: dict[tuple[str, int], TensorAt] = {}
+        self._crc_checked: set[tuple[str, int]] = set()
+
+    def open(self, chunk: ChunkEntry) -> Any:
+        """The open file of ``chunk`` (sized as the metadata found it), its item located and checked."""
+        self._locate(chunk)
+        return self.source.open(None, chunk.file)[0]
+
+    def _locate(self, chunk: ChunkEntry) -> TensorAt:
+        ident = (chunk.file, chunk.begin)
+        found = self._located.get(ident)
+        if found is not None:
+            return found
+        fd, size = self.source.open(None, chunk.file)
+        path = self.source.describe(None, chunk.file)
+        if size != self.manifest.files[chunk.file].size:
+            raise IntegrityError(f"{path}: {size} bytes, {self.manifest.files[chunk.file].size} when the metadata was read (changed or truncated)")
+        key, dtype = self._dtypes[ident]
+        where = f"{path} (tensor {key!r:.200} at {list(chunk.offsets)}, bytes {chunk.begin}..{chunk.end})"
+        found = locate_tensor(FileWindow(fd, chunk.begin, chunk.end - chunk.begin), chunk.end - chunk.begin, where)
+        if found.dtype != dtype or found.shape != chunk.shape:
+            raise FormatError(f"{where}: holds {found.dtype} {list(found.shape)}, the metadata says {dtype} {list(chunk.shape)}")
+        self._located[ident] = found
+        return found
+
+    def _check_crc(self, chunk: ChunkEntry, found: TensorAt) -> None:
+        """The record holding ``chunk``'s tensor, read whole through a bounded scratch buffer, against its CRC-32 (once per reader)."""
+        ident = (chunk.file, chunk.begin)
+        if ident in self._crc_checked:
+            return
+        start, length, expected = found.record
+        path = self.source.describe(None, chunk.file)
+        scratch = memoryview(bytearray(min(length, CRC_PIECE)))
+        crc, done = 0, 0
+        while done < length:
+            piece = scratch[: min(len(scratch), length - done)]
+            self.source.read_into(self.open(chunk), [piece], chunk.begin + start + done, path)
+            crc = zlib.crc32(piece, crc)
+            done += len(piece)
+        if crc != expected:
+            key = self._dtypes[ident][0]
+            raise IntegrityError(
+                f"{path}: the item of tensor {key!r:.200} at {list(chunk.offsets)} (bytes {chunk.begin}..{chunk.end}) fails its CRC-32 check: "
+                "the file is corrupted"
+            )
+        self._crc_checked.add(ident)
+
+    def check_reads(self, key: str, op: ReadOp, saved_dtype: torch.dtype) -> list[BlockRead]:
+        """What the reads for ``op`` will read, checked now, nothing written: the item located and, with
+        ``verify``, its record's CRC-32 (DCP stores no block hashes: there are no block checks to return)."""
+        found = self._locate(op.chunk)
+        if self.verify:
+            self._check_crc(op.chunk, found)
+        return []
+
+    def _do(self, read: BlockRead) -> None:
+        """Bytes [lo, hi) of ``read``'s chunk (its tensor's bytes inside the item), one positional read into
+        its destination (the record's CRC-32 checked first, with ``verify``)."""
+        if read.dest is None or read.hi <= read.lo:
+            return
+        chunk = read.chunk
+        found = self._locate(chunk)
+        if self.verify:
+            self._check_crc(chunk, found)
+        where = f"{self.source.describe(None, chunk.file)} (tensor {read.key!r:.200} at {list(chunk.offsets)})"
+        self.source.read_into(self.open(chunk), [read.dest], chunk.begin + found.start + read.lo, where)
 
 
 class DcpCheckpoint:
@@ -39,10 +141,11 @@ class DcpCheckpoint:
             name = self._export_name(fqn)
             if name is not None:
                 self._names[name] = fqn
-        if not self._names:
+        if not self._names and key:
             keys = sorted({str(p[0]) for p in self.meta.paths.values()})
             raise FormatError(f"{self.folder}: no tensors under {key!r} (the DCP checkpoint holds {keys}); pick one with key=/--key")
         self.aliases: dict[str, str] = {}
+        self._reader: DcpChunkReader | None = None  # opened at the first tensor read
 
     def _export_name(self, fqn: str) -> str | None:
         path = self.meta.paths.get(fqn, (fqn,))
@@ -62,20 +165,10 @@ class DcpCheckpoint:
         return self.read_fqn(self._names[name])
 
     def read_fqn(self, fqn: str) -> torch.Tensor:
-        """The whole tensor saved under the flattened key ``fqn``, assembled from its chunks."""
-        entry = self.meta.tensors[fqn]
-        out = torch.zeros(entry.shape, dtype=entry.dtype)
-        for chunk in entry.chunks:
-            where = f"{self.folder / chunk.item.file} (tensor {fqn[:120]!r} at {list(chunk.offsets)})"
-            value = load_bytes(self._item_bytes(chunk.item), where)
-            if not isinstance(value, torch.Tensor) or value.dtype != entry.dtype or tuple(value.shape) != chunk.sizes:
-                got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-                raise FormatError(f"{where}: holds {got}, the metadata says {entry.dtype} {list(chunk.sizes)}")
-            view = out
-            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
-                view = view.narrow(dim, offset, size)
-            view.copy_(value)
-        return out
+        """The whole tensor saved under the flattened key ``fqn``, assembled from its chunks (each record's CRC-32 checked)."""
+        if self._reader is None:
+            self._reader = DcpChunkReader(self.folder, dcp_manifest(self.meta, {f: f for f in self.meta.tensors}))
+        return self._reader.read_tensor(fqn, self._reader.manifest.tensors[fqn])
 
     def value(self, fqn: str) -> Any:
         """The non-tensor value saved under ``fqn`` (a ``torch.save`` pickle of plain values and tensors)."""
@@ -115,7 +208,9 @@ class DcpCheckpoint:
         }
 
     def close(self) -> None:
-        pass
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def __enter__(self) -> DcpCheckpoint:
         return self

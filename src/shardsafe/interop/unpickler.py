@@ -41,7 +41,7 @@ import zipfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,12 +135,33 @@ class _StorageType:
 
 @dataclass(frozen=True)
 class _Stored:
-    """One storage record: its bytes (a storage sharing the file's mapped or read bytes), how many, as what dtype."""
+    """One storage record: its bytes (a storage sharing the file's mapped or read bytes), how many, as what dtype.
 
-    storage: torch.UntypedStorage  # exactly the record's claimed bytes
+    ``storage`` is None when the archive is only located (:func:`locate_tensor`): then a tensor
+    becomes a :class:`TensorAt`, ``start`` (the record's byte offset in the archive) saying where.
+    """
+
+    storage: torch.UntypedStorage | None  # exactly the record's claimed bytes
     nbytes: int
     dtype: torch.dtype | None
     key: str
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class TensorAt:
+    """Where a contiguous tensor of a ``torch.save`` archive lies, found without reading its bytes:
+    its dtype and shape, the archive offset of its first byte, and its record ``(start, length, crc32)``."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    key: str
+    record: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 # The typed storages torch.save names (one per classic dtype); newer dtypes come as untyped bytes + a dtype (v3).
@@ -176,8 +197,9 @@ def _dims(value: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(d, what) for d in value)
 
 
-def _tensor(stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metadata: Any, dtype: torch.dtype | None) -> torch.Tensor:
-    """A contiguous view of a storage record's bytes, after checking that it lies wholly inside the record."""
+def _tensor(stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metadata: Any, dtype: torch.dtype | None) -> torch.Tensor | TensorAt:
+    """A contiguous view of a storage record's bytes, after checking that it lies wholly inside the record
+    (a :class:`TensorAt` saying where, when the archive is only located)."""
     if not isinstance(stored, _Stored):
         raise FormatError(f"a tensor whose storage is a {type(stored).__name__}, not a storage record")
     dtype = dtype or stored.dtype
@@ -203,12 +225,16 @@ def _tensor(stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metada
         raise FormatError(
             f"storage {stored.key}: a tensor of {count} {dtype} elements at offset {offset} extends past its {stored.nbytes}-byte record"
         )
+    if stored.storage is None:
+        return TensorAt(dtype, shape, stored.start + offset * itemsize, stored.key)
     if stored.storage.data_ptr() % itemsize:
         raise FormatError(f"storage {stored.key}: its bytes are not aligned to its {itemsize}-byte elements")
     return torch.empty(0, dtype=dtype).set_(stored.storage, offset, shape, strides)
 
 
-def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> torch.Tensor:
+def _rebuild_tensor_v2(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
+) -> torch.Tensor | TensorAt:
     """``torch._utils._rebuild_tensor_v2``, checked (the tensor's dtype is its storage's; requires_grad is dropped: data only)."""
     if not isinstance(requires_grad, bool):
         raise FormatError("a tensor whose requires_grad is not a bool")
@@ -217,14 +243,14 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requir
 
 def _rebuild_tensor_v3(
     storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, metadata: Any = None
-) -> torch.Tensor:
+) -> torch.Tensor | TensorAt:
     """``torch._utils._rebuild_tensor_v3`` (newer dtypes over untyped storage), checked."""
     if not isinstance(requires_grad, bool) or not isinstance(dtype, torch.dtype):
         raise FormatError("a tensor whose requires_grad or dtype is malformed")
     return _tensor(storage, offset, size, stride, hooks, metadata, dtype)
 
 
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> torch.Tensor:
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> torch.Tensor | TensorAt:
     """``torch._tensor._rebuild_from_type_v2`` for a plain tensor carrying attributes (DeepSpeed's ``ds_id``): the attributes are dropped."""
     if func not in (_rebuild_tensor_v2, _rebuild_tensor_v3) or new_type is not _TENSOR_TYPE or not isinstance(args, tuple):
         raise FormatError("a tensor rebuilt by anything but torch's own tensor rebuild")
@@ -361,26 +387,48 @@ def _load(path: Path, fd: int, size: int, use_mmap: bool) -> LoadedFile:
     return LoadedFile(path, value, mapping)
 
 
-def load_bytes(buffer: bytearray, where: str) -> Any:
-    """A ``torch.save`` archive held in memory (a DCP item's bytes), read as :func:`load_file` reads a file; its tensors are views of ``buffer``."""
-    f = io.BytesIO(buffer)
+def _checked_pickle(where: str, f: Any, size: int) -> tuple[bytes, dict[str, tuple[int, int, int]]]:
+    """The scanned pickle of the archive ``f`` (``size`` bytes, positioned anywhere) and its records, every size checked first."""
+    f.seek(0)
     if f.read(4) != b"PK\x03\x04":
         raise FormatError(f"{where}: not in torch's zip format")
     try:
-        pickle_at, pickle_info, records = _archive(where, f, len(buffer))
+        pickle_at, pickle_info, records = _archive(where, f, size)
+        if pickle_info.file_size > pickle_scan.MAX_PICKLE_BYTES:
+            raise FormatError(f"{where}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} allowed")
+        f.seek(pickle_at)
+        data = f.read(pickle_info.file_size)
     except OSError as exc:
-        raise FormatError(f"{where}: cannot be read ({type(exc).__name__})") from None
-    if pickle_info.file_size > pickle_scan.MAX_PICKLE_BYTES:
-        raise FormatError(f"{where}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} allowed")
-    data = bytes(buffer[pickle_at : pickle_at + pickle_info.file_size])
+        raise FormatError(f"{where}: cannot be read ({exc.strerror or type(exc).__name__})") from None
     if len(data) != pickle_info.file_size or zlib.crc32(data) != pickle_info.CRC:
         raise FormatError(f"{where}: data.pkl is damaged (its CRC does not match)")
     scan_pickle(data, where, RULES)
+    return data, records
+
+
+def load_bytes(buffer: bytearray, where: str) -> Any:
+    """A ``torch.save`` archive held in memory (a DCP item's bytes), read as :func:`load_file` reads a file; its tensors are views of ``buffer``."""
+    data, records = _checked_pickle(where, io.BytesIO(buffer), len(buffer))
     return _unpickle(where, data, torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8), records)
 
 
-def _unpickle(where: str, data: bytes, base: torch.Tensor, records: dict[str, tuple[int, int]]) -> Any:
-    """The scanned pickle ``data`` unpickled, its storages views of ``base`` (the archive's bytes), its value graph checked."""
+def locate_tensor(f: Any, size: int, where: str) -> TensorAt:
+    """Where the one tensor of the ``torch.save`` archive ``f`` (``size`` bytes: a DCP item) lies, without reading its bytes.
+
+    Only the zip directory, the local headers and the pickle are read, each checked as
+    :func:`load_file` checks them; the tensor must be contiguous and lie inside its record, which
+    lies inside the archive. The record's CRC-32 comes along, for a caller that reads it whole.
+    """
+    data, records = _checked_pickle(where, f, size)
+    value = _unpickle(where, data, None, records)
+    if not isinstance(value, TensorAt):
+        raise FormatError(f"{where}: holds a {type(value).__name__}, not one tensor")
+    return replace(value, record=records[value.key])
+
+
+def _unpickle(where: str, data: bytes, base: torch.Tensor | None, records: dict[str, tuple[int, int, int]]) -> Any:
+    """The scanned pickle ``data`` unpickled, its storages views of ``base`` (the archive's bytes; None: tensors only
+    located, as :class:`TensorAt`), its value graph checked."""
     seen: dict[str, _Stored] = {}
 
     def storage(pid: Any) -> _Stored:
@@ -395,11 +443,12 @@ def _unpickle(where: str, data: bytes, base: torch.Tensor, records: dict[str, tu
         nbytes = _int(count, f"storage {key}: the element count") * itemsize
         if key not in records:
             raise FormatError(f"storage {key}: no record data/{key} in the archive")
-        start, length = records[key]
+        start, length, _ = records[key]
         if not 0 <= nbytes <= length:
             raise FormatError(f"storage {key}: claims {nbytes} bytes; its record holds {length}")
         if key not in seen:
-            seen[key] = _Stored(base.untyped_storage()[start : start + nbytes], nbytes, kind.dtype, key)
+            view = None if base is None else base.untyped_storage()[start : start + nbytes]
+            seen[key] = _Stored(view, nbytes, kind.dtype, key, start)
         elif (seen[key].nbytes, seen[key].dtype) != (nbytes, kind.dtype):
             raise FormatError(f"storage {key}: named twice with different types or sizes")
         return seen[key]
@@ -414,8 +463,8 @@ def _unpickle(where: str, data: bytes, base: torch.Tensor, records: dict[str, tu
     return value
 
 
-def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo, dict[str, tuple[int, int]]]:
-    """(byte offset of data.pkl, its entry, storage key -> (byte offset, size) of its record), all checked to lie in the file."""
+def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo, dict[str, tuple[int, int, int]]]:
+    """(byte offset of data.pkl, its entry, storage key -> (byte offset, size, CRC-32) of its record), all checked to lie in the file."""
     try:
         entries = zipfile.ZipFile(f).infolist()
     except Exception as exc:  # zipfile on a damaged directory: BadZipFile, ValueError, struct.error, ...
@@ -448,6 +497,6 @@ def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo,
         f.seek(offsets[byteorder.filename])
         if f.read(min(byteorder.file_size, 16)) != b"little":
             raise FormatError(f"{path}: saved on a big-endian machine; only little-endian files are read")
-    records = {e.filename[len(prefix) + 6 :]: (offsets[e.filename], e.file_size) for e in entries if e.filename.startswith(f"{prefix}/data/")}
+    records = {e.filename[len(prefix) + 6 :]: (offsets[e.filename], e.file_size, e.CRC) for e in entries if e.filename.startswith(f"{prefix}/data/")}
     pickle_info = next(e for e in entries if e.filename == f"{prefix}/data.pkl")
     return offsets[pickle_info.filename], pickle_info, records

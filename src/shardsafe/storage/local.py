@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import io
 import os
 import shutil
 import stat
@@ -201,6 +202,44 @@ def pread_into(fd: int, views: list[memoryview], offset: int, where: object) -> 
             pending.pop(0)
         if got:
             pending[0] = pending[0][got:]
+
+
+class FileWindow(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a read-only seekable file of ``length`` bytes.
+
+    For parsers that want a file object (``zipfile`` on an archive stored inside a larger file):
+    every read is a positional read clipped to the window, so nothing outside it is ever read and
+    the file's own position is never moved.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        if base + pos < 0:
+            raise OSError(errno.EINVAL, "seek before the start of the window")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._length - self._pos))
+        if n == 0:
+            return 0
+        got = os.preadv(self._fd, [view[:n]], self._offset + self._pos)
+        self._pos += got
+        return got
 
 
 _RENAME_EXCHANGE = 2
