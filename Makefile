@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench bench-core bench-export bench-manager bench-deepspeed bench-scale bench-gpu stress clean
+.PHONY: demo test lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,10 +37,13 @@ stress: $(STAMP)
 	$(PY) tests/fuzz/fuzz_dcp_metadata.py -runs=20000
 
 # Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~40 min on 2 cores).
-bench: bench-core bench-export bench-manager bench-deepspeed bench-scale
+bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/run.py
+
+bench-load: $(STAMP)
+	$(PY) benchmarks/bench_load.py --md BENCHMARKS.md
 
 bench-export: $(STAMP)
 	$(PY) benchmarks/bench_export.py --md BENCHMARKS.md

@@ -66,9 +66,11 @@ def load(
 
     ``atomic`` (default): a load that fails on damaged or missing stored data also leaves the
     tensors exactly as they were. Every rank first checks the byte ranges it will read (files
-    opened and sized; with ``verify``, each hash block touched is read into one block-sized
-    scratch buffer and hashed), the ranks agree, and only then is anything written. The cost is a
-    second read of this rank's share: from the page cache on a local or shared filesystem when it
+    opened and sized; with ``verify``, each hash block touched is read, one sequential stream per
+    file, into its reading thread's scratch buffer and hashed), the ranks agree, and only then is
+    anything written. Tensors the load itself created (a fresh optimizer's state, dropped if the
+    load fails) are read straight into place in that first pass. The cost is a second read of the
+    rest of this rank's share: from the page cache on a local or shared filesystem when it
     fits in free memory (the second pass reuses the open files and skips hashing); on an object
     store the first 64 MiB of verified blocks are kept in memory and the rest is downloaded again
     and re-verified. ``atomic=False`` reads once, straight into the destinations: faster, but a

@@ -17,30 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap as mmap_module
-import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from shardsafe.errors import FormatError
+from shardsafe.storage.local import MADV_DONTNEED, PAGE, madvise_pages
 
 COPY_PIECE = 8 << 20  # bytes copied out of a memory-mapped file (then unmapped) at a time
-_MADV_DONTNEED = 4
-_PAGE = mmap_module.PAGESIZE
-
-
-def _libc_madvise() -> Any:
-    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-    function = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None) if name else None
-    if function is not None:
-        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        function.restype = ctypes.c_int
-    return function
-
-
-_madvise = _libc_madvise()
+_PAGE = PAGE
 
 
 @dataclass(frozen=True)
@@ -96,6 +81,4 @@ def drop_pages(view: torch.Tensor, mapping: FileMapping) -> None:
 
 def _drop_range(start: int, end: int) -> None:
     """Unmap the resident pages wholly inside the mapped addresses [start, end); callers checked the range is a file mapping."""
-    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    if _madvise is not None and lo < hi:
-        _madvise(lo, hi - lo, _MADV_DONTNEED)  # advice only: a failure changes nothing
+    madvise_pages(start, end, MADV_DONTNEED)  # advice only: a failure changes nothing

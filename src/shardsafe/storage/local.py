@@ -10,9 +10,11 @@ import ctypes
 import ctypes.util
 import errno
 import io
+import mmap
 import os
 import shutil
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -277,12 +279,13 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
-_PAGE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
+PAGE = mmap.PAGESIZE
 
 
 def _libc_madvise() -> Any:
-    name = ctypes.util.find_library("c")
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
     function = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None) if name else None
     if function is not None:
         function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -291,6 +294,13 @@ def _libc_madvise() -> Any:
 
 
 _madvise = _libc_madvise()
+
+
+def madvise_pages(start: int, end: int, advice: int) -> bool:
+    """``madvise`` over the whole pages inside [start, end) (addresses); False where it is missing or
+    refused (advice only: callers go on either way)."""
+    lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    return _madvise is not None and lo < hi and _madvise(lo, hi - lo, advice) == 0
 
 
 def prefault_writable(tensors: list[torch.Tensor]) -> None:
@@ -308,7 +318,5 @@ def prefault_writable(tensors: list[torch.Tensor]) -> None:
         if tensor.device.type != "cpu" or not tensor.numel():
             continue
         start = tensor.data_ptr()
-        first = -(-start // _PAGE) * _PAGE
-        last = (start + tensor.numel() * tensor.element_size()) // _PAGE * _PAGE
-        if last > first and _madvise(first, last - first, _MADV_POPULATE_WRITE) != 0:
-            return  # unsupported here (EINVAL): do not try the others
+        if not madvise_pages(start, start + tensor.numel() * tensor.element_size(), _MADV_POPULATE_WRITE):
+            return  # unsupported here (EINVAL on a kernel before 5.14): do not try the others
