@@ -267,14 +267,14 @@ def test_verify_of_a_dedup_reference_opens_the_sibling_once(saved: Path) -> None
 class Truncator:
     """A stateful object whose ``load_state_dict`` (run between an atomic load's two passes) cuts a shard."""
 
-    def __init__(self, file: Path) -> None:
-        self.file = file
+    def __init__(self, file: Path, keep: float = 1 / 2) -> None:
+        self.file, self.keep = file, keep
 
     def state_dict(self) -> dict[str, Any]:
         return {"n": 1}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        os.truncate(self.file, self.file.stat().st_size // 2)
+        os.truncate(self.file, int(self.file.stat().st_size * self.keep))
 
 
 def test_a_shard_cut_between_the_passes_is_a_clear_error(tmp_path: Path, small_blocks: None) -> None:
@@ -432,3 +432,34 @@ def test_staged_reads_are_batched(tmp_path: Path, small_blocks: None) -> None:
     growth = int(done.stdout.split()[-1])
     # one batch of slabs (STAGED_BATCH_BYTES, 64 MiB) and the next slab, not all 160 MiB
     assert growth < 120 << 20, f"peak memory grew by {growth >> 20} MiB for 160 MiB of staged slabs"
+
+
+def test_a_fresh_optimizer_stays_stateless_when_the_last_pass_fails(tmp_path: Path) -> None:
+    """The shard is cut after the checking pass: the in-place pass fails (the documented gap: the
+    model is partly written), and the optimizer the load gave state to ends without any, as it began."""
+    model = nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optim.step()
+    path = tmp_path / "cut"
+    shardsafe.save(path, {"model": model, "optim": optim, "job": Truncator(Path("unused"))})
+    shard_file = next(path.glob("*.safetensors"))
+    fresh = torch.optim.AdamW(model.parameters())
+    with pytest.raises(IntegrityError, match=re.escape(str(shard_file))):
+        shardsafe.load(path, {"model": model, "optim": fresh, "job": Truncator(shard_file, keep=1 / 8)})  # into the weight
+    assert not fresh.state
+
+
+def test_an_os_error_while_reading_names_the_file(tmp_path: Path) -> None:
+    """A read the OS refuses (here EBADF: a write-only descriptor; EIO from a failing disk is the same
+    path) is an IntegrityError naming the place, not a bare OSError traceback."""
+    from shardsafe.storage.local import pread_into
+
+    target = tmp_path / "f"
+    target.write_bytes(b"x" * 16)
+    fd = os.open(target, os.O_WRONLY)
+    try:
+        with pytest.raises(IntegrityError, match=r"somewhere: cannot read at byte 0 \(Bad file descriptor\)"):
+            pread_into(fd, [memoryview(bytearray(8))], 0, "somewhere")
+    finally:
+        os.close(fd)

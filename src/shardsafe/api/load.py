@@ -150,7 +150,7 @@ def load_from(
                 step.apply()
         except Exception as exc:
             problem = exc
-    _agree(comm, problem, undo=applied)
+    _agree(comm, problem, reset=fresh, undo=applied)  # a fresh optimizer ends stateless, as it began
     return manifest.metadata
 
 

@@ -195,7 +195,10 @@ def pread_into(fd: int, views: list[memoryview], offset: int, where: object) -> 
     ``where`` names the place in an error: anything whose ``str()`` does (built only if one is raised)."""
     pending = [v for v in views if len(v)]
     while pending:
-        got = os.preadv(fd, pending, offset)
+        try:
+            got = os.preadv(fd, pending, offset)
+        except OSError as exc:  # EIO from a failing disk, ESTALE on NFS, ...: named, not a traceback
+            raise IntegrityError(f"{where}: cannot read at byte {offset} ({exc.strerror or exc})") from exc
         if got == 0:
             raise IntegrityError(f"{where}: file ends early at byte {offset} (truncated)")
         offset += got
