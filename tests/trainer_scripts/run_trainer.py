@@ -23,7 +23,11 @@ token is their index, global batch 6, 10 steps, checkpoints every 3): ``order2``
 uninterrupted), then ``order3`` (3 ranks x 2) and ``order1`` (1 rank x 3 x 2 accumulation steps), both
 resumed from order2's checkpoint-6; ``order1`` also records the refusal of a resume with a global batch
 of 3 and that an iterable dataset keeps the Trainer's sampler. Each rank writes ``taken.rank<r>.json``:
-``[step, [sample indices]]`` per micro-batch it trained on.
+``[step, [sample indices]]`` per micro-batch it trained on. The same under ZeRO-3
+(same test file): ``z3_order2`` (2 ranks x 3, uninterrupted, the
+engine's whole state written as ``state6.safetensors`` / ``state6.json`` right after checkpoint-6 is
+saved), ``z3_order3`` (3 ranks x 2, resumed from z3_order2's checkpoint-6, the engine's state as loaded
+written as ``loaded.*`` before step 7 trains).
 """
 
 from __future__ import annotations
@@ -120,6 +124,25 @@ def z3_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     for name, p in engine.module.named_parameters():
         out[f"w32/{name}"] = safe_get_full_fp32_param(p).detach().cpu().clone().contiguous()
     return out
+
+
+def z3_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The engine's whole training state (collective): ``z3_weights`` plus the fp32 Adam moments, and its counters."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    engine = trainer.model_wrapped
+    tensors = z3_weights(trainer)
+    for name, p in engine.module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            tensors[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone().contiguous()
+    inner = engine.optimizer.optimizer
+    counters = {
+        "adam_steps": sorted({float(s["step"]) for s in inner.state.values() if "step" in s}),
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups],
+        "engine": {c: getattr(engine, c) for c in ("global_steps", "global_samples", "skipped_steps")},
+        "scheduler": {k: trainer.lr_scheduler.state_dict()[k] for k in ("last_epoch", "_last_lr")},  # type: ignore[union-attr]
+    }
+    return tensors, counters
 
 
 def listing(folder: Path) -> list[str]:
@@ -345,16 +368,19 @@ class Recording(ShardsafeTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def order_trainer(root: Path, per_device: int, accumulation: int, dataset: Any = None) -> Recording:
-    args = arguments(root, max_steps=ORDER_STEPS, save_steps=3, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation)
+def order_trainer(root: Path, per_device: int, accumulation: int, dataset: Any = None, zero3: bool = False) -> Recording:
+    make_args = z3_arguments if zero3 else arguments
+    args = make_args(root, max_steps=ORDER_STEPS, save_steps=3, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation)
     trainer = Recording(model=model(), args=args, train_dataset=Indexed() if dataset is None else dataset)
     trainer.taken = []
     return trainer
 
 
-def order_run(out: Path, name: str, per_device: int, accumulation: int, resume: str | None = None) -> Run:
+def order_run(out: Path, name: str, per_device: int, accumulation: int, resume: str | None = None, callback: Any = None) -> Run:
     run = Run(out, name)
-    trainer = order_trainer(run.dir / "train", per_device, accumulation)
+    trainer = order_trainer(run.dir / "train", per_device, accumulation, zero3=name.startswith("z3"))
+    if callback is not None:
+        trainer.add_callback(callback(run, trainer))
     trainer.train(resume_from_checkpoint=resume)
     (run.dir / f"taken.rank{run.rank}.json").write_text(json.dumps(trainer.taken))
     run.result["losses"] = losses(trainer)
@@ -384,6 +410,32 @@ def order1(out: Path) -> None:
     run.finish()
 
 
+def z3_state_at(run: Run, trainer: Trainer, name: str) -> None:
+    tensors, counters = z3_state(trainer)
+    run.weights(name, tensors)
+    if run.rank == 0:
+        (run.dir / f"{name}.json").write_text(json.dumps(counters, indent=1, default=str))
+
+
+def z3_order_callback(event: str, step: int | None) -> Any:
+    """A callback writing the engine's whole state at ``event`` (``on_save`` of ``step``, or ``on_train_begin``: as loaded)."""
+    from transformers import TrainerCallback
+
+    class State(TrainerCallback):
+        def __init__(self, run: Run, trainer: Trainer) -> None:
+            self.run, self.trainer = run, trainer
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if event == "on_save" and state.global_step == step:
+                z3_state_at(self.run, self.trainer, f"state{step}")
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if event == "on_train_begin":
+                z3_state_at(self.run, self.trainer, "loaded")
+
+    return State
+
+
 SCENARIOS = {
     "plain": plain,
     "main": main_run,
@@ -400,6 +452,15 @@ SCENARIOS = {
     "order2": lambda out: order_run(out, "order2", per_device=3, accumulation=1).finish(),
     "order3": lambda out: order_run(out, "order3", per_device=2, accumulation=1, resume=str(out / "order2" / "train" / "checkpoint-6")).finish(),
     "order1": order1,
+    "z3_order2": lambda out: order_run(out, "z3_order2", per_device=3, accumulation=1, callback=z3_order_callback("on_save", 6)).finish(),
+    "z3_order3": lambda out: order_run(
+        out,
+        "z3_order3",
+        per_device=2,
+        accumulation=1,
+        resume=str(out / "z3_order2" / "train" / "checkpoint-6"),
+        callback=z3_order_callback("on_train_begin", None),
+    ).finish(),
 }
 
 
