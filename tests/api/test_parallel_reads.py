@@ -25,7 +25,6 @@ saved with 4 KiB hash blocks (so a few KB of tensors make dozens of blocks and a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -54,32 +53,14 @@ from dist_utils import (
 )
 from shardsafe.core.parallel import TaskRunner
 from shardsafe.errors import IntegrityError, ShardsafeError
-from stored_chunks import stored_chunks
+from stored_chunks import stored_chunks, use_small_blocks
 
 BLOCK = 4096
 
 
-def use_small_blocks(block: int = BLOCK) -> Callable[[], None]:
-    """Make saves in this process hash ``block``-byte blocks (the format allows 4 KiB .. 1 GiB;
-    save writes 16 MiB). Returns the undo."""
-    import shardsafe.api.save as save_module
-
-    old_size, old_manifest = save_module.HASH_BLOCK_SIZE, save_module.new_manifest
-
-    def new_manifest(*args: Any, **kwargs: Any) -> Any:
-        return dataclasses.replace(old_manifest(*args, **kwargs), hash_block_size=block)
-
-    save_module.HASH_BLOCK_SIZE, save_module.new_manifest = block, new_manifest  # type: ignore[assignment]
-
-    def undo() -> None:
-        save_module.HASH_BLOCK_SIZE, save_module.new_manifest = old_size, old_manifest  # type: ignore[assignment]
-
-    return undo
-
-
 @pytest.fixture
 def small_blocks() -> Iterator[None]:
-    undo = use_small_blocks()
+    undo = use_small_blocks(BLOCK)
     yield
     undo()
 

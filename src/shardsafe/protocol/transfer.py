@@ -329,53 +329,123 @@ class ChunkReader:
         break that pattern and read slower. Each read is independent: a check reads its block into
         the thread's scratch buffer, a read fills its destination (and, with ``verify``, the rest
         of its block into that scratch) and hashes the block. An object store is read one request
-        at a time.
+        at a time, and the reads of consecutive blocks of a chunk are one request (see :meth:`_spans`).
         """
         by_file: dict[tuple[str, str], list[BlockRead]] = {}
         for read in sorted(reads, key=lambda r: (r.chunk.checkpoint or "", r.chunk.file, r.chunk.begin + r.lo)):
             by_file.setdefault((read.chunk.checkpoint or "", read.chunk.file), []).append(read)
-        tasks = [partial(self._do_each, file_reads) for file_reads in by_file.values()]
         if self.remote:
-            for task in tasks:
-                task()
+            for file_reads in by_file.values():
+                for span in self._spans(file_reads):
+                    self._do_span(span)
         else:
-            self._runner.run(tasks)
+            self._runner.run([partial(self._do_each, file_reads) for file_reads in by_file.values()])
 
     def _do_each(self, reads: list[BlockRead]) -> None:
         for read in reads:
             self._do(read)
 
     def _do(self, read: BlockRead) -> None:
-        chunk, block = read.chunk, self.block
-        where = _Where(self, read)
+        self._do_span([read])
+
+    def _spans(self, reads: list[BlockRead]) -> list[list[BlockRead]]:
+        """``reads`` (one file's, in file order) cut into runs that one ranged GET can serve.
+
+        A GET costs a round trip however few bytes it asks for, so the blocks of one chunk that
+        follow each other are fetched together (as a read of a whole range was before reads were
+        split per block), up to :data:`READ_SCRATCH_BYTES` per request (the response is held in
+        memory whole). A block already checked, or kept in the cache, is never part of a run: it
+        costs no request.
+        """
+        spans: list[list[BlockRead]] = []
+        size = 0
+        for read in reads:
+            first, last = self._span_of(read)
+            prev = spans[-1][-1] if spans else None
+            joins = (
+                prev is not None
+                and not self._costs_nothing(prev)
+                and not self._costs_nothing(read)
+                and prev.chunk.begin == read.chunk.begin
+                and read.block == prev.block + 1
+                and self._span_of(prev)[1] == first
+                and size + last - first <= READ_SCRATCH_BYTES
+            )
+            if joins:
+                spans[-1].append(read)
+                size += last - first
+            else:
+                spans.append([read])
+                size = last - first
+        return spans
+
+    def _span_of(self, read: BlockRead) -> tuple[int, int]:
+        """The bytes of its chunk that ``read`` fetches: the whole block when verifying."""
         if read.dest is not None and not self.verify:
-            self.read_raw(chunk, [read.dest], chunk.begin + read.lo, where)
+            return read.lo, read.hi
+        return read.block * self.block, min((read.block + 1) * self.block, read.chunk.end - read.chunk.begin)
+
+    def _ident(self, read: BlockRead) -> tuple[str | None, str, int, int]:
+        # A chunk's bytes are its own (no two chunks share any), so its begin names it.
+        return (read.chunk.checkpoint, read.chunk.file, read.chunk.begin, read.block)
+
+    def _checked_before(self, read: BlockRead) -> bool:
+        """A check of a block this reader verified already. An empty chunk may begin where the next
+        one does, so it is never marked (its check is free anyway)."""
+        first, last = self._span_of(read)
+        return read.dest is None and last > first and self._ident(read) in self._verified
+
+    def _costs_nothing(self, read: BlockRead) -> bool:
+        """A check of a block already verified, or a block whose verified bytes are cached."""
+        return self._checked_before(read) or self._ident(read) in self._cache
+
+    def _do_span(self, reads: list[BlockRead]) -> None:
+        """Do ``reads`` (consecutive blocks of one chunk, see :meth:`_spans`) with one source read,
+        then hash each block on its own, in order (the first damaged block is the one reported)."""
+        chunk = reads[0].chunk
+        where = _Where(self, reads[0])
+        if not self.verify and all(read.dest is not None for read in reads):
+            self.read_raw(chunk, [read.dest for read in reads if read.dest is not None], chunk.begin + reads[0].lo, where)
             return
-        # A chunk's bytes are its own (no two chunks share any), so its begin names it; an empty
-        # chunk may begin where the next one does, so it is never marked (its check is free anyway).
-        ident = (chunk.checkpoint, chunk.file, chunk.begin, read.block)
-        first, last = read.block * block, min((read.block + 1) * block, chunk.end - chunk.begin)
-        if read.dest is None and last > first and ident in self._verified:
+        todo = [read for read in reads if not self._checked_before(read)]  # only a span of one can have one
+        if not todo:
             return
-        scratch = self._thread_scratch(last - first - (0 if read.dest is None else len(read.dest)))
+        scratch = self._thread_scratch(sum(self._scratch_bytes(read) for read in todo))
+        views_of: list[list[memoryview]] = []
+        for read in todo:
+            views, scratch = self._views(read, scratch)
+            views_of.append(views)
+        self.read_raw(chunk, [view for views in views_of for view in views], chunk.begin + self._span_of(todo[0])[0], where)
+        for read, views in zip(todo, views_of):
+            self._check_block(read, views, where if read is reads[0] else _Where(self, read))
+
+    def _scratch_bytes(self, read: BlockRead) -> int:
+        first, last = self._span_of(read)
+        return last - first - (0 if read.dest is None else len(read.dest))
+
+    def _views(self, read: BlockRead, scratch: memoryview) -> tuple[list[memoryview], memoryview]:
+        """Where the bytes of ``read``'s block go (its destination, the rest into ``scratch``), and the scratch left."""
+        first, last = self._span_of(read)
         if read.dest is None:
-            views = [scratch[: last - first]]
-        else:
-            head = scratch[: read.lo - first]
-            views = [head, read.dest, scratch[len(head) : len(head) + last - read.hi]]
-        self.read_raw(chunk, views, chunk.begin + first, where)
-        hasher = BlockHasher(block)
+            return [scratch[: last - first]], scratch[last - first :]
+        head, tail = read.lo - first, last - read.hi
+        return [scratch[:head], read.dest, scratch[head : head + tail]], scratch[head + tail :]
+
+    def _check_block(self, read: BlockRead, views: list[memoryview], where: object) -> None:
+        """Hash the block read into ``views``; mark it verified and, for a check, cache it (bounded)."""
+        first, last = self._span_of(read)
+        hasher = BlockHasher(self.block)
         for view in views:
             hasher.update(view)
-        if hasher.finish()[0] != chunk.hashes[read.block]:
+        if hasher.finish()[0] != read.chunk.hashes[read.block]:
             raise IntegrityError(
-                f"{where}: hash mismatch in block {read.block} (bytes {chunk.begin + first}..): "
+                f"{where}: hash mismatch in block {read.block} (bytes {read.chunk.begin + first}..): "
                 "the file is corrupted; restore it or load an earlier checkpoint"
             )
         if last > first:
-            self._verified.add(ident)
+            self._verified.add(self._ident(read))
         if read.dest is None and last > first and last - first <= self._cache_left:
-            self._cache[ident] = bytes(views[0])
+            self._cache[self._ident(read)] = bytes(views[0])
             self._cache_left -= last - first
 
     def _thread_scratch(self, size: int) -> memoryview:
