@@ -23,7 +23,7 @@ from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers
 from shardsafe.core.values import encode_state
 from shardsafe.errors import SaveError
 from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
-from shardsafe.protocol.transfer import ReuseMap, write_rank_file
+from shardsafe.protocol.shard_write import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
 from shardsafe.state.registry import SaveView, describe_for_save
 from shardsafe.storage.local import safe_child

@@ -53,7 +53,7 @@ from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.manager.staging import Staged, StagingBuffers, copy_all
-from shardsafe.protocol.transfer import ReuseMap, reuse_map
+from shardsafe.protocol.shard_write import ReuseMap, reuse_map
 from shardsafe.state.registry import SaveView
 from shardsafe.storage.remote import RemoteDir
 

@@ -1,9 +1,9 @@
-"""Moving tensor bytes: one rank's shard file out, verified byte ranges back in.
+"""Reading tensor bytes back: verified byte ranges of a committed checkpoint's files.
 
-Writes stream each chunk straight from its tensor to the file (header computed up front) and
-hash it on the way. Reads use positional reads straight into the destination tensor's memory;
-to verify a partial read they also read the rest of the first and last hash block into small
-scratch buffers, so no read ever needs more than two blocks of extra memory.
+Reads use positional reads straight into the destination tensor's memory; to verify a partial
+read they also read the rest of the first and last hash block into the reading thread's scratch
+buffer, so no read needs more than one block of extra memory per thread. (Writing a rank's shard
+file is ``protocol/shard_write.py``.)
 
 Every file a reader opens is checked first, the same way for ``load`` and ``verify``: its size
 against the manifest, its safetensors header (it must parse, and list every chunk the manifest
@@ -16,119 +16,32 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from shardsafe.core.format import (
     MAX_HEADER_BYTES,
     ChunkEntry,
-    HeaderEntry,
     Manifest,
     TensorEntry,
-    build_safetensors_header,
     element_size,
     numel,
     parse_manifest,
     parse_safetensors_header,
 )
 from shardsafe.core.index import parse_index
-from shardsafe.core.integrity import BlockHasher, hash_blocks
+from shardsafe.core.integrity import BlockHasher
 from shardsafe.core.parallel import TaskRunner
-from shardsafe.core.plan import LocalChunk, ReadOp, candidate_chunks, contiguous_span, plan_reads
+from shardsafe.core.plan import ReadOp, candidate_chunks, contiguous_span, plan_reads
 from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.protocol.device_read import read_into_cuda
 from shardsafe.protocol.sources import LocalSource, RemoteSource
-from shardsafe.storage.local import tensor_bytes, tensor_pieces
+from shardsafe.storage.local import tensor_bytes
 from shardsafe.storage.remote import RemoteDir
-
-
-def chunk_name(chunk: LocalChunk) -> str:
-    """Name of a chunk inside its safetensors file: the key, plus its offsets when sharded."""
-    if any(chunk.offsets):
-        return f"{chunk.key}@{','.join(map(str, chunk.offsets))}"
-    return chunk.key
-
-
-ReuseChunks = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, ChunkEntry]]  # (key, offsets) -> earlier chunk
-
-
-class ShardSink(Protocol):
-    """Where one save's shard files go (a local temporary folder, or an object-store prefix)."""
-
-    def shard_name(self, rank: int) -> str: ...
-
-    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]: ...
-
-    def write_index(self, rank: int, data: bytes) -> str: ...
-
-
-def write_rank_file(
-    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None
-) -> tuple[str | None, int, list[tuple[LocalChunk, ChunkEntry]]]:
-    """Write this rank's chunks into its own shard file; returns (file name, size, entries).
-
-    With ``reuse`` (the chunks of an earlier checkpoint in the same root, each pointing at the
-    checkpoint that holds its bytes), a chunk whose bytes hash the same as its earlier self is
-    referenced instead of written. The file name is None when nothing had to be written.
-    """
-    entries: list[tuple[LocalChunk, ChunkEntry]] = []
-    to_write = []
-    for chunk in chunks:
-        earlier = reuse.get((chunk.key, chunk.offsets)) if reuse else None
-        if earlier is not None and earlier[0] == chunk.tensor.dtype and earlier[1].shape == chunk.shape:
-            digests = hash_blocks(tensor_pieces(chunk.tensor), block_size)
-            if tuple(digests) == earlier[1].hashes:
-                entries.append((chunk, earlier[1]))
-                continue
-        to_write.append(chunk)
-    if not to_write:
-        return None, 0, entries
-    name = sink.shard_name(rank)
-    header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in to_write]
-    prefix, ranges = build_safetensors_header(header)
-    size, digests_list = sink.write_shard(name, prefix, [c.tensor for c in to_write], block_size, rank)
-    entries += [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(to_write, ranges, digests_list)]
-    return name, size, entries
-
-
-@dataclass
-class ReuseMap:
-    """The chunks of an earlier committed checkpoint of the same root, for dedup: each a save can
-    point at instead of writing it again. Listed chunks come from its manifest; the parts of its
-    split tensors from the index of this rank (part p of a rule is written by rank p, so a rank
-    needs only its own index, never all W)."""
-
-    manifest: Manifest
-    checkpoint: str
-
-    def for_rank(self, folder: Path | RemoteDir, rank: int) -> ReuseChunks:
-        """(key, offsets) -> (dtype, chunk, pointing at the checkpoint holding its bytes), for ``rank``;
-        ``folder`` is the earlier checkpoint. An unreadable index only means those parts are written again."""
-        out: ReuseChunks = {}
-        for key, entry in self.manifest.tensors.items():
-            for chunk in entry.chunks:
-                origin = chunk if chunk.checkpoint is not None else replace(chunk, checkpoint=self.checkpoint)
-                out[(key, chunk.offsets)] = (entry.dtype, origin)
-        if self.manifest.index_of_rank(rank) is None:
-            return out
-        try:
-            with ChunkReader(folder, self.manifest) as reader:
-                parts = reader.index(rank)
-        except (FormatError, IntegrityError, OSError):
-            return out
-        for key, chunk in parts.items():
-            out[(key, chunk.offsets)] = (self.manifest.tensors[key].dtype, replace(chunk, checkpoint=self.checkpoint))
-        return out
-
-
-def reuse_map(manifest: Manifest, checkpoint_name: str) -> ReuseMap:
-    """The chunks of committed checkpoint ``checkpoint_name`` (its ``manifest``) a save may reuse."""
-    return ReuseMap(manifest, checkpoint_name)
-
 
 REMOTE_CACHE_BYTES = 64 << 20
 READ_THREADS = 4  # files read at once per reader on a local filesystem (each thread keeps up to one block of scratch)

@@ -19,7 +19,8 @@ from shardsafe.core.format import Manifest
 from shardsafe.core.plan import LocalChunk
 from shardsafe.core.values import encode_state, state_tensor_keys
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
-from shardsafe.protocol.transfer import ReadTarget, chunk_name
+from shardsafe.protocol.shard_write import chunk_name
+from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.adapters import ModuleAdapter, PerRankAdapter, StatefulAdapter, TensorAdapter, ValueAdapter
 from shardsafe.state.base import KIND_PER_RANK, Bound, LoadContext, LoadStep, Lookup, SaveContext, SavedLayout, StateAdapter
 from shardsafe.state.deepspeed_engine import ENGINE_ADAPTER

@@ -1,0 +1,106 @@
+"""Writing one rank's shard file: its chunks streamed out, hashed on the way, or referenced.
+
+Writes stream each chunk straight from its tensor to the file (header computed up front) and
+hash it on the way. With dedup, a chunk whose bytes hash the same as in an earlier committed
+checkpoint of the same root is referenced instead of written (:class:`ReuseMap`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from shardsafe.core.format import ChunkEntry, HeaderEntry, Manifest, build_safetensors_header
+from shardsafe.core.integrity import hash_blocks
+from shardsafe.core.plan import LocalChunk
+from shardsafe.errors import FormatError, IntegrityError
+from shardsafe.protocol.transfer import ChunkReader
+from shardsafe.storage.local import tensor_pieces
+from shardsafe.storage.remote import RemoteDir
+
+
+def chunk_name(chunk: LocalChunk) -> str:
+    """Name of a chunk inside its safetensors file: the key, plus its offsets when sharded."""
+    if any(chunk.offsets):
+        return f"{chunk.key}@{','.join(map(str, chunk.offsets))}"
+    return chunk.key
+
+
+ReuseChunks = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, ChunkEntry]]  # (key, offsets) -> earlier chunk
+
+
+class ShardSink(Protocol):
+    """Where one save's shard files go (a local temporary folder, or an object-store prefix)."""
+
+    def shard_name(self, rank: int) -> str: ...
+
+    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]: ...
+
+    def write_index(self, rank: int, data: bytes) -> str: ...
+
+
+def write_rank_file(
+    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None
+) -> tuple[str | None, int, list[tuple[LocalChunk, ChunkEntry]]]:
+    """Write this rank's chunks into its own shard file; returns (file name, size, entries).
+
+    With ``reuse`` (the chunks of an earlier checkpoint in the same root, each pointing at the
+    checkpoint that holds its bytes), a chunk whose bytes hash the same as its earlier self is
+    referenced instead of written. The file name is None when nothing had to be written.
+    """
+    entries: list[tuple[LocalChunk, ChunkEntry]] = []
+    to_write = []
+    for chunk in chunks:
+        earlier = reuse.get((chunk.key, chunk.offsets)) if reuse else None
+        if earlier is not None and earlier[0] == chunk.tensor.dtype and earlier[1].shape == chunk.shape:
+            digests = hash_blocks(tensor_pieces(chunk.tensor), block_size)
+            if tuple(digests) == earlier[1].hashes:
+                entries.append((chunk, earlier[1]))
+                continue
+        to_write.append(chunk)
+    if not to_write:
+        return None, 0, entries
+    name = sink.shard_name(rank)
+    header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in to_write]
+    prefix, ranges = build_safetensors_header(header)
+    size, digests_list = sink.write_shard(name, prefix, [c.tensor for c in to_write], block_size, rank)
+    entries += [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(to_write, ranges, digests_list)]
+    return name, size, entries
+
+
+@dataclass
+class ReuseMap:
+    """The chunks of an earlier committed checkpoint of the same root, for dedup: each a save can
+    point at instead of writing it again. Listed chunks come from its manifest; the parts of its
+    split tensors from the index of this rank (part p of a rule is written by rank p, so a rank
+    needs only its own index, never all W)."""
+
+    manifest: Manifest
+    checkpoint: str
+
+    def for_rank(self, folder: Path | RemoteDir, rank: int) -> ReuseChunks:
+        """(key, offsets) -> (dtype, chunk, pointing at the checkpoint holding its bytes), for ``rank``;
+        ``folder`` is the earlier checkpoint. An unreadable index only means those parts are written again."""
+        out: ReuseChunks = {}
+        for key, entry in self.manifest.tensors.items():
+            for chunk in entry.chunks:
+                origin = chunk if chunk.checkpoint is not None else replace(chunk, checkpoint=self.checkpoint)
+                out[(key, chunk.offsets)] = (entry.dtype, origin)
+        if self.manifest.index_of_rank(rank) is None:
+            return out
+        try:
+            with ChunkReader(folder, self.manifest) as reader:
+                parts = reader.index(rank)
+        except (FormatError, IntegrityError, OSError):
+            return out
+        for key, chunk in parts.items():
+            out[(key, chunk.offsets)] = (self.manifest.tensors[key].dtype, replace(chunk, checkpoint=self.checkpoint))
+        return out
+
+
+def reuse_map(manifest: Manifest, checkpoint_name: str) -> ReuseMap:
+    """The chunks of committed checkpoint ``checkpoint_name`` (its ``manifest``) a save may reuse."""
+    return ReuseMap(manifest, checkpoint_name)
