@@ -30,6 +30,7 @@ from shardsafe.api.location import location, shown
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import Manifest
 from shardsafe.core.gcpause import gc_paused
+from shardsafe.core.plan import ReadOp
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
@@ -126,10 +127,13 @@ def load_from(
     assert checked is not None
     manifest, tree, binding = checked
     steps: list[LoadStep] = []
+    fresh_reads: list[ReadItem] = []
+    existing_reads: list[ReadItem] = []
     with open_reader(manifest) as reader:
         try:
+            fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
             if atomic:  # check everything this rank will read in place, nothing written
-                _check_sources(reader, manifest, binding)
+                _check_sources(reader, fresh_reads, existing_reads)
             steps = prepare_steps(binding, SharedLookup(reader, manifest))
         except Exception as exc:
             problem = exc
@@ -145,7 +149,7 @@ def load_from(
             problem = exc
         _agree(comm, problem, reset=fresh, undo=applied, default=StateMismatchError)
         try:
-            _read_targets(reader, manifest, binding, fresh=False if atomic else None)
+            _read(reader, existing_reads if atomic else fresh_reads + existing_reads)
             for step in (s for s in steps if s.undo is None):
                 step.apply()
         except Exception as exc:
@@ -207,35 +211,36 @@ def _agree(
         raise
 
 
-def _read_targets(
-    reader: ChunkReader, manifest: Manifest, binding: LoadBinding, *, fresh: bool | None = None, checks: list[BlockRead] | None = None
-) -> None:
-    """Read every in-place target (only the ``fresh`` or only the other ones, when given), and do ``checks``."""
-    items = []
+ReadItem = tuple[str, ReadOp, torch.dtype, torch.Tensor, tuple[int, ...]]  # what ChunkReader.read_all reads
+
+
+def _plan_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> tuple[list[ReadItem], list[ReadItem]]:
+    """The reads of every in-place target, planned once: (those of fresh targets, those of the others)."""
+    fresh: list[ReadItem] = []
+    existing: list[ReadItem] = []
     for key, target in binding.targets.items():
         entry = manifest.tensors.get(key)
-        if entry is None or (fresh is not None and target.fresh != fresh):
+        if entry is None:
             continue
-        items += [(key, op, entry.dtype, target.tensor, target.offsets) for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape))]
+        ops = reader.plan(key, entry, target.offsets, tuple(target.tensor.shape))
+        (fresh if target.fresh else existing).extend((key, op, entry.dtype, target.tensor, target.offsets) for op in ops)
+    return fresh, existing
+
+
+def _read(reader: ChunkReader, items: list[ReadItem], checks: list[BlockRead] | None = None) -> None:
     with torch.no_grad():
         reader.read_all(items, checks)
 
 
-def _check_sources(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> None:
-    """The first pass of an atomic load: everything the in-place reads will read is checked and no
-    live tensor is written. Tensors the load itself created (a fresh optimizer's state, which a
-    failed load drops) are read, verified, straight into place: they are read once, not twice."""
-    checks = []
-    for key, target in binding.targets.items():
-        entry = manifest.tensors.get(key)
-        if entry is None or target.fresh:
-            continue
-        for op in reader.plan(key, entry, target.offsets, tuple(target.tensor.shape)):
-            checks += reader.check_reads(key, op, entry.dtype)
-    fresh = [t.tensor for t in binding.targets.values() if t.fresh]
-    prefault = threading.Thread(target=prefault_writable, args=(fresh,), name="shardsafe-prefault", daemon=True)
+def _check_sources(reader: ChunkReader, fresh: list[ReadItem], existing: list[ReadItem]) -> None:
+    """The first pass of an atomic load: everything the in-place reads of ``existing`` targets will
+    read is checked and no live tensor is written. Tensors the load itself created (``fresh``: a
+    fresh optimizer's state, which a failed load drops) are read, verified, straight into place:
+    they are read once, not twice."""
+    checks = [check for key, op, dtype, _, _ in existing for check in reader.check_reads(key, op, dtype)]
+    prefault = threading.Thread(target=prefault_writable, args=([dest for *_, dest, _ in fresh],), name="shardsafe-prefault", daemon=True)
     prefault.start()  # the new memory's page faults are taken while the reads wait on the disk
     try:
-        _read_targets(reader, manifest, binding, fresh=True, checks=checks)  # one pass over the files, in order
+        _read(reader, fresh, checks)  # one pass over the files, in order
     finally:
         prefault.join()
