@@ -16,7 +16,6 @@ it: that is why the range check comes before the advice, not after.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,6 @@ from shardsafe.errors import FormatError
 from shardsafe.storage.local import MADV_DONTNEED, PAGE, madvise_pages
 
 COPY_PIECE = 8 << 20  # bytes copied out of a memory-mapped file (then unmapped) at a time
-_PAGE = PAGE
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ def copy_out(dest: torch.Tensor, src: torch.Tensor, mapping: FileMapping | None,
     begin, target = src.data_ptr(), dest.data_ptr()
     pos = 0
     while pos < nbytes:
-        end = min(nbytes, (begin + pos + COPY_PIECE) // _PAGE * _PAGE - begin)
+        end = min(nbytes, (begin + pos + COPY_PIECE) // PAGE * PAGE - begin)
         ctypes.memmove(target + pos, begin + pos, end - pos)
         _drop_range(begin + pos, begin + end)
         pos = end

@@ -197,14 +197,15 @@ def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
     return encode_value(value, name, ref)
 
 
-def bind_tensors(targets: dict[str, ReadTarget], value: Any, name: str) -> None:
-    """Every tensor in ``value`` as an in-place read target, keyed as :func:`encode_with_chunks` names it."""
+def bind_tensors(targets: dict[str, ReadTarget], value: Any, name: str, fresh: bool = False) -> None:
+    """Every tensor in ``value`` as an in-place read target, keyed as :func:`encode_with_chunks` names it
+    (``fresh``: tensors this load created, see :class:`ReadTarget`)."""
     unique = unique_paths(name)
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
         local, global_shape, offsets = placement(tensor)
-        targets[path] = ReadTarget(path, local, global_shape, offsets)
+        targets[path] = ReadTarget(path, local, global_shape, offsets, fresh)
         return path
 
     encode_value(value, name, ref)

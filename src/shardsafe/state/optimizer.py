@@ -10,7 +10,6 @@ entries (an old torch's float ``step``) of the live entries' types.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -188,9 +187,8 @@ class OptimizerAdapter:
             if not (ctx.layout is not None and isinstance(saved, dict) and allocate_optimizer_state(module, value, saved.get("state"), ctx.layout)):
                 create_state_by_stepping(module, value)
         bound = Bound(name, value, self, context=module)
-        bind_tensors(bound.targets, optimizer_state(module, value)["state"], f"{name}/state")
-        if fresh:  # state this load created: a failed load drops it, so it may be read into before the ranks agree
-            bound.targets = {key: dataclasses.replace(t, fresh=True) for key, t in bound.targets.items()}
+        # State this load created is fresh: a failed load drops it, so it may be read into before the ranks agree.
+        bind_tensors(bound.targets, optimizer_state(module, value)["state"], f"{name}/state", fresh=fresh)
         return bound
 
     def check(self, bound: Bound, ctx: LoadContext, manifest: Manifest) -> list[str]:
