@@ -415,6 +415,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     return loss.item()
 
 
+def seeded_step(model: nn.Module, optimizer: torch.optim.Optimizer, dims: tuple[int, ...], rank: int, seed: int) -> float:
+    """One step on a batch of 6 drawn from its own generator (``seed``, ``rank``), for a model of ``dims``:
+    the same data whatever the global RNGs hold."""
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    x, y = torch.randn(6, dims[0], generator=g), torch.randn(6, dims[-1], generator=g)
+    return train_step(model, optimizer, x, y)
+
+
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, rank: int = 0, seed: int = 0) -> list[float]:
     """A few steps on rank-specific data (fills the optimizer state)."""
     torch.manual_seed(seed * 1000 + rank)

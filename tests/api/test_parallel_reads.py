@@ -49,6 +49,7 @@ from dist_utils import (
     make_model,
     make_optimizer,
     run_ranks,
+    seeded_step,
     shard,
 )
 from shardsafe.core.parallel import TaskRunner
@@ -294,19 +295,11 @@ def test_a_shard_replaced_by_a_fifo_a_symlink_or_a_folder(saved: Path) -> None:
 DIMS = (64, 97, 41)  # layers.0.weight: 97 x 64 float32, rows 0-48 on rank 0 of 2 (3 blocks + 256 bytes)
 
 
-def _step(model: Any, optimizer: Any, rank: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed * 10 + rank)
-    x, y = torch.randn(6, DIMS[0], generator=g), torch.randn(6, DIMS[-1], generator=g)
-    (model(x) - y).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def save_small_blocks(rank: int, world_size: int, path: str) -> dict[str, Any]:
     use_small_blocks()
     model = shard(make_model(7, DIMS), world_size)
     optimizer = make_optimizer(model)
-    _step(model, optimizer, rank, 7)
+    seeded_step(model, optimizer, DIMS, rank, 7)
     shardsafe.save(path, {"model": model, "optim": optimizer})
     return {"model": full_model_state(model), "optim": full_optimizer_state(model, optimizer)}
 
@@ -320,7 +313,7 @@ def load_damaged_at_3(rank: int, world_size: int, paths: dict[str, str]) -> dict
             model = shard(make_model(11, DIMS), world_size)
             optimizer = make_optimizer(model)
             if not fresh:
-                _step(model, optimizer, rank, 11)
+                seeded_step(model, optimizer, DIMS, rank, 11)
             before = (full_model_state(model), full_optimizer_state(model, optimizer), dict(optimizer.state_dict()["param_groups"][0]))
             try:
                 shardsafe.load(path, {"model": model, "optim": optimizer})

@@ -43,6 +43,7 @@ from dist_utils import (
     make_model,
     make_optimizer,
     run_ranks,
+    seeded_step,
     shard,
 )
 from shardsafe.errors import IntegrityError
@@ -93,20 +94,12 @@ def counting_gets() -> Iterator[GetCounter]:
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def _step(model: Any, optimizer: Any, rank: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed * 10 + rank)
-    x, y = torch.randn(6, DIMS[0], generator=g), torch.randn(6, DIMS[-1], generator=g)
-    (model(x) - y).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def _fresh_state(world_size: int, rank: int, fresh: bool) -> tuple[Any, Any]:
     model = make_model(11, DIMS)
     model = shard(model, world_size) if world_size > 1 else model
     optimizer = make_optimizer(model)
     if not fresh:
-        _step(model, optimizer, rank, 11)
+        seeded_step(model, optimizer, DIMS, rank, 11)
     return model, optimizer
 
 
@@ -160,7 +153,7 @@ def saved(s3_bucket: str, tmp_path: Path, small_blocks: None) -> tuple[str, Path
     """The same trained model and optimizer saved to S3 and to a local folder."""
     model = make_model(7, DIMS)
     optimizer = make_optimizer(model)
-    _step(model, optimizer, 0, 7)
+    seeded_step(model, optimizer, DIMS, 0, 7)
     url, local = f"s3://{s3_bucket}/ck", tmp_path / "ck"
     for path in (url, local):
         shardsafe.save(path, {"model": model, "optim": optimizer})
@@ -312,7 +305,7 @@ def save_at_2(rank: int, world_size: int, url: str, local: str, env: dict[str, s
     use_small_blocks(BLOCK)
     model = shard(make_model(7, DIMS), world_size)
     optimizer = make_optimizer(model)
-    _step(model, optimizer, rank, 7)
+    seeded_step(model, optimizer, DIMS, rank, 7)
     for path in (url, local):
         shardsafe.save(path, {"model": model, "optim": optimizer})
     return {"model": full_model_state(model), "optim": full_optimizer_state(model, optimizer)}

@@ -27,12 +27,9 @@ rank) is a ShardsafeError too; any other exception is a crash that libFuzzer rep
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import shutil
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 try:
@@ -43,6 +40,7 @@ except ImportError:  # pragma: no cover - atheris is a dev dependency that may n
 
 import torch  # not instrumented: only shardsafe's own code is
 import torch.distributed.checkpoint as dcp
+from fuzz_common import splice, work_folder  # noqa: E402
 
 with atheris.instrument_imports(include=["shardsafe"]):
     from shardsafe.api.load import load
@@ -52,19 +50,6 @@ with atheris.instrument_imports(include=["shardsafe"]):
     from shardsafe.interop.dcp_metadata import RULES, read_metadata
     from shardsafe.interop.dcp_reader import DcpCheckpoint, dcp_manifest
     from shardsafe.interop.pickle_scan import scan_pickle
-
-_BASE = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-
-
-def _clean_stale() -> None:
-    """libFuzzer ends the process with exit() from C, past atexit: remove the folders of earlier runs whose process is gone."""
-    for old in _BASE.glob("shardsafe-fuzz-dcp-*"):
-        try:
-            os.kill(int(old.name.rsplit("-", 1)[1]), 0)
-        except (ValueError, ProcessLookupError):
-            shutil.rmtree(old, ignore_errors=True)
-        except PermissionError:
-            pass
 
 
 def _live() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -87,9 +72,7 @@ def _seed_state() -> dict[str, Any]:
     return {"model": model.state_dict(), "optim": {"state": state, "param_groups": groups}, "n": 7}
 
 
-_clean_stale()
-WORK = _BASE / f"shardsafe-fuzz-dcp-{os.getpid()}"
-shutil.rmtree(WORK, ignore_errors=True)
+WORK = work_folder("dcp")
 SOUND = WORK / "sound"
 dcp.save(_seed_state(), checkpoint_id=str(SOUND), no_dist=True)
 SEED_METADATA = (SOUND / ".metadata").read_bytes()
@@ -97,12 +80,6 @@ FOLDER = WORK / "folder"
 shutil.copytree(SOUND, FOLDER)
 DATA_FILES = sorted(p.name for p in SOUND.glob("*.distcp"))
 MODEL, OPTIM = _live()
-
-
-def _splice(seed: bytes, fdp: atheris.FuzzedDataProvider) -> bytes:
-    at = fdp.ConsumeIntInRange(0, len(seed))
-    cut = fdp.ConsumeIntInRange(0, 64)
-    return seed[:at] + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64)) + seed[at + cut :]
 
 
 def _int(fdp: atheris.FuzzedDataProvider) -> int:
@@ -185,7 +162,7 @@ def test_one_input(data: bytes) -> None:
             data_file.write_bytes(raw[:at] + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 8)).ljust(1, b"\0") + raw[at + 1 :])
             _load()
             return
-        stream = _splice(SEED_METADATA, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
+        stream = splice(SEED_METADATA, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
         if target == 0:
             scan_pickle(stream, "fuzz", RULES)
             return

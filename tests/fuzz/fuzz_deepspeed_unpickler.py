@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import shutil
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -37,6 +35,7 @@ except ImportError:  # pragma: no cover - atheris is a dev dependency that may n
     sys.exit(0)
 
 import torch  # not instrumented: only shardsafe's own code is
+from fuzz_common import splice, work_folder  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for ds_scripts
 from ds_scripts.craft import write_archive, zero3_folder  # noqa: E402
@@ -47,23 +46,7 @@ with atheris.instrument_imports(include=["shardsafe"]):
     from shardsafe.interop.pickle_scan import scan_pickle
     from shardsafe.interop.unpickler import RULES, load_file
 
-_BASE = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-
-
-def _clean_stale() -> None:
-    """libFuzzer ends the process with exit() from C, past atexit: remove the folders of earlier runs whose process is gone."""
-    for old in _BASE.glob("shardsafe-fuzz-ds-*"):
-        try:
-            os.kill(int(old.name.rsplit("-", 1)[1]), 0)
-        except (ValueError, ProcessLookupError):
-            shutil.rmtree(old, ignore_errors=True)
-        except PermissionError:
-            pass
-
-
-_clean_stale()
-WORK = _BASE / f"shardsafe-fuzz-ds-{os.getpid()}"
-shutil.rmtree(WORK, ignore_errors=True)
+WORK = work_folder("ds")
 SOUND = zero3_folder(WORK / "sound")
 OPTIM, MODEL = "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"
 SEED_ARCHIVE = (SOUND.tag_folder / OPTIM).read_bytes()
@@ -78,12 +61,6 @@ SEEDS = {OPTIM: _parts(OPTIM), MODEL: _parts(MODEL)}
 FOLDER = WORK / "folder"
 shutil.copytree(SOUND.root, FOLDER)
 SCRATCH = WORK / "one.pt"
-
-
-def _splice(seed: bytes, fdp: atheris.FuzzedDataProvider) -> bytes:
-    at = fdp.ConsumeIntInRange(0, len(seed))
-    cut = fdp.ConsumeIntInRange(0, 64)
-    return seed[:at] + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64)) + seed[at + cut :]
 
 
 def _read_all() -> None:
@@ -105,11 +82,11 @@ def test_one_input(data: bytes) -> None:
     seed_pickle, records = SEEDS[name]
     try:
         if target == 2:
-            SCRATCH.write_bytes(_splice(SEED_ARCHIVE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()))
+            SCRATCH.write_bytes(splice(SEED_ARCHIVE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()))
             load_file(SCRATCH, mmap=fdp.ConsumeBool())
             return
         mmap = fdp.ConsumeBool()
-        stream = _splice(seed_pickle, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
+        stream = splice(seed_pickle, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())
         if target == 0:
             scan_pickle(stream, "fuzz", RULES)
         elif target == 1:

@@ -21,14 +21,10 @@ Any other exception is a crash that libFuzzer reports with the input that caused
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 try:
@@ -38,6 +34,7 @@ except ImportError:  # pragma: no cover - atheris is a dev dependency that may n
     sys.exit(0)
 
 import torch  # not instrumented: only shardsafe's own code is
+from fuzz_common import splice, work_folder  # noqa: E402
 
 with atheris.instrument_imports(include=["shardsafe"]):
     from shardsafe.api.checkpoint import save
@@ -80,23 +77,11 @@ SEED_HEADER, _ = build_safetensors_header([HeaderEntry("a", torch.float32, (3, 2
 SEED_STATE = json.dumps({"x": {"__pairs__": [[1, {"__tuple__": [1, {"__dtype__": "float32"}]}]]}, "t": {"__tensor__": "k"}}).encode()
 
 
-def _scratch() -> str:
-    """A temporary folder for this run. libFuzzer ends the process without running atexit handlers,
-    so each run also removes the folders that earlier, finished runs left behind."""
-    for old in Path(tempfile.gettempdir()).glob("shardsafe-fuzz-*-*"):
-        pid = old.name.split("-")[2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(old, ignore_errors=True)
-    scratch = tempfile.mkdtemp(prefix=f"shardsafe-fuzz-{os.getpid()}-")
-    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    return scratch
-
-
 def _seed_checkpoint() -> Path:
     """A real checkpoint (module, optimizer, RNG, a value) for the inspect targets to damage."""
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.AdamW(model.parameters())
-    folder = Path(_scratch()) / "ckpt"
+    folder = work_folder("cli") / "ckpt"
     save(folder, {"model": model, "optim": optim, "rng": RNGState(), "step": 3, "names": {"a": [1, 2.5, None]}})
     return folder
 
@@ -139,33 +124,27 @@ def _fuzz_inspect(manifest: bytes, state: bytes | None) -> None:
         raise AssertionError(f"inspect prints a control character: {sorted(UNSAFE_OUTPUT & set(text))!r}")
 
 
-def _splice(seed: bytes, fdp: atheris.FuzzedDataProvider) -> bytes:
-    at = fdp.ConsumeIntInRange(0, len(seed))
-    cut = fdp.ConsumeIntInRange(0, 64)
-    return seed[:at] + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64)) + seed[at + cut :]
-
-
 def test_one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     target = fdp.ConsumeIntInRange(0, 6)
     spliced = fdp.ConsumeBool()
     try:
         if target == 0:
-            parse_json(_splice(SEED_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
+            parse_json(splice(SEED_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
         elif target == 1:
-            parse_manifest(_splice(SEED_MANIFEST, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
+            parse_manifest(splice(SEED_MANIFEST, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
         elif target == 2:
             size = fdp.ConsumeIntInRange(0, 1 << 20)
-            parse_safetensors_header(_splice(SEED_HEADER, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), size, "fuzz")
+            parse_safetensors_header(splice(SEED_HEADER, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), size, "fuzz")
         elif target == 3:
-            value = parse_json(_splice(SEED_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
+            value = parse_json(splice(SEED_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
             decode_value(value, lambda key: key)
         elif target == 4:
             _fuzz_argv(fdp)
         elif target == 5:
-            _fuzz_inspect(_splice(SEED_CKPT_MANIFEST, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), None)
+            _fuzz_inspect(splice(SEED_CKPT_MANIFEST, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), None)
         else:
-            _fuzz_inspect(b"", _splice(SEED_CKPT_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()))
+            _fuzz_inspect(b"", splice(SEED_CKPT_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()))
     except FormatError:
         pass
 
