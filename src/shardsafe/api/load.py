@@ -36,7 +36,7 @@ from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import BlockRead, ChunkReader
 from shardsafe.state.base import LoadStep
-from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps
+from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps, unclaimed
 from shardsafe.storage.local import prefault_writable
 from shardsafe.storage.remote import RemoteDir
 
@@ -114,15 +114,19 @@ def load_from(
     fresh = fresh_optimizers(state)
     problem: Exception | None = None
     checked: tuple[Manifest, dict[str, Any], LoadBinding] | None = None
+    left: set[str] | None = None
+    problems: list[str] = []
     try:
         manifest, tree = opened()
         binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest), strict)
         problems = check_binding(binding, manifest, tree, strict)
-        if problems:
-            raise describe_mismatch(problems)
+        left = unclaimed(binding, tree) if strict else set()
         checked = (manifest, tree, binding)
     except Exception as exc:  # shared with every rank below, so none waits alone
         problem = exc
+    problems += _nobody_loads(comm, left)  # every problem in one error, stored tensors no rank loads included
+    if problem is None and problems:
+        problem = describe_mismatch(problems)
     _agree(comm, problem, reset=fresh)
     assert checked is not None
     manifest, tree, binding = checked
@@ -156,6 +160,19 @@ def load_from(
             problem = exc
     _agree(comm, problem, reset=fresh, undo=applied)  # a fresh optimizer ends stateless, as it began
     return manifest.metadata
+
+
+def _nobody_loads(comm: Comm, left: set[str] | None) -> list[str]:
+    """With ``strict``, what no rank takes of the entries loaded (:func:`~shardsafe.state.registry.unclaimed`),
+    as problems on the coordinator (reported once; empty elsewhere). Each rank sends only what it
+    leaves, which is nothing unless ranks hold different state (pipeline stages); ``None`` from a
+    rank that failed already: no report."""
+    sets = comm.gather(sorted(left) if left else left)
+    if sets is None or any(s is None for s in sets) or not sets[0]:
+        return []
+    nobody = set(sets[0]).intersection(*map(set, sets[1:]))
+    suffix = " (no rank loads it)" if comm.distributed else ""
+    return [f"{problem}{suffix}" for problem in sorted(nobody)]
 
 
 class SharedLookup:
@@ -222,8 +239,9 @@ def _plan_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding)
         entry = manifest.tensors.get(key)
         if entry is None:
             continue
-        ops = reader.plan(key, entry, target.offsets, tuple(target.tensor.shape))
-        (fresh if target.fresh else existing).extend((key, op, entry.dtype, target.tensor, target.offsets) for op in ops)
+        for dest, offsets in target.boxes():
+            ops = reader.plan(key, entry, offsets, tuple(dest.shape))
+            (fresh if target.fresh else existing).extend((key, op, entry.dtype, dest, offsets) for op in ops)
     return fresh, existing
 
 

@@ -3,9 +3,10 @@ each rank writes its own chunks and the coordinator commits."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from shardsafe.errors import SaveError
 from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
 from shardsafe.protocol.shard_write import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
-from shardsafe.state.registry import SaveView, describe_for_save
+from shardsafe.state.registry import SaveView, describe_for_save, merge_trees
 from shardsafe.storage.local import safe_child
 from shardsafe.storage.location import public_path
 from shardsafe.storage.remote import RemoteDir
@@ -97,6 +98,8 @@ class SavePlan:
     rule: bool
     irregular: list[list[int]] | None = None  # per rank: indices into its irregular chunks
     full: list[list[int]] | None = None
+    trees_differ: bool = False  # the ranks' shared entries differ (pipeline stages): merged on the coordinator
+    tree: dict[str, Any] | None = None  # on the coordinator, the tree state.json gets (set locally, never sent)
 
 
 def write_checkpoint(
@@ -156,7 +159,8 @@ def write_checkpoint(
     def build(results: list[RankResult]) -> tuple[Manifest, bytes]:
         """The files, checked with the parsers a load runs, before the commit (the last line behind
         the per-rank checks: it also sees what only the sum of the ranks makes, such as the size)."""
-        tree = dict(view.tree)
+        assert plan.tree is not None
+        tree = dict(plan.tree)
         for n in sorted({n for r in results for n in r.per_rank}):
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
@@ -188,21 +192,42 @@ def _plan(comm: Comm, view: SaveView, layout: LocalLayout) -> SavePlan:
     irregular chunk specs. Equal digests: the rule plan (O(T + W + irregular) on the coordinator).
     Otherwise a second gather of every rank's chunk specs and the coordinator picks every writer."""
     irregular = [c.spec() for c, cls in zip(view.chunks, layout.classes) if cls == IRREGULAR]
-    gathered = comm.gather((layout.digest, irregular))
+    gathered = comm.gather((layout.digest, irregular, tree_digest(view.tree)))
 
     def decide() -> SavePlan:
         assert gathered is not None
-        if len({digest for digest, _ in gathered}) == 1:
-            return SavePlan(True, irregular=assign_writers([specs for _, specs in gathered]))
-        return SavePlan(False)
+        differ = len({tree for _, _, tree in gathered}) > 1
+        if len({digest for digest, _, _ in gathered}) == 1:
+            return SavePlan(True, irregular=assign_writers([specs for _, specs, _ in gathered]), trees_differ=differ)
+        return SavePlan(False, trees_differ=differ)
 
     plan = comm.on_coordinator(decide, default=SaveError)
+    tree = view.tree
+    if plan.trees_differ:  # every rank's tree to the coordinator, which merges them or refuses the save
+        tree = _merged(comm, comm.gather(view.tree), view.tree)
     if plan.rule:
-        return plan
+        return replace(plan, tree=tree)
     stored = [c.spec() for c in view.chunks if is_stored(c)]
     everything = comm.gather(stored)
     full = comm.on_coordinator(lambda: assign_writers(everything or []), default=SaveError)
-    return SavePlan(False, full=full)
+    return SavePlan(False, full=full, trees_differ=plan.trees_differ, tree=tree)
+
+
+def tree_digest(tree: dict[str, Any]) -> str:
+    """A digest of this rank's shared entries: equal on every rank unless they hold different state."""
+    return hashlib.blake2b(encode_state(tree, compact=True), digest_size=16).hexdigest()
+
+
+def _merged(comm: Comm, trees: list[dict[str, Any]] | None, mine: dict[str, Any]) -> dict[str, Any]:
+    """The merged tree on the coordinator (this rank's own elsewhere: only the coordinator writes
+    state.json); a disagreement raises SaveError on every rank."""
+    merged: dict[str, Any] = {}
+
+    def merge() -> None:
+        merged.update(merge_trees(trees or []))
+
+    comm.on_coordinator(merge, default=SaveError)
+    return merged if comm.is_coordinator else mine
 
 
 def _mine(comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan) -> list[LocalChunk]:

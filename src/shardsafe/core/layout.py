@@ -93,6 +93,9 @@ def describe_layout(chunks: list[LocalChunk], rank: int, world_size: int) -> Loc
     """Classify every chunk (:func:`classify`) and digest the result (:func:`layout_digest`)."""
     classes: list[str | None] = []
     tensors = []
+    count: dict[str, int] = {}
+    for chunk in chunks:
+        count[chunk.key] = count.get(chunk.key, 0) + 1
     for chunk in chunks:
         if not is_stored(chunk) and numel(chunk.global_shape) == 0:
             classes.append(None)  # a tensor with no elements but not of shape (0,): never listed
@@ -100,7 +103,8 @@ def describe_layout(chunks: list[LocalChunk], rank: int, world_size: int) -> Loc
         spec = chunk.spec()
         # A per-rank value (RNG state) exists on one rank only: listed explicitly, which is always
         # correct, and kept out of the digest below.
-        cls = IRREGULAR if chunk.per_rank else classify(spec, rank, world_size)
+        # So does a tensor of which this rank holds several boxes (a _StridedShard local tensor).
+        cls = IRREGULAR if chunk.per_rank or count[chunk.key] > 1 else classify(spec, rank, world_size)
         if cls == IRREGULAR and not is_stored(chunk):
             classes.append(None)
         else:

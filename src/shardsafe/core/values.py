@@ -15,7 +15,7 @@ import torch
 from shardsafe.core.dtypes import dtype_from_name, dtype_name
 from shardsafe.core.format import STATE_NAME, Manifest, check_tensor_key
 from shardsafe.core.jsonsafe import MAX_JSON_DEPTH, check_json_string, dump_json, parse_json
-from shardsafe.errors import FormatError
+from shardsafe.errors import FormatError, SaveError
 
 TENSOR_REF = "__tensor__"
 TUPLE_TAG = "__tuple__"
@@ -135,3 +135,39 @@ def encode_state(tree: dict[str, Any], where: str = STATE_NAME, compact: bool = 
     data = dump_json(tree, where, compact)
     check_state_tree(parse_json(data, where), where)
     return data
+
+
+# ----------------------------------------------------------------------------- merging the ranks' trees
+
+
+def _is_plain_dict(value: Any) -> bool:
+    """A JSON object that is a dict of the state (not a tagged tensor, tuple, pairs or dtype)."""
+    return isinstance(value, dict) and not (len(value) == 1 and next(iter(value)) in _TAGS)
+
+
+def _shown(value: Any) -> str:
+    text = dump_json(value, "a merged value", compact=True).decode() if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def merge_values(values: list[tuple[int, Any]], where: str) -> Any:
+    """One encoded value from ``(rank, value)`` pairs of several ranks: objects are merged key by key
+    (a key only some ranks hold is taken from them: pipeline stages hold different layers), and
+    anything else must be equal on every rank that holds it.
+
+    Raises SaveError naming the first two ranks that disagree and where: one name in a checkpoint
+    means one value, and which rank's copy a load would get must not depend on who wrote it.
+    """
+    first_rank, first = values[0]
+    if all(_is_plain_dict(v) for _, v in values):
+        keys: dict[str, None] = {}
+        for _, v in values:
+            keys.update(dict.fromkeys(v))
+        return {k: merge_values([(r, v[k]) for r, v in values if k in v], f"{where}/{k}") for k in keys}
+    for rank, value in values[1:]:
+        if value != first or type(value) is not type(first):
+            raise SaveError(
+                f"{where[:300]}: rank {first_rank} saves {_shown(first)}, rank {rank} saves {_shown(value)}; a value several ranks save "
+                "under one name must be the same on all of them (give per-stage values their own names, or make the object per_rank)"
+            )
+    return first

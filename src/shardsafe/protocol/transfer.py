@@ -522,9 +522,11 @@ class PlannedRead:
     staged_bytes: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReadTarget:
-    """Where a tensor's box for this rank goes. ``fresh``: the load created the tensor (a fresh
+    """Where a tensor's part on this rank goes: ``tensor`` holds the box of the global tensor at
+    ``offsets``, and each ``(view, offsets)`` of ``more`` another (a ``_StridedShard`` local tensor,
+    FSDP2 over tensor parallel, covers several). ``fresh``: the load created the tensor (a fresh
     optimizer's state) and drops it if it fails, so it may be written before the ranks agree."""
 
     key: str
@@ -532,3 +534,8 @@ class ReadTarget:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     fresh: bool = False
+    more: tuple[tuple[torch.Tensor, tuple[int, ...]], ...] = ()
+
+    def boxes(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Every (destination view, global offsets) of this target."""
+        return [(self.tensor, self.offsets), *self.more]

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from shardsafe.core.boxes import DimSplit, dim_runs, local_boxes, local_shape
 from shardsafe.core.dtypes import dtype_name
 from shardsafe.core.format import MAX_DIMS, MAX_NUMEL, Manifest, check_tensor_key, numel
 from shardsafe.core.plan import LocalChunk
@@ -144,19 +145,84 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One box of a global tensor that this rank holds: ``local`` (a view of its local tensor) is
+    the box of the global tensor at ``offsets`` with ``local``'s shape."""
+
+    local: torch.Tensor
+    offsets: tuple[int, ...]
+
+
+def dtensor_splits(tensor: Any) -> tuple[tuple[DimSplit, ...], ...]:
+    """The splits a DTensor's placements make of each tensor dim, for this rank (core/boxes.py).
+
+    Raises ShardsafeError for a placement whose local values are not a part of the tensor
+    (``Partial``: pending sums) or one this version does not know."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ShardsafeError("cannot save a DTensor on a mesh this rank is not part of")
+    steps: list[list[DimSplit]] = [[] for _ in range(tensor.dim())]
+    for mesh_dim, p in enumerate(tensor.placements):
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, (Shard, _StridedShard)):
+            factor = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+            dim = p.dim if p.dim >= 0 else p.dim + tensor.dim()
+            steps[dim].append(DimSplit(mesh.size(mesh_dim), coordinate[mesh_dim], factor))
+            continue
+        if p.is_partial():
+            raise ShardsafeError(
+                f"cannot save a DTensor with placements {tuple(tensor.placements)}: {p} on mesh dim {mesh_dim} means the local values "
+                "are partial results still to be reduced; call .redistribute(placements=...) with Replicate() or Shard(d) there first"
+            )
+        raise ShardsafeError(f"cannot save a DTensor with placement {p} (mesh dim {mesh_dim}): only Shard, _StridedShard and Replicate are stored")
+    return tuple(tuple(s) for s in steps)
+
+
+def pieces(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[Piece]]:
+    """(global shape, the boxes of it this rank holds) of a tensor or DTensor.
+
+    A plain tensor, or a DTensor of ``Shard``/``Replicate`` placements, is one box; a
+    ``_StridedShard`` (FSDP2 over tensor parallel) local tensor is several, each a view of it."""
+    if not is_dtensor(tensor):
+        return tuple(tensor.shape), [Piece(tensor, (0,) * tensor.dim())]
+    local = tensor.to_local()  # type: ignore[attr-defined]
+    global_shape = tuple(int(n) for n in tensor.shape)
+    splits = dtensor_splits(tensor)
+    expected = local_shape(global_shape, splits)
+    if tuple(local.shape) != expected:
+        raise ShardsafeError(
+            f"a DTensor of shape {list(global_shape)} with placements {tuple(tensor.placements)} "  # type: ignore[attr-defined]
+            f"has a local tensor of shape {list(local.shape)} on this rank; its placements imply {list(expected)}"
+        )
+    boxes = local_boxes(global_shape, splits)
+    per_dim = [dim_runs(n, s) for n, s in zip(global_shape, splits)]
+    if not boxes:  # nothing here (a rank past the end of an uneven split): one empty piece says so
+        return global_shape, [Piece(local, tuple(runs[0].start if runs else size for size, runs in zip(global_shape, per_dim)))]
+    out = []
+    for box in boxes:
+        view = local
+        for d, (start, length) in enumerate(zip(box.local_offsets, box.shape)):
+            if length != view.shape[d]:
+                view = view.narrow(d, start, length)
+        out.append(Piece(view, box.offsets))
+    return global_shape, out
+
+
 def placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(local data, global shape, global offsets of the local data) of a tensor or DTensor."""
-    if is_dtensor(tensor):
-        from torch.distributed.tensor import DTensor, Replicate
-
-        assert isinstance(tensor, DTensor)
-        if any(not (p.is_shard() or isinstance(p, Replicate)) for p in tensor.placements):
-            raise ShardsafeError(f"cannot save a DTensor with placements {tensor.placements}: reduce partial values first")
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return tensor.to_local(), tuple(tensor.shape), tuple(int(o) for o in offsets)
-    return tensor, tuple(tensor.shape), (0,) * tensor.dim()
+    """(local data, global shape, global offsets) of a tensor or DTensor that is one box of its
+    global tensor (FSDP2, tensor parallel, HSDP); ShardsafeError for a local tensor made of several."""
+    global_shape, held = pieces(tensor)
+    if len(held) != 1:
+        raise ShardsafeError(
+            f"a DTensor with placements {tuple(tensor.placements)} holds {len(held)} separate boxes of its tensor here; "  # type: ignore[attr-defined]
+            "this path needs one (save and load take any layout)"
+        )
+    return held[0].local, global_shape, held[0].offsets
 
 
 def check_storable(key: str, tensor: torch.Tensor, global_shape: tuple[int, ...]) -> None:
@@ -187,11 +253,11 @@ def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
-        local, global_shape, offsets = placement(tensor)
-        check_storable(path, local, global_shape)
+        global_shape, held = pieces(tensor)
+        check_storable(path, tensor, global_shape)
         # Empty shards too (FSDP2 ranks past the end of dim 0): they are never written, but say which
         # part of the split rule this rank holds, so every rank describes the same tensors (core/layout).
-        chunks.append(LocalChunk(path, local, global_shape, offsets))
+        chunks.extend(LocalChunk(path, piece.local, global_shape, piece.offsets) for piece in held)
         return path
 
     return encode_value(value, name, ref)
@@ -204,8 +270,10 @@ def bind_tensors(targets: dict[str, ReadTarget], value: Any, name: str, fresh: b
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
-        local, global_shape, offsets = placement(tensor)
-        targets[path] = ReadTarget(path, local, global_shape, offsets, fresh)
+        global_shape, held = pieces(tensor)
+        first = held[0]
+        rest = tuple((p.local, p.offsets) for p in held[1:])
+        targets[path] = ReadTarget(path, first.local, global_shape, first.offsets, fresh, rest)
         return path
 
     encode_value(value, name, ref)

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from shardsafe.core.format import Manifest
-from shardsafe.core.values import decode_value, state_tensor_keys
-from shardsafe.errors import FormatError, ShardsafeError
+from shardsafe.core.values import decode_value, merge_values, state_tensor_keys
+from shardsafe.errors import FormatError, SaveError, ShardsafeError
 from shardsafe.state.base import (
     KIND_OPTIMIZER,
     Bound,
@@ -139,7 +139,9 @@ def check_saved_optimizer(name: str, module: nn.Module, optimizer: torch.optim.O
     names = param_names(module)
     current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     stored = [list(g["params"]) for g in saved["param_groups"]]
-    if current != stored:
+    # A pipeline stage's optimizer holds its own parameters of each saved group (the checkpoint's
+    # groups are the merge over ranks); in one process that is every parameter, in the same order.
+    if len(current) != len(stored) or any(not set(c) <= set(s) or _order(c, s) != c for c, s in zip(current, stored)):
         return [f"{name}: optimizer parameter groups differ (saved {[len(g) for g in stored]} params per group, now {[len(g) for g in current]})"]
     problems: list[str] = []
     for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
@@ -148,9 +150,7 @@ def check_saved_optimizer(name: str, module: nn.Module, optimizer: torch.optim.O
     by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     for fqn, entries in saved["state"].items():
         param = by_name.get(fqn)
-        if param is None:
-            if strict:
-                problems.append(f"{where}: the checkpoint holds state for {fqn!r:.100}, not a parameter of this optimizer")
+        if param is None:  # another rank's (a pipeline stage); state no rank loads is reported once by the load
             continue
         live = optimizer.state.get(param, {})
         for k, v in entries.items():
@@ -162,9 +162,54 @@ def check_saved_optimizer(name: str, module: nn.Module, optimizer: torch.optim.O
     return problems
 
 
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def merge_optimizer_entries(name: str, held: list[tuple[int, Any]]) -> dict[str, Any]:
+    """One optimizer entry from the ranks that hold one (pipeline stages: each its own
+    parameters). Param group g of the checkpoint holds every rank's group g parameters (in rank
+    order, each once); its hyper-parameters, and the state of a parameter several ranks hold,
+    must be equal on every rank."""
+    where = f"state[{name!r}] (optimizer)"
+    counts = {rank: len(entry["state"]["param_groups"]) for rank, entry in held}
+    if len(set(counts.values())) > 1:
+        raise SaveError(f"{where}: the ranks' optimizers have different numbers of param groups ({counts}); every rank must have the same groups")
+    groups = []
+    for g in range(next(iter(counts.values()))):
+        params: dict[str, None] = {}
+        for _, entry in held:
+            params.update(dict.fromkeys(entry["state"]["param_groups"][g]["params"]))
+        hyper = merge_values(
+            [(r, {k: v for k, v in e["state"]["param_groups"][g].items() if k != "params"}) for r, e in held], f"{where} param group {g}"
+        )
+        groups.append({**hyper, "params": list(params)})
+    rest = merge_values([(r, {k: v for k, v in e["state"].items() if k != "param_groups"}) for r, e in held], where)
+    return {"kind": KIND_OPTIMIZER, "state": {**rest, "param_groups": groups}}
+
+
+def _order(current: list[str], stored: list[str]) -> list[str]:
+    """``current``'s names in the order ``stored`` has them."""
+    position = {n: i for i, n in enumerate(stored)}
+    return sorted(current, key=lambda n: position.get(n, -1))
+
+
 class OptimizerAdapter:
     kind = KIND_OPTIMIZER
     in_place = True
+
+    def merge(self, name: str, held: list[tuple[int, Any]]) -> dict[str, Any]:
+        return merge_optimizer_entries(name, held)
+
+    def unclaimed(self, bound: Bound, ctx: LoadContext) -> set[str]:
+        """State saved for parameters this optimizer does not have (another stage's, or nobody's)."""
+        saved = _saved_tree(bound.name, ctx.saved)
+        names = param_names(bound.context)
+        mine = {names[id(p)] for group in bound.value.param_groups for p in group["params"]}
+        where = f"{bound.name!r} (optimizer)"
+        return {
+            f"{where}: the checkpoint holds state for {fqn!r:.100}, not a parameter of this optimizer" for fqn in saved["state"] if fqn not in mine
+        }
 
     def matches(self, value: Any) -> bool:
         return isinstance(value, torch.optim.Optimizer)

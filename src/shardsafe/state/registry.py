@@ -17,8 +17,8 @@ import torch
 
 from shardsafe.core.format import Manifest
 from shardsafe.core.plan import LocalChunk
-from shardsafe.core.values import encode_state, state_tensor_keys
-from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
+from shardsafe.core.values import encode_state, merge_values, state_tensor_keys
+from shardsafe.errors import FormatError, SaveError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.shard_write import chunk_name
 from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.adapters import ModuleAdapter, PerRankAdapter, StatefulAdapter, TensorAdapter, ValueAdapter
@@ -95,6 +95,27 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
     return view
 
 
+def merge_trees(trees: list[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint's tree from every rank's shared entries (in rank order), when ranks hold
+    different state (pipeline stages, experts on their own ranks): the union of the names, each
+    entry merged by its adapter's ``merge`` where it has one (an optimizer's param groups), else
+    key by key with every value several ranks hold equal (:func:`~shardsafe.core.values.merge_values`).
+    Raises SaveError on a disagreement, before anything is written."""
+    names: dict[str, None] = {}
+    for tree in trees:
+        names.update(dict.fromkeys(tree))
+    merged: dict[str, Any] = {}
+    for name in names:
+        held = [(rank, tree[name]) for rank, tree in enumerate(trees) if name in tree]
+        kinds = {entry.get("kind") for _, entry in held}
+        if len(kinds) > 1:
+            raise SaveError(f"state[{name!r}] is saved as {sorted(map(str, kinds))} on different ranks; one name must be one kind of value")
+        adapter = adapter_for_kind(held[0][1].get("kind"))
+        merge = getattr(adapter, "merge", None)
+        merged[name] = merge(name, held) if merge is not None else merge_values(held, f"state[{name!r}]")
+    return merged
+
+
 # ----------------------------------------------------------------------------- load
 
 
@@ -126,9 +147,11 @@ def bind_for_load(
 
 
 def check_binding(binding: LoadBinding, manifest: Manifest, tree: dict[str, Any], strict: bool = True) -> list[str]:
-    """Every reason the checkpoint does not fit the bound state (nothing is modified): a missing or
-    differently kinded entry, missing or unexpected tensors (``strict``), shapes and dtypes, and
-    each adapter's own checks of the saved entry against the live value."""
+    """Every reason the checkpoint does not fit the bound state on this rank (nothing is modified):
+    a missing or differently kinded entry, tensors this rank asks for that the checkpoint lacks
+    (``strict``), shapes and dtypes, and each adapter's own checks of the saved entry against the
+    live value. Stored tensors this rank does not ask for are another rank's (a pipeline stage's):
+    :func:`unclaimed_keys` gives them, and the load reports those that no rank asked for."""
     problems: list[str] = []
     for name, bound in binding.bound.items():
         adapter = bound.adapter
@@ -141,14 +164,30 @@ def check_binding(binding: LoadBinding, manifest: Manifest, tree: dict[str, Any]
             continue
         if adapter.in_place:
             saved = set(state_tensor_keys(tree[name].get("state")))
-            missing, unexpected = sorted(bound.targets.keys() - saved), sorted(saved - bound.targets.keys())
             if strict:
-                problems += [f"missing in checkpoint: {k}" for k in missing]
-                problems += [f"unexpected in checkpoint: {k}" for k in unexpected]
+                problems += [f"missing in checkpoint: {k}" for k in sorted(bound.targets.keys() - saved)]
             for key in sorted(bound.targets.keys() & saved):
                 problems += _compare_tensor(key, manifest, bound.targets[key], strict)
         problems += adapter.check(bound, binding.contexts[name], manifest)
     return problems
+
+
+def unclaimed(binding: LoadBinding, tree: dict[str, Any]) -> set[str]:
+    """What this rank leaves of the entries it loads, each as the problem it is if no rank takes
+    it (the load intersects every rank's set): stored tensors of in-place entries it does not read,
+    and whatever an adapter's optional ``unclaimed(bound, ctx)`` names (an optimizer: state saved
+    for parameters it does not have). Other ranks' parts, on pipeline stages."""
+    out: set[str] = set()
+    for name, bound in binding.bound.items():
+        entry = tree.get(name)
+        if not (isinstance(entry, dict) and entry.get("kind") == bound.adapter.kind):
+            continue
+        if bound.adapter.in_place:
+            out |= {f"unexpected in checkpoint: {k}" for k in set(state_tensor_keys(entry.get("state"))) - bound.targets.keys()}
+        extra = getattr(bound.adapter, "unclaimed", None)
+        if extra is not None:
+            out |= extra(bound, binding.contexts[name])
+    return out
 
 
 def _compare_tensor(key: str, manifest: Manifest, target: ReadTarget, strict: bool) -> list[str]:
