@@ -259,3 +259,36 @@ def test_partial_is_refused_with_the_remedy(tmp_path: Path) -> None:
     messages = run_ranks(partial_job, 2, str(tmp_path / "ck"), work_dir=tmp_path)
     assert all("Partial" in m and "redistribute" in m and "Replicate()" in m for m in messages), messages
     assert not (tmp_path / "ck").exists()
+
+
+# ----------------------------------------------------------------------------- the rest of the stack
+
+
+def stack_job(rank: int, world_size: int, root: str, out: str) -> dict[str, Any]:
+    """FSDP2 x TP through the manager (async saves, retention) and into a Hugging Face weights file."""
+    from safetensors.torch import load_file
+
+    model, optimizer = nd_utils.build("2d", rank, world_size)
+    manager = shardsafe.CheckpointManager(root, keep_last=1, async_save=True)
+    for i in range(3):
+        nd_utils.step(model, optimizer, i)
+        manager.save(i + 1, {"model": model, "optim": optimizer})
+    manager.wait()
+    saved = nd_utils.whole_state(model, optimizer)
+    restored_into, fresh_optimizer = nd_utils.build("hsdp", rank, world_size, seed=5)
+    step = manager.restore({"model": restored_into, "optim": fresh_optimizer})
+    manager.close()
+    shardsafe.save_pretrained(model, out, dtype=None)
+    weights = load_file(str(Path(out) / "model.safetensors")) if rank == 0 else {}
+    return {"saved": saved, "restored": nd_utils.whole_state(restored_into, fresh_optimizer), "step": step, "weights": weights}
+
+
+def test_manager_and_save_pretrained_take_an_nd_model(tmp_path: Path) -> None:
+    results = run_ranks(stack_job, 4, str(tmp_path / "run"), str(tmp_path / "hf"), work_dir=tmp_path)
+    assert all(r["step"] == 3 for r in results)
+    saved = _merged([r["saved"] for r in results])
+    assert_tensors_equal(_merged([r["restored"] for r in results]), saved, "2d@4 async manager save -> hsdp@4 restore")
+    assert [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")] == ["step-0000000003"]  # keep_last=1
+    weights = results[0]["weights"]
+    params = {k: v for k, v in saved.items() if not k.startswith("optim/")}
+    assert_tensors_equal(weights, params, "save_pretrained of a 2d model")

@@ -30,11 +30,10 @@ from shardsafe.api.location import location, shown
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import Manifest
 from shardsafe.core.gcpause import gc_paused
-from shardsafe.core.plan import ReadOp
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
-from shardsafe.protocol.transfer import BlockRead, ChunkReader
+from shardsafe.protocol.transfer import BlockRead, ChunkReader, ReadRequest
 from shardsafe.state.base import LoadStep
 from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps, unclaimed
 from shardsafe.storage.local import prefault_writable
@@ -131,8 +130,8 @@ def load_from(
     assert checked is not None
     manifest, tree, binding = checked
     steps: list[LoadStep] = []
-    fresh_reads: list[ReadItem] = []
-    existing_reads: list[ReadItem] = []
+    fresh_reads: list[ReadRequest] = []
+    existing_reads: list[ReadRequest] = []
     with open_reader(manifest) as reader:
         try:
             fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
@@ -228,35 +227,32 @@ def _agree(
         raise
 
 
-ReadItem = tuple[str, ReadOp, torch.dtype, torch.Tensor, tuple[int, ...]]  # what ChunkReader.read_all reads
-
-
-def _plan_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> tuple[list[ReadItem], list[ReadItem]]:
+def _plan_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> tuple[list[ReadRequest], list[ReadRequest]]:
     """The reads of every in-place target, planned once: (those of fresh targets, those of the others)."""
-    fresh: list[ReadItem] = []
-    existing: list[ReadItem] = []
+    fresh: list[ReadRequest] = []
+    existing: list[ReadRequest] = []
     for key, target in binding.targets.items():
         entry = manifest.tensors.get(key)
         if entry is None:
             continue
         for dest, offsets in target.boxes():
             ops = reader.plan(key, entry, offsets, tuple(dest.shape))
-            (fresh if target.fresh else existing).extend((key, op, entry.dtype, dest, offsets) for op in ops)
+            (fresh if target.fresh else existing).extend(ReadRequest(key, op, entry.dtype, dest, offsets) for op in ops)
     return fresh, existing
 
 
-def _read(reader: ChunkReader, items: list[ReadItem], checks: list[BlockRead] | None = None) -> None:
+def _read(reader: ChunkReader, items: list[ReadRequest], checks: list[BlockRead] | None = None) -> None:
     with torch.no_grad():
         reader.read_all(items, checks)
 
 
-def _check_sources(reader: ChunkReader, fresh: list[ReadItem], existing: list[ReadItem]) -> None:
+def _check_sources(reader: ChunkReader, fresh: list[ReadRequest], existing: list[ReadRequest]) -> None:
     """The first pass of an atomic load: everything the in-place reads of ``existing`` targets will
     read is checked and no live tensor is written. Tensors the load itself created (``fresh``: a
     fresh optimizer's state, which a failed load drops) are read, verified, straight into place:
     they are read once, not twice."""
-    checks = [check for key, op, dtype, _, _ in existing for check in reader.check_reads(key, op, dtype)]
-    prefault = threading.Thread(target=prefault_writable, args=([dest for *_, dest, _ in fresh],), name="shardsafe-prefault", daemon=True)
+    checks = [check for r in existing for check in reader.check_reads(r.key, r.op, r.saved_dtype)]
+    prefault = threading.Thread(target=prefault_writable, args=([r.dest for r in fresh],), name="shardsafe-prefault", daemon=True)
     prefault.start()  # the new memory's page faults are taken while the reads wait on the disk
     try:
         _read(reader, fresh, checks)  # one pass over the files, in order

@@ -13,14 +13,21 @@ import hashlib
 import heapq
 import json
 from dataclasses import dataclass
+from enum import Enum
 
 from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
 from shardsafe.core.split import SplitRule
 
-SPLIT = "split"  # exactly part `rank` of the rule for its global shape over the world size
-WHOLE = "whole"  # the whole tensor (replicated: written once)
-IRREGULAR = "irregular"  # anything else: listed explicitly, writers chosen by the coordinator
+class ChunkClass(str, Enum):
+    """How a save stores one of this rank's chunks (the value is what the layout digest hashes)."""
+
+    SPLIT = "split"  # exactly part `rank` of the rule for its global shape over the world size
+    WHOLE = "whole"  # the whole tensor (replicated: written once)
+    IRREGULAR = "irregular"  # anything else: listed explicitly, writers chosen by the coordinator
+
+
+SPLIT, WHOLE, IRREGULAR = ChunkClass.SPLIT, ChunkClass.WHOLE, ChunkClass.IRREGULAR
 
 
 def rule_for(global_shape: tuple[int, ...], world_size: int) -> SplitRule | None:
@@ -30,7 +37,7 @@ def rule_for(global_shape: tuple[int, ...], world_size: int) -> SplitRule | None
     return SplitRule(0, world_size, -(-global_shape[0] // world_size))
 
 
-def classify(spec: ChunkSpec, rank: int, world_size: int) -> str:
+def classify(spec: ChunkSpec, rank: int, world_size: int) -> ChunkClass:
     """This rank's chunk: part ``rank`` of the split rule, the whole tensor, or irregular.
 
     Whole wins over split (a replicated tensor is whole on every rank, so all ranks agree; the one
@@ -50,7 +57,7 @@ def classify(spec: ChunkSpec, rank: int, world_size: int) -> str:
     return SPLIT if (spec.offsets, shape) == (offsets, part_shape) else IRREGULAR
 
 
-def layout_digest(entries: list[tuple[str, str, tuple[int, ...], str]]) -> str:
+def layout_digest(entries: list[tuple[str, str, tuple[int, ...], ChunkClass]]) -> str:
     """One digest of (key, dtype, global shape, class) of every tensor this rank holds, in key order.
     Equal on all ranks exactly when they hold the same tensors laid out the same way."""
     data = json.dumps(sorted(entries), separators=(",", ":")).encode()
@@ -81,17 +88,17 @@ def is_stored(chunk: LocalChunk) -> bool:
 class LocalLayout:
     """This rank's chunks, classified without talking to any other rank."""
 
-    classes: list[str | None]  # per chunk of the view (None: neither described nor stored)
-    tensors: list[tuple[str, str, tuple[int, ...], str]]  # (key, dtype, global shape, class), every key held
+    classes: list[ChunkClass | None]  # per chunk of the view (None: neither described nor stored)
+    tensors: list[tuple[str, str, tuple[int, ...], ChunkClass]]  # (key, dtype, global shape, class), every key held
     digest: str
 
-    def keys_of(self, kind: str) -> set[str]:
+    def keys_of(self, kind: ChunkClass) -> set[str]:
         return {key for key, _, _, cls in self.tensors if cls == kind}
 
 
 def describe_layout(chunks: list[LocalChunk], rank: int, world_size: int) -> LocalLayout:
     """Classify every chunk (:func:`classify`) and digest the result (:func:`layout_digest`)."""
-    classes: list[str | None] = []
+    classes: list[ChunkClass | None] = []
     tensors = []
     count: dict[str, int] = {}
     for chunk in chunks:

@@ -405,7 +405,7 @@ class ChunkReader:
         for op in ops:
             self.open(op.chunk)
         out = torch.empty(entry.shape, dtype=entry.dtype)
-        self.read_all([(key, op, entry.dtype, out, zeros) for op in ops])
+        self.read_all([ReadRequest(key, op, entry.dtype, out, zeros) for op in ops])
         return out
 
     def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None:
@@ -415,10 +415,10 @@ class ChunkReader:
 
     def read_into(self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]) -> None:
         """Copy the box of ``op`` into ``dest`` (which holds the box at ``dest_offsets``)."""
-        self.read_all([(key, op, saved_dtype, dest, dest_offsets)])
+        self.read_all([ReadRequest(key, op, saved_dtype, dest, dest_offsets)])
 
-    def read_all(self, items: list[tuple[str, ReadOp, torch.dtype, torch.Tensor, tuple[int, ...]]], checks: list[BlockRead] | None = None) -> None:
-        """Copy the box of every ``(key, op, saved dtype, dest, dest offsets)`` into its destination
+    def read_all(self, items: list[ReadRequest], checks: list[BlockRead] | None = None) -> None:
+        """Copy the box of every request into its destination
         (and do the block ``checks``, from :meth:`check_reads`, with the first batch).
 
         Reads run in batches (:meth:`run`); a box that cannot be read straight into its
@@ -429,7 +429,7 @@ class ChunkReader:
         copies: list[Callable[[], None]] = []
         staged = 0
         for item in items:
-            planned = self.plan_into(*item)
+            planned = self.plan_into(item.key, item.op, item.saved_dtype, item.dest, item.dest_offsets)
             if planned.staged_bytes and staged and staged + planned.staged_bytes > STAGED_BATCH_BYTES:
                 self._finish(batch, copies)
                 batch, copies, staged = [], [], 0
@@ -511,6 +511,19 @@ class BlockRead:
     lo: int
     hi: int
     dest: memoryview | None
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Copy the box of ``op`` (a stored chunk's overlap with a destination) into ``dest``, which
+    holds the box of the global tensor at ``dest_offsets``; ``saved_dtype`` is the stored dtype
+    (a ``strict=False`` load casts)."""
+
+    key: str
+    op: ReadOp
+    saved_dtype: torch.dtype
+    dest: torch.Tensor
+    dest_offsets: tuple[int, ...]
 
 
 @dataclass

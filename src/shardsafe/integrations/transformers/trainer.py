@@ -162,7 +162,8 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             state[RNG] = RNGState()
             if self._data is not None:
                 state[DATA] = self._data
-        state[FILES] = self._trainer_files()
+        if get_comm().is_coordinator:  # the Trainer's state differs between ranks (logs, timings): the main process's is the run's
+            state[FILES] = self._trainer_files()
         return state
 
     def _trainer_files(self) -> dict[str, str]:
