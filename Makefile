@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-gpu stress clean
+.PHONY: demo test lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ stress: $(STAMP)
 	$(PY) tests/fuzz/fuzz_dcp_metadata.py -runs=20000
 
 # Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~40 min on 2 cores).
-bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale
+bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/run.py
@@ -56,6 +56,9 @@ bench-deepspeed: $(STAMP)
 
 bench-scale: $(STAMP)
 	$(PY) benchmarks/bench_scale.py --md BENCHMARKS.md
+
+bench-nd: $(STAMP)
+	$(PY) benchmarks/bench_nd.py --md BENCHMARKS.md
 
 # Not part of `make bench`: needs a CUDA GPU and a CUDA build of torch (stops with a message otherwise); < 8 min on one H200.
 bench-gpu: $(STAMP)

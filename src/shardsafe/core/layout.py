@@ -19,6 +19,7 @@ from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
 from shardsafe.core.split import SplitRule
 
+
 class ChunkClass(str, Enum):
     """How a save stores one of this rank's chunks (the value is what the layout digest hashes)."""
 
