@@ -156,3 +156,32 @@ def test_hf_source_through_the_local_hub(tmp_path: Path, hub: Any, monkeypatch: 
     shardsafe.load_pretrained(model, "hf://tester/tiny-llama")
     assert_equal({k: v.detach() for k, v in model.state_dict().items()}, reference_state(folder))
     assert any((tmp_path / "hf-cache").rglob("model.safetensors"))
+
+
+def _2d_job(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """FSDP2 over tensor parallel (torchtitan's layout): the MLP's colwise weights are _StridedShard."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = fresh_model(False, seed=100 + rank)
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    placements = str(tuple(model.model.layers[0].mlp.gate_proj.weight.placements))
+    result = shardsafe.load_pretrained(model, folder)
+    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {"state": whole if rank == 0 else None, "bytes_read": result["bytes_read"], "placements": placements}
+
+
+def test_fsdp2_over_tensor_parallel_reads_each_rank_its_boxes(tmp_path: Path) -> None:
+    folder = make_folder(tmp_path / "m", tie=False)
+    results = run_ranks(_2d_job, 4, str(folder), work_dir=tmp_path / "run")
+    assert results[0]["placements"].startswith("(_StridedShard(dim=0")
+    assert_equal(results[0]["state"], reference_state(folder))
+    total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert max(r["bytes_read"] for r in results) < 0.7 * total  # no rank reads the whole model (TP-replicated norms: each tp rank its copy)

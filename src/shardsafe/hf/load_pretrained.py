@@ -35,7 +35,7 @@ from shardsafe.core.format import element_size
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
 from shardsafe.hf.weights_file import read_weights_file
-from shardsafe.state.base import placement, unwrap_module
+from shardsafe.state.base import Piece, pieces, unwrap_module
 from shardsafe.state.deepspeed_engine import is_deepspeed_engine
 from shardsafe.state.zero3 import Zero3Targets, is_zero3_param
 from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes
@@ -165,18 +165,18 @@ def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero
         stored = layout[stored_name]
         tensor, flat = tensors[name], is_zero3_param(tensors[name])
         shape: tuple[int, ...]
-        offsets: tuple[int, ...]
         if flat:
             share, local = zero3.destination(name, tensor)
-            shape, offsets = share.shape, (share.start,)
-        else:
-            local, shape, offsets = placement(tensor)
+            shape, held = share.shape, [Piece(local, (share.start,))]
+        else:  # one box (FSDP2, TP, DDP) or several (FSDP2 over TP: _StridedShard), each read on its own
+            shape, held = pieces(tensor)
+        dtype = held[0].local.dtype
         if tuple(shape) != stored.shape:
             problems.append(f"{name}: the model has shape {list(shape)}, {stored.file} stores {stored_name} as {list(stored.shape)}")
-        elif stored.dtype.is_floating_point != local.dtype.is_floating_point and stored.dtype != local.dtype:
-            problems.append(f"{name}: cannot load {stored.dtype} weights into a {local.dtype} tensor")
+        elif stored.dtype.is_floating_point != dtype.is_floating_point and stored.dtype != dtype:
+            problems.append(f"{name}: cannot load {stored.dtype} weights into a {dtype} tensor")
         else:
-            targets.append(_Target(name, stored, local, offsets, flat))
+            targets += [_Target(name, stored, piece.local, piece.offsets, flat) for piece in held]
     if strict:
         problems += [f"missing in the model folder: {n}" for n in missing] + [f"unexpected in the model folder: {n}" for n in unexpected]
     if problems:
@@ -294,4 +294,4 @@ def load_pretrained(
         for fd in fds.values():
             os.close(fd)
         zero3.finish()  # even after a failed read: the 16-bit partitions match the master, no stale gathered copy
-    return {"missing_keys": missing, "unexpected_keys": unexpected, "tensors": len(targets), "bytes_read": read}
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "tensors": len({t.name for t in targets}), "bytes_read": read}

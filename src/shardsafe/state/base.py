@@ -213,18 +213,6 @@ def pieces(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[Piece]]:
     return global_shape, out
 
 
-def placement(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(local data, global shape, global offsets) of a tensor or DTensor that is one box of its
-    global tensor (FSDP2, tensor parallel, HSDP); ShardsafeError for a local tensor made of several."""
-    global_shape, held = pieces(tensor)
-    if len(held) != 1:
-        raise ShardsafeError(
-            f"a DTensor with placements {tuple(tensor.placements)} holds {len(held)} separate boxes of its tensor here; "  # type: ignore[attr-defined]
-            "this path needs one (save and load take any layout)"
-        )
-    return held[0].local, global_shape, held[0].offsets
-
-
 def check_storable(key: str, tensor: torch.Tensor, global_shape: tuple[int, ...]) -> None:
     """Refuse, before anything is written, a tensor the manifest parser would refuse on load."""
     where = f"tensor {key!r:.200}"
