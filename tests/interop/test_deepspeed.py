@@ -471,3 +471,29 @@ def test_open_source_and_detection(tmp_path: Path) -> None:
     assert is_deepspeed_checkpoint(tmp_path / "ds")
     with pytest.raises(CheckpointNotFoundError, match="global_step9"):
         open_source(tmp_path / "ds")
+
+
+@needs_deepspeed
+def test_convert_reassembles_each_tensor_once(ds_runs: dict[str, Run], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ZeRO parameter and moment is reassembled exactly once (the writer takes sizes from the
+    header, not from a first pass over the tensors), and the progress bar ends at 100%."""
+    import shardsafe.interop.deepspeed_convert as convert_module
+
+    calls: dict[str, int] = {}
+    original = convert_module.write_planned
+
+    def counting(final: Any, planned: list[Any], *args: Any, **kwargs: Any) -> Any:
+        for item in planned:
+            produce = item.produce
+
+            def counted(produce: Any = produce, key: str = item.key) -> Any:
+                calls[key] = calls.get(key, 0) + 1
+                return produce()
+
+            item.produce = counted
+        return original(final, planned, *args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "write_planned", counting)
+    out = convert_deepspeed(ds_runs[TINY_RUNS[0]].folder, tmp_path / "converted")
+    assert calls and set(calls.values()) == {1}, {k: n for k, n in calls.items() if n != 1}
+    assert len(calls) == shardsafe.verify(out)["tensors"]  # one call per stored tensor

@@ -47,6 +47,16 @@ def build_safetensors_header(entries: list[HeaderEntry]) -> tuple[bytes, list[tu
     return prefix, [(len(prefix) + b, len(prefix) + e) for b, e in relative]
 
 
+def header_sizes(prefix: bytes) -> list[int]:
+    """The byte size of each tensor of a prefix :func:`build_safetensors_header` made, in file order:
+    what a writer needs to know up front, without asking the tensors (which a converter computes
+    only when the writer reaches them)."""
+    (length,) = struct.unpack("<Q", prefix[:8])
+    raw = json.loads(prefix[8 : 8 + length])
+    spans = sorted(tuple(e["data_offsets"]) for name, e in raw.items() if name != RESERVED_HEADER_NAME)
+    return [end - begin for begin, end in spans]
+
+
 def parse_safetensors_header(head: bytes, file_size: int, where: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
     """Validate a safetensors header; returns name -> (dtype, shape, absolute begin, absolute end).
 

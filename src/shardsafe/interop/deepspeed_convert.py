@@ -243,7 +243,7 @@ def write_planned(
 
         total = sum(numel(p.shape) * p.dtype.itemsize for p in planned)
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress) as bar:
-            size, digests = target.write_shard(name, prefix, _Produced(planned, bar), HASH_BLOCK_SIZE, 0)  # type: ignore[arg-type]
+            size, digests = target.write_shard(name, prefix, _Produced(planned, bar), HASH_BLOCK_SIZE, 0)
     except BaseException:
         target.abort()
         raise

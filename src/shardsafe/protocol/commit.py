@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ class LocalCommit:
     def shard_name(self, rank: int) -> str:
         return SHARD_PATTERN.format(rank=rank)
 
-    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
         return write_tensor_file(self.tmp / name, prefix, tensors, block_size, self.fsync, rank)
 
     def write_index(self, rank: int, data: bytes) -> str:
@@ -102,7 +102,7 @@ class RemoteCommit:
     def shard_name(self, rank: int) -> str:
         return f"shard-{rank:05d}-{self.save_id}.safetensors"
 
-    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
         return self.folder.write_tensors(name, prefix, tensors, block_size)
 
     def write_index(self, rank: int, data: bytes) -> str:

@@ -7,6 +7,7 @@ checkpoint of the same root is referenced instead of written (:class:`ReuseMap`)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -37,7 +38,7 @@ class ShardSink(Protocol):
 
     def shard_name(self, rank: int) -> str: ...
 
-    def write_shard(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]: ...
+    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]: ...
 
     def write_index(self, rank: int, data: bytes) -> str: ...
 

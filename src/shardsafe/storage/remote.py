@@ -73,7 +73,7 @@ class RemoteDir:
     def write_bytes(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self.key(name), data)
 
-    def write_tensors(self, name: str, prefix: bytes, tensors: list[torch.Tensor], block_size: int) -> tuple[int, list[list[str]]]:
+    def write_tensors(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int) -> tuple[int, list[list[str]]]:
         """Stream ``prefix`` and the tensors into one object (multipart upload), hashing blocks."""
         return write_tensor_stream(self.fs.open(self.key(name), "wb"), prefix, tensors, block_size, f"{self.url}/{name}")
 

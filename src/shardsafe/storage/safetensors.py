@@ -11,6 +11,7 @@ write-behind, so the final fsync has little left to do) or an fsspec file object
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ import torch
 
 from shardsafe.core.faults import crash_point
 from shardsafe.core.integrity import BlockHasher
+from shardsafe.core.safetensors_header import header_sizes
 from shardsafe.storage.local import WRITE_BEHIND_WINDOW, WriteBehind, tensor_pieces
 
 
@@ -138,22 +140,22 @@ class SafetensorsWriter:
 
 
 def write_tensor_file(
-    path: Path, prefix: bytes, tensors: list[torch.Tensor], block_size: int, fsync: bool = True, rank: int = 0
+    path: Path, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, fsync: bool = True, rank: int = 0
 ) -> tuple[int, list[list[str]]]:
     """A rank's shard file: ``prefix`` then each tensor's bytes into a new local file, hashed while written.
 
-    Returns the file size and, per tensor, its block digests. With ``fsync`` the data is also
-    pushed to the disk while writing (write-behind).
+    ``tensors`` is iterated once, in header order (a converter computes each only when it is
+    reached); the sizes come from ``prefix``. Returns the file size and, per tensor, its block
+    digests. With ``fsync`` the data is also pushed to the disk while writing (write-behind).
     """
+    sizes = header_sizes(prefix)
     try:
-        writer = SafetensorsWriter(
-            LocalSink(path, fsync), prefix, [t.numel() * t.element_size() for t in tensors], block_size=block_size, where=str(path)
-        )
+        writer = SafetensorsWriter(LocalSink(path, fsync), prefix, sizes, block_size=block_size, where=str(path))
         digests = []
         try:
             for tensor in tensors:
                 digests.append(writer.write(tensor))
-                if len(digests) == len(tensors) // 2 + 1:
+                if len(digests) == len(sizes) // 2 + 1:
                     crash_point("save:mid-write", rank)
             crash_point("save:before-fsync", rank)
             return writer.close(fsync), digests
@@ -164,9 +166,9 @@ def write_tensor_file(
         raise OSError(exc.errno, f"{exc.strerror or exc} while writing {path}") from exc
 
 
-def write_tensor_stream(stream: Any, prefix: bytes, tensors: list[torch.Tensor], block_size: int, where: str) -> tuple[int, list[list[str]]]:
-    """The same into an open binary stream (an object-store upload); returns size and digests."""
-    writer = SafetensorsWriter(StreamSink(stream), prefix, [t.numel() * t.element_size() for t in tensors], block_size=block_size, where=where)
+def write_tensor_stream(stream: Any, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, where: str) -> tuple[int, list[list[str]]]:
+    """The same into an open binary stream (an object-store upload); ``tensors`` iterated once; returns size and digests."""
+    writer = SafetensorsWriter(StreamSink(stream), prefix, header_sizes(prefix), block_size=block_size, where=where)
     try:
         digests = [writer.write(tensor) for tensor in tensors]
         return writer.close(), digests
