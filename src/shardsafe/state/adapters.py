@@ -44,9 +44,23 @@ from shardsafe.state.base import (
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
+    """The module's state dict keyed by clean FQNs (torch's ``get_model_state_dict``), or, where a
+    state-dict hook renames entries so that torch cannot map them back to parameters (torchtitan's
+    fused QKV saves ``wqkv`` as ``wq``/``wk``/``wv``), what ``state_dict()`` itself gives."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module)
+    try:
+        return get_model_state_dict(module)
+    except AttributeError:
+        return dict(unwrap_module(module).state_dict())
+
+
+def _renamed_by_hooks(module: nn.Module, state: dict[str, Any]) -> bool:
+    """Whether ``state`` holds entries that are not the module's own parameters and buffers (made
+    by a state-dict hook): those are read into and handed back through ``load_state_dict``."""
+    inner = unwrap_module(module)
+    own = {name for name, _ in inner.named_parameters(remove_duplicate=False)} | {name for name, _ in inner.named_buffers(remove_duplicate=False)}
+    return not set(state) <= own
 
 
 def _state_of(ctx: LoadContext) -> Any:
@@ -71,15 +85,25 @@ class ModuleAdapter:
         return Described({"kind": self.kind, "state": encode_with_chunks(model_state(value), name, chunks)}, chunks=chunks)
 
     def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound:
-        bound = Bound(name, value, self)
-        bind_tensors(bound.targets, model_state(value), name)
+        state = model_state(value)
+        # Entries a state-dict hook made are copies: read into them, then load_state_dict merges them back.
+        bound = Bound(name, value, self, context=state if _renamed_by_hooks(value, state) else None)
+        bind_tensors(bound.targets, state, name)
         return bound
 
     def check(self, bound: Bound, ctx: LoadContext, manifest: Manifest) -> list[str]:
         return []
 
     def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep:
-        return _no_step(bound.name)
+        state = bound.context
+        if state is None:
+            return _no_step(bound.name)
+        module = unwrap_module(bound.value)
+
+        def apply() -> None:  # after the tensors are read (a step without undo)
+            module.load_state_dict(state)
+
+        return LoadStep(bound.name, apply, after_tensors=True)
 
     def summarize(self, entry: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
         return tensor_summary(state_tensor_keys(entry.get("state")), manifest)
