@@ -11,6 +11,7 @@ fewer, more, FSDP2; experts (EP) -> more ranks, one process; HSDP -> FSDP2 and b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +104,15 @@ def test_2d_writes_each_byte_once(tmp_path: Path) -> None:
     written twice, nothing dropped), spread over all four ranks."""
     path = tmp_path / "ck"
     run_ranks(strided_bytes_job, 4, str(path), work_dir=tmp_path)
-    manifest = __import__("json").loads((path / "manifest.json").read_text())
+    manifest = json.loads((path / "manifest.json").read_text())
     model, _ = nd_utils.build("one", 0, 1)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     chunk_bytes = sum(c["end"] - c["begin"] for t in manifest["tensors"].values() for c in t.get("chunks", []))
+    for f in manifest["files"].values():  # the parts of layout rules: in their writers' indexes
+        index = json.loads((path / f["index"]["file"]).read_text()) if "index" in f else {"chunks": {}}
+        boxes = [b for v in index["chunks"].values() for b in (v if isinstance(v, list) else [v])]
+        chunk_bytes += sum(b["end"] - b["begin"] for b in boxes)
+    assert sum("layout" in t for t in manifest["tensors"].values()) >= 3 * len(list(model.parameters())) - 2
     steps = len([k for k in manifest["tensors"] if k.endswith("/step")])
     assert chunk_bytes == 3 * param_bytes + steps * 4, (chunk_bytes, param_bytes)
     assert len(manifest["files"]) == 4
@@ -331,8 +337,13 @@ def test_a_local_tensor_of_several_boxes_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     shapes = run_ranks(strided_save_job, 2, str(path), work_dir=tmp_path)
     assert shapes == [[6, 3], [5, 3]]
-    manifest = __import__("json").loads((path / "manifest.json").read_text())
-    assert len(manifest["tensors"]["t"]["chunks"]) == 4  # two boxes per rank, each its own chunk
+    manifest = json.loads((path / "manifest.json").read_text())
+    # Stored by its rule (format 3), no chunk list; each rank's index holds its two boxes.
+    assert manifest["format_version"] == 3 and "chunks" not in manifest["tensors"]["t"]
+    assert manifest["tensors"]["t"]["layout"] == {"mesh": [2], "placements": [["strided", 0, 2]], "writer": 0}
+    for rank in range(2):
+        index = json.loads((path / f"shard-{rank:05d}.index.json").read_text())
+        assert [box["shape"] for box in index["chunks"]["t"]] == ([[3, 3], [3, 3]] if rank == 0 else [[3, 3], [2, 3]])
     one = torch.zeros(11, 3)
     shardsafe.load(path, {"t": one}, strict=False)
     assert torch.equal(one, torch.arange(33, dtype=torch.float32).reshape(11, 3))

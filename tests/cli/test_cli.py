@@ -72,12 +72,22 @@ def test_inspect_json_matches_the_manifest(checkpoint: Path) -> None:
     assert info["created"] == manifest.created
     assert info["metadata"] == {"loss": 1.25, "note": "from test_cli"}
 
+    writers = {key: sorted({manifest.files[c.file].rank for c in t.chunks}) for key, t in manifest.tensors.items()}
     expected_tensors = {
-        key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes} for key, t in manifest.tensors.items()
+        key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes}
+        | {"layout": "listed chunks", "written_by": writers[key]}
+        for key, t in manifest.tensors.items()
     }
     assert {t["key"]: {k: v for k, v in t.items() if k != "key"} for t in info["tensors"]} == expected_tensors
     assert expected_tensors["model/2.weight"]["dtype"] == "bfloat16"
-    assert expected_tensors["model/0.weight"] == {"dtype": "float32", "shape": [5, 6], "chunks": 1, "bytes": 120}
+    assert expected_tensors["model/0.weight"] == {
+        "dtype": "float32",
+        "shape": [5, 6],
+        "chunks": 1,
+        "bytes": 120,
+        "layout": "listed chunks",
+        "written_by": [0],
+    }
 
     files = {f["name"]: f["size"] for f in info["files"]}
     assert files == {p.name: p.stat().st_size for p in checkpoint.iterdir()}
@@ -110,7 +120,7 @@ def test_inspect_human_output(checkpoint: Path, capsys: pytest.CaptureFixture[st
     for key in manifest.tensors:
         assert key in out
     rows = [line.split(None, 1)[1] for line in out.splitlines() if line.strip().startswith("model/2.weight ")]
-    assert rows and re.fullmatch(r"bfloat16 +\[3, 5\] +1 +30 B", rows[0]), rows
+    assert rows and re.fullmatch(r"bfloat16 +\[3, 5\] +1 +30 B +rank 0", rows[0]), rows
     for section in ("state entries (6)", f"tensors ({len(manifest.tensors)})", "files (3)", "metadata"):
         assert section in out
     assert '"note": "from test_cli"' in out
@@ -255,8 +265,8 @@ def test_demo_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     shardsafe.verify(final)
     manifest, _ = open_checkpoint(final)
     assert manifest.world_size == 2
-    split = manifest.tensors["model/blocks.0.mlp.0.weight"].split  # format 2: a rule over the 2 ranks, no listed chunks
-    assert split is not None and split.parts == 2
+    rule = manifest.tensors["model/blocks.0.mlp.0.weight"].rule  # format 2: a rule over the 2 ranks, no listed chunks
+    assert rule is not None and rule.is_v2_split and rule.parts == 2
     model = TinyGPT(GPTConfig())
     state: dict[str, Any] = {"model": model, "step": 0}
     shardsafe.load(final, state)

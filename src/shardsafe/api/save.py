@@ -15,12 +15,13 @@ from shardsafe.api.location import location
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.dtypes import dtype_from_name
 from shardsafe.core.faults import crash_point
-from shardsafe.core.format import ChunkEntry, FileEntry, IndexRef, Manifest, SplitRule, TensorEntry, check_metadata, parse_manifest
+from shardsafe.core.format import ChunkEntry, FileEntry, IndexRef, Manifest, TensorEntry, check_metadata, parse_manifest
 from shardsafe.core.gcpause import gc_paused
 from shardsafe.core.index import build_index
 from shardsafe.core.integrity import HASH_BLOCK_SIZE, hash_bytes
-from shardsafe.core.layout import IRREGULAR, SPLIT, WHOLE, LocalLayout, describe_layout, is_stored, rule_for, whole_writers
+from shardsafe.core.layout import IRREGULAR, SPLIT, WHOLE, LocalLayout, describe_layout, is_stored, whole_writers
 from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers
+from shardsafe.core.rule import LayoutRule, spread_writers
 from shardsafe.core.values import encode_state
 from shardsafe.errors import SaveError
 from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
@@ -90,10 +91,11 @@ class RankResult:
 
 @dataclass(frozen=True)
 class SavePlan:
-    """What every rank writes. ``rule``: split parts by their own rank, replicated tensors by
-    :func:`whole_writers`, irregular chunks as ``irregular`` assigns them (the coordinator's pick
-    among the irregular chunks only). Otherwise (the ranks hold different tensors or layouts)
-    ``full`` lists, per rank, the indices of its stored chunks it writes, all listed in the manifest."""
+    """What every rank writes. ``rule``: the parts of rule-described tensors by their writers
+    (core/rule.py, :func:`spread_writers`), replicated tensors by :func:`whole_writers`, irregular
+    chunks as ``irregular`` assigns them (the coordinator's pick among the irregular chunks only).
+    Otherwise (the ranks hold different tensors or layouts) ``full`` lists, per rank, the indices
+    of its stored chunks it writes, all listed in the manifest."""
 
     rule: bool
     irregular: list[list[int]] | None = None  # per rank: indices into its irregular chunks
@@ -135,8 +137,9 @@ def write_checkpoint(
         if comm.is_coordinator:
             target.abort()
         raise
-    mine = _mine(comm, view, layout, plan)
-    split_keys = layout.keys_of(SPLIT) if plan.rule else set()
+    rules = spread_writers(layout.rules()) if plan.rule else {}
+    mine = _mine(comm, view, layout, plan, rules)
+    split_keys = set(rules)
     result: tuple[str, Any]
     try:
         file_record, index_record = None, None
@@ -166,7 +169,7 @@ def write_checkpoint(
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
         manifest = CheckedManifest(**vars(new_manifest(comm.world_size, files, state_bytes, metadata, __version__)))
-        manifest.tensors = tensor_entries(results, layout if plan.rule else None, comm.world_size)
+        manifest.tensors = tensor_entries(results, layout if plan.rule else None, rules)
         manifest.state_file = target.state_name()
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
@@ -230,8 +233,8 @@ def _merged(comm: Comm, trees: list[dict[str, Any]] | None, mine: dict[str, Any]
     return merged if comm.is_coordinator else mine
 
 
-def _mine(comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan) -> list[LocalChunk]:
-    """This rank's chunks to write under ``plan``."""
+def _mine(comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan, rules: dict[str, LayoutRule]) -> list[LocalChunk]:
+    """This rank's chunks to write under ``plan`` (``rules``: each rule-described tensor's, writers set)."""
     if not plan.rule:
         assert plan.full is not None
         stored = [c for c in view.chunks if is_stored(c)]
@@ -243,7 +246,7 @@ def _mine(comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan) -> li
     mine_irregular = {id(irregular[i]) for i in plan.irregular[comm.rank]}
     out = []
     for chunk, cls in zip(view.chunks, layout.classes):
-        if cls == SPLIT and is_stored(chunk):
+        if cls == SPLIT and is_stored(chunk) and rules[chunk.key].writes(comm.rank):
             out.append(chunk)
         elif cls == WHOLE and writers[chunk.key] == comm.rank:
             out.append(chunk)
@@ -257,17 +260,15 @@ def _sibling(final: Path | RemoteDir, name: str) -> Path | RemoteDir:
     return final.parent.child(name) if isinstance(final, RemoteDir) else safe_child(final.parent, name)
 
 
-def tensor_entries(results: list[RankResult], layout: LocalLayout | None, world_size: int) -> dict[str, TensorEntry]:
-    """The manifest's tensors: listed chunks from the results; with the rule plan, every split
-    tensor of the coordinator's layout (equal on every rank: the digests agreed) as its rule."""
+def tensor_entries(results: list[RankResult], layout: LocalLayout | None, rules: dict[str, LayoutRule]) -> dict[str, TensorEntry]:
+    """The manifest's tensors: listed chunks from the results; with the rule plan, every
+    rule-described tensor of the coordinator's layout (equal on every rank: the digests agreed) as
+    its rule (``rules``: with the writers the save used)."""
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     chunks: dict[str, list[ChunkEntry]] = {}
-    split: dict[str, SplitRule] = {}
-    for key, dtype, shape, cls in layout.tensors if layout is not None else ():
-        if cls == SPLIT:
-            rule = rule_for(shape, world_size)
-            assert rule is not None
-            meta[key], split[key] = (dtype, shape), rule
+    for held in layout.tensors if layout is not None else ():
+        if held.cls == SPLIT:
+            meta[held.key] = (held.dtype, held.shape)
     for r in results:
         for spec in r.specs:
             meta.setdefault(spec.key, (spec.dtype, spec.global_shape))
@@ -277,5 +278,5 @@ def tensor_entries(results: list[RankResult], layout: LocalLayout | None, world_
     for key in sorted(meta):
         dtype, shape = meta[key]
         ordered = sorted(chunks.get(key, []), key=lambda c: c.offsets)
-        out[key] = TensorEntry(dtype_from_name(dtype.removeprefix("torch."), key), tuple(shape), tuple(ordered), split.get(key))
+        out[key] = TensorEntry(dtype_from_name(dtype.removeprefix("torch."), key), tuple(shape), tuple(ordered), rules.get(key))
     return out

@@ -18,7 +18,7 @@ from typing import Any
 
 from shardsafe.api.checkpoint import verify
 from shardsafe.cli.formatting import format_bytes, natural_key, plural, printable, table
-from shardsafe.core.format import MANIFEST_NAME, Manifest, dtype_name
+from shardsafe.core.format import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, dtype_name
 from shardsafe.core.values import decode_value
 from shardsafe.errors import FormatError
 from shardsafe.interop.dcp_metadata import is_dcp_folder
@@ -40,12 +40,29 @@ MAX_CREATED = 253_370_764_800.0  # 9998-12-31 UTC: inside what datetime can show
 TENSOR_KINDS = (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR, KIND_DEEPSPEED_ENGINE)
 
 
-def _chunk_count(t: Any) -> int:
-    """Stored pieces of a tensor: its listed chunks, or, under a split rule (format 2), its non-empty parts."""
-    if t.split is None:
-        return len(t.chunks)
-    length = t.shape[t.split.dim] if t.shape else 0
-    return min(t.split.parts, -(-length // t.split.size)) if t.split.size else 0
+def _chunk_count(t: TensorEntry) -> int:
+    """Stored pieces of a tensor: its listed chunks, or, under a layout rule, the non-empty boxes of its parts."""
+    return len(t.chunks) if t.rule is None else t.rule.stored_boxes(t.shape)
+
+
+def _layout(t: TensorEntry, files: dict[str, FileEntry]) -> dict[str, Any]:
+    """How a tensor is laid out: its rule (mesh and placements), or the ranks whose files hold its
+    listed chunks (pipeline stages, experts on their own ranks, replicated tensors: the writer)."""
+    if t.rule is not None:
+        return {"layout": t.rule.describe(), "written_by": None}
+    ranks = sorted({files[c.file].rank for c in t.chunks if c.checkpoint is None and c.file in files})
+    return {"layout": "listed chunks", "written_by": ranks}
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``0-3, 6``: runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def describe_checkpoint(path: Path) -> dict[str, Any]:
@@ -77,6 +94,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     real_shapes = _engine_shapes(tree, state_where)
     tensors = [
         {"key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": _chunk_count(t), "bytes": t.nbytes}
+        | _layout(t, manifest.files)
         | ({"param_shape": list(real_shapes[key])} if key in real_shapes else {})
         for key, t in sorted(manifest.tensors.items(), key=lambda item: natural_key(item[0]))
     ]
@@ -202,6 +220,12 @@ def _file_count(info: dict[str, Any]) -> str:
     return f"{plural(len(info['files']), 'file')}: {plural(info['shard_files'], 'shard file')} ({format_bytes(shards)}), {others}"
 
 
+def _layout_text(t: dict[str, Any]) -> str:
+    if t["written_by"] is None or not t["written_by"]:
+        return str(t["layout"])
+    return f"rank {_ranks_text(t['written_by'])}" if len(t["written_by"]) == 1 else f"ranks {_ranks_text(t['written_by'])}"
+
+
 def format_inspection(info: dict[str, Any]) -> str:
     """The human form of :func:`describe_checkpoint` (every name from the files printed escaped)."""
     created = datetime.fromtimestamp(info["created"], tz=timezone.utc).astimezone()
@@ -218,8 +242,11 @@ def format_inspection(info: dict[str, Any]) -> str:
         "",
         f"tensors ({len(info['tensors'])})",
         *table(
-            ["key", "dtype", "shape", "chunks", "bytes"],
-            [[t["key"], t["dtype"], _shape(t["shape"], t.get("param_shape")), str(t["chunks"]), format_bytes(t["bytes"])] for t in info["tensors"]],
+            ["key", "dtype", "shape", "chunks", "bytes", "layout"],
+            [
+                [t["key"], t["dtype"], _shape(t["shape"], t.get("param_shape")), str(t["chunks"]), format_bytes(t["bytes"]), _layout_text(t)]
+                for t in info["tensors"]
+            ],
             right={3, 4},
         ),
         "",

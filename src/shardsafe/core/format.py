@@ -9,6 +9,10 @@ A checkpoint is a folder holding
 * ``shard-RRRRR.index.json`` (version 2) - where the parts of rule-described tensors lie in that
   shard (byte ranges, block hashes); its size and hash are in the manifest (core/index.py).
 
+Version 2 describes one regular layout by a rule (``split``: dim 0 over the world); version 3 any
+DTensor layout on a row-major mesh (``layout``: mesh + placements, core/rule.py). A save writes
+version 2 unless some tensor needs a version 3 rule.
+
 See docs/FORMAT.md for the prose version. Every parser here validates before it trusts: names
 must be single safe path components, sizes are bounded and cross-checked, JSON has no duplicate
 keys and bounded depth.
@@ -38,8 +42,8 @@ from shardsafe.core.fields import expect_field as _expect
 from shardsafe.core.fields import int_list as _int_list
 from shardsafe.core.integrity import HASH_ALGORITHM, HASH_BLOCK_SIZE, num_blocks
 from shardsafe.core.jsonsafe import MAX_JSON_BYTES, check_plain_json, dump_json, parse_json
+from shardsafe.core.rule import LayoutRule
 from shardsafe.core.safetensors_header import HeaderEntry, build_safetensors_header, parse_safetensors_header
-from shardsafe.core.split import SplitRule
 
 __all__ = [
     "MAX_DIMS",
@@ -47,7 +51,7 @@ __all__ = [
     "MAX_NUMEL",
     "RESERVED_HEADER_NAME",
     "HeaderEntry",
-    "SplitRule",
+    "LayoutRule",
     "build_safetensors_header",
     "check_component",
     "check_tensor_key",
@@ -57,8 +61,10 @@ __all__ = [
 from shardsafe.errors import FormatError
 
 FORMAT_NAME = "shardsafe"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 OLDEST_FORMAT_VERSION = 1  # version 1: every chunk listed in the manifest, no split rules, no indexes
+RULE_VERSION = 2  # the first version with rules (``split``) and per-rank indexes
+LAYOUT_VERSION = 3  # the first version with N-D layout rules (``layout``)
 MANIFEST_NAME = "manifest.json"
 # A retired checkpoint whose files later checkpoints still store tensors in (dedup) keeps its
 # manifest under this name: no longer a checkpoint, but readers can check a reference against it.
@@ -105,21 +111,20 @@ class TensorEntry:
     """A stored tensor: its global dtype and shape, and where its pieces are.
 
     Either ``chunks`` lists every piece (version 1, and irregular or replicated tensors), or
-    ``split`` gives the rule: part p lies in the file rank p wrote, as that file's index says. With
-    a rule, ``chunks`` lists only the parts stored elsewhere (dedup: in a sibling checkpoint), each
-    exactly one part's box; ``overrides`` maps their part numbers to them.
+    ``rule`` gives the layout (core/rule.py): each part lies in the file its writer wrote, as that
+    file's index says. With a rule, ``chunks`` lists only the boxes stored elsewhere (dedup: in a
+    sibling checkpoint), each exactly one box of one part; ``overrides`` maps their offsets to them.
     """
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     chunks: tuple[ChunkEntry, ...]
-    split: SplitRule | None = None
-    overrides: dict[int, ChunkEntry] = field(default_factory=dict, compare=False, repr=False)
+    rule: LayoutRule | None = None
+    overrides: dict[tuple[int, ...], ChunkEntry] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.split is not None and self.chunks and not self.overrides:
-            size = self.split.size
-            object.__setattr__(self, "overrides", {c.offsets[0] // size: c for c in self.chunks})
+        if self.rule is not None and self.chunks and not self.overrides:
+            object.__setattr__(self, "overrides", {c.offsets: c for c in self.chunks})
 
     @property
     def nbytes(self) -> int:
@@ -127,13 +132,25 @@ class TensorEntry:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
-        if self.split is not None:
-            out["split"] = self.split.to_json()
-            if self.chunks:
-                out["chunks"] = [c.to_json() for c in self.chunks]
+        if self.rule is None:
+            out["chunks"] = [c.to_json() for c in self.chunks]
+            return out
+        if self.rule.is_v2_split:
+            out["split"] = {"dim": 0, "parts": self.rule.world_size, "size": -(-self.shape[0] // self.rule.world_size)}
         else:
+            out["layout"] = self.rule.to_json()
+        if self.chunks:
             out["chunks"] = [c.to_json() for c in self.chunks]
         return out
+
+
+def version_needed(tensors: dict[str, TensorEntry]) -> int:
+    """The oldest format version that holds these tensors (a save writes that one, so older readers
+    keep reading what they can)."""
+    rules = [t.rule for t in tensors.values() if t.rule is not None]
+    if any(not r.is_v2_split for r in rules):
+        return LAYOUT_VERSION
+    return RULE_VERSION
 
 
 @dataclass(frozen=True)
@@ -170,7 +187,7 @@ class Manifest:
     writer_version: str = ""
     hash_algorithm: str = HASH_ALGORITHM
     hash_block_size: int = HASH_BLOCK_SIZE
-    format_version: int = FORMAT_VERSION
+    format_version: int = RULE_VERSION  # written as at least what the tensors need (:func:`version_needed`)
     state_file: str = STATE_NAME
 
     @property
@@ -192,7 +209,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": max(self.format_version, version_needed(self.tensors)),
             "writer_version": self.writer_version,
             "created": self.created,
             "world_size": self.world_size,
@@ -307,8 +324,8 @@ def _parse_index_ref(entry: Any, name: str, version: int, where: str) -> IndexRe
 
 
 def _check_file_names(files: dict[str, FileEntry], world_size: int, where: str) -> None:
-    """Index names are not shard names and not shared; at most one indexed file per rank (part p
-    of a split tensor is found through rank p's index), each rank inside the world."""
+    """Index names are not shard names and not shared; at most one indexed file per rank (a part of
+    a rule is found through its writer's index), each rank inside the world."""
     seen: set[str] = set(files) | {MANIFEST_NAME, RETAINED_MANIFEST_NAME}
     ranks: set[int] = set()
     for name, f in files.items():
@@ -322,27 +339,35 @@ def _check_file_names(files: dict[str, FileEntry], world_size: int, where: str) 
         ranks.add(f.rank)
 
 
-def _parse_split(entry: Any, shape: tuple[int, ...], world_size: int, version: int, where: str) -> SplitRule | None:
+def _parse_rule(entry: Any, shape: tuple[int, ...], world_size: int, version: int, where: str) -> LayoutRule | None:
+    """The tensor's rule: version 2's ``split`` (dim 0 over the world) or version 3's ``layout``."""
+    if "split" in entry and "layout" in entry:
+        raise FormatError(f"{where}: a tensor has a split rule or a layout rule, not both")
+    if "layout" in entry:
+        if version < LAYOUT_VERSION:
+            raise FormatError(f"{where}: a layout rule is a format version {LAYOUT_VERSION} field, the manifest says version {version}")
+        rule = LayoutRule.from_json(entry["layout"], where)
+        rule.check(shape, world_size, where)
+        return rule
     raw = entry.get("split")
     if raw is None:
         return None
-    if version < 2:
-        raise FormatError(f"{where}: a split rule is a format version 2 field, the manifest says version {version}")
+    if version < RULE_VERSION:
+        raise FormatError(f"{where}: a split rule is a format version {RULE_VERSION} field, the manifest says version {version}")
     dim, parts, size = (_expect(raw, k, int, where) for k in ("dim", "parts", "size"))
     if dim != 0 or not shape or shape[0] == 0 or parts != world_size or size != -(-shape[0] // parts):
         raise FormatError(f"{where}: split rule {raw!r:.100} does not split dim 0 of shape {list(shape)} over the {world_size} ranks")
-    return SplitRule(dim, parts, size)
+    return LayoutRule.split(world_size)
 
 
-def _check_overrides(split: SplitRule, shape: tuple[int, ...], chunks: list[ChunkEntry], where: str) -> dict[int, ChunkEntry]:
-    """The chunks listed beside a rule (parts stored in a sibling checkpoint): each exactly one
-    non-empty part's box, no part twice."""
-    out: dict[int, ChunkEntry] = {}
+def _check_overrides(rule: LayoutRule, shape: tuple[int, ...], chunks: list[ChunkEntry], where: str) -> dict[tuple[int, ...], ChunkEntry]:
+    """The chunks listed beside a rule (boxes stored in a sibling checkpoint): each exactly one
+    non-empty box of one part, no box twice."""
+    out: dict[tuple[int, ...], ChunkEntry] = {}
     for c in chunks:
-        part = c.offsets[0] // split.size
-        if part >= split.parts or part in out or (c.offsets, c.shape) != split.box(part, shape) or c.shape[0] == 0:
-            raise FormatError(f"{where}: chunk at {list(c.offsets)} of shape {list(c.shape)} is not a part of its split rule")
-        out[part] = c
+        if c.offsets in out or not all(c.shape) or rule.part_holding(shape, c.offsets, c.shape) is None:
+            raise FormatError(f"{where}: chunk at {list(c.offsets)} of shape {list(c.shape)} is not a part of its layout rule")
+        out[c.offsets] = c
     return out
 
 
@@ -389,14 +414,14 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         shape = _int_list(_expect(entry, "shape", list, twhere), twhere)
         if numel(shape) > MAX_NUMEL:
             raise FormatError(f"{twhere}: shape {list(shape)} is absurdly large")
-        split = _parse_split(entry, shape, world_size, version, twhere)
-        raw_chunks = _expect(entry, "chunks", list, twhere) if split is None or "chunks" in entry else []
+        rule = _parse_rule(entry, shape, world_size, version, twhere)
+        raw_chunks = _expect(entry, "chunks", list, twhere) if rule is None or "chunks" in entry else []
         chunks = [_parse_chunk(c, key, dtype, shape, files, block) for c in raw_chunks]
-        if split is None:
+        if rule is None:
             _check_coverage(key, shape, chunks)
             tensors[key] = TensorEntry(dtype, shape, tuple(chunks))
         else:
-            tensors[key] = TensorEntry(dtype, shape, tuple(chunks), split, _check_overrides(split, shape, chunks, twhere))
+            tensors[key] = TensorEntry(dtype, shape, tuple(chunks), rule, _check_overrides(rule, shape, chunks, twhere))
     _check_disjoint_ranges(tensors, where)
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):

@@ -8,11 +8,14 @@ by safetensors readers)::
      "chunks": {"model/w": {"offsets": [21, 0], "shape": [7, 16], "begin": 1192, "end": 1640,
                             "hashes": ["81791884979b2347"]}}}
 
-The manifest records the index's exact size and xxh3 hash (integrity chain: manifest -> index ->
-blocks). :func:`parse_index` trusts nothing: the bytes must match the manifest's record, every
-entry must be exactly part ``rank`` of its tensor's rule, its byte range must hold that part and
-lie inside the shard, and no two entries (nor an entry and a chunk the manifest lists in the same
-file) may share a byte. A rank reads only the indexes of the ranks whose parts it needs.
+A tensor whose part is several boxes (a ``_StridedShard`` layout, format version 3) has a list of
+such objects, one per box. The manifest records the index's exact size and xxh3 hash (integrity
+chain: manifest -> index -> blocks). :func:`parse_index` trusts nothing: the bytes must match the
+manifest's record, the rank must be the writer of the part it holds under the tensor's rule,
+every entry must be exactly one box of that part (not one stored elsewhere), its byte range must
+hold that box and lie inside the shard, and no two entries (nor an entry and a chunk the manifest
+lists in the same file) may share a byte. A rank reads only the indexes of the writers whose parts
+it needs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardsafe.core.fields import check_tensor_key, expect_field, int_list, numel
-from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, element_size
+from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, TensorEntry, element_size
 from shardsafe.core.integrity import hash_bytes, num_blocks
 from shardsafe.core.jsonsafe import dump_json, parse_json
 from shardsafe.errors import FormatError, IntegrityError
@@ -30,15 +33,19 @@ INDEX_FORMAT = "shardsafe-index"
 
 def build_index(rank: int, file: str, entries: list[tuple[str, ChunkEntry]]) -> bytes:
     """The index bytes of rank ``rank``'s shard ``file`` (compact JSON: one line, fast to make and parse)."""
-    chunks = {
-        key: {"offsets": list(c.offsets), "shape": list(c.shape), "begin": c.begin, "end": c.end, "hashes": list(c.hashes)}
-        for key, c in sorted(entries, key=lambda kc: kc[0])
-    }
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for key, c in entries:
+        item = {"offsets": list(c.offsets), "shape": list(c.shape), "begin": c.begin, "end": c.end, "hashes": list(c.hashes)}
+        by_key.setdefault(key, []).append(item)
+    chunks = {key: items[0] if len(items) == 1 else sorted(items, key=lambda i: i["offsets"]) for key, items in sorted(by_key.items())}
     return dump_json({"format": INDEX_FORMAT, "rank": rank, "file": file, "chunks": chunks}, f"index of {file}", compact=True)
 
 
-def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> dict[str, ChunkEntry]:
-    """Validate the index of shard ``file`` (read from ``where``) against ``manifest``; key -> its part."""
+IndexParts = dict[str, dict[tuple[int, ...], ChunkEntry]]  # key -> box offsets -> where that box lies
+
+
+def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> IndexParts:
+    """Validate the index of shard ``file`` (read from ``where``) against ``manifest``; key -> the boxes of its part."""
     entry: FileEntry = manifest.files[file]
     ref = entry.index
     assert ref is not None
@@ -49,12 +56,16 @@ def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> dict[
         raise FormatError(f"{where}: not a shardsafe index")
     if expect_field(raw, "rank", int, where) != entry.rank or expect_field(raw, "file", str, where) != file:
         raise FormatError(f"{where}: index names another rank or file than the manifest ({entry.rank}, {file!r})")
-    out: dict[str, ChunkEntry] = {}
+    out: IndexParts = {}
     ranges: list[tuple[int, int, str]] = []
     for key, item in expect_field(raw, "chunks", dict, where).items():
         check_tensor_key(key, where)
-        out[key] = chunk = _parse_part(key, item, manifest, file, entry, where)
-        ranges.append((chunk.begin, chunk.end, key))
+        boxes = out[key] = {}
+        for chunk in _parse_part(key, item, manifest, file, entry, where):
+            if chunk.offsets in boxes:
+                raise FormatError(f"{where} tensor {key!r:.200}: box at {list(chunk.offsets)} is listed twice")
+            boxes[chunk.offsets] = chunk
+            ranges.append((chunk.begin, chunk.end, key))
     ranges += explicit_ranges(manifest).get(file, [])  # chunks the manifest lists in the same file
     ranges = sorted(r for r in ranges if r[1] > r[0])
     for (_, end, key), (begin, _, other) in zip(ranges, ranges[1:]):
@@ -63,20 +74,36 @@ def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> dict[
     return out
 
 
-def _parse_part(key: str, item: Any, manifest: Manifest, file: str, entry: FileEntry, where: str) -> ChunkEntry:
+def _parse_part(key: str, item: Any, manifest: Manifest, file: str, entry: FileEntry, where: str) -> list[ChunkEntry]:
+    """The boxes of the part rank ``entry.rank`` writes of tensor ``key`` (one object, or a list of them)."""
     kwhere = f"{where} tensor {key!r:.200}"
     tensor = manifest.tensors.get(key)
-    if tensor is None or tensor.split is None:
-        raise FormatError(f"{kwhere}: the manifest lists no split rule for this tensor")
-    part = entry.rank
+    if tensor is None or tensor.rule is None:
+        raise FormatError(f"{kwhere}: the manifest lists no layout rule for this tensor")
+    rule = tensor.rule
+    part = rule.part_of(entry.rank)
+    if rule.writer_of(part) != entry.rank:
+        raise FormatError(f"{kwhere}: rank {entry.rank} holds part {part}, which rank {rule.writer_of(part)} writes under the layout rule")
+    expected = {b.offsets: b.shape for b in rule.boxes(tensor.shape, part)}
+    items = item if isinstance(item, list) else [item]
+    if not items or len(items) > len(expected):
+        raise FormatError(f"{kwhere}: lists {len(items)} boxes; part {part} has {len(expected)}")
+    return [_parse_box(kwhere, raw, tensor, expected, manifest, file, entry) for raw in items]
+
+
+def _parse_box(
+    kwhere: str, item: Any, tensor: TensorEntry, expected: dict[tuple[int, ...], tuple[int, ...]], manifest: Manifest, file: str, entry: FileEntry
+) -> ChunkEntry:
+    if not isinstance(item, dict):
+        raise FormatError(f"{kwhere}: an index entry is not an object")
     offsets = int_list(expect_field(item, "offsets", list, kwhere), kwhere)
     shape = int_list(expect_field(item, "shape", list, kwhere), kwhere)
-    expected = tensor.split.box(part, tensor.shape)
-    if (offsets, shape) != expected or shape[0] == 0 or part in tensor.overrides:
+    if expected.get(offsets) != shape or offsets in tensor.overrides:
+        boxes = ", ".join(f"{list(o)} of shape {list(s)}" for o, s in list(expected.items())[:4])
         raise FormatError(
-            f"{kwhere}: entry at {list(offsets)} of shape {list(shape)} contradicts the split rule "
-            f"(part {part} is at {list(expected[0])} of shape {list(expected[1])}"
-            f"{', stored elsewhere' if part in tensor.overrides else ''})"
+            f"{kwhere}: entry at {list(offsets)} of shape {list(shape)} contradicts the layout rule "
+            f"(the part rank {entry.rank} writes is at {boxes or 'nothing'}"
+            f"{'; that box is stored elsewhere' if offsets in tensor.overrides else ''})"
         )
     begin = expect_field(item, "begin", int, kwhere)
     end = expect_field(item, "end", int, kwhere)

@@ -1,6 +1,8 @@
-"""Layouts described by a rule instead of a list of chunks (format version 2).
+"""Layouts described by a rule instead of a list of chunks (format versions 2 and 3).
 
-The rule itself is core/split.py. Save side: each rank classifies its chunks *locally* (no exchange of chunk lists) and sends the
+The rule itself is core/rule.py: a DTensor's mesh and placements when its mesh spans the job, or
+format version 2's dim-0 split over the world for the flat shards of FSDP2 ``Shard(0)``, FSDP1
+and DeepSpeed (recognised from offsets alone). Save side: each rank classifies its chunks *locally* (no exchange of chunk lists) and sends the
 coordinator only a digest of what it holds (:func:`layout_digest`); equal digests mean every rank
 holds the same tensors, with the same dtypes, shapes and classes. Replicated ("whole") tensors get
 their writer from :func:`whole_writers`, a deterministic function of that common list, so every
@@ -15,15 +17,18 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
+from shardsafe.core.dtypes import element_size
 from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
-from shardsafe.core.split import SplitRule
+from shardsafe.core.rule import LayoutRule
 
 
 class ChunkClass(str, Enum):
     """How a save stores one of this rank's chunks (the value is what the layout digest hashes)."""
 
-    SPLIT = "split"  # exactly part `rank` of the rule for its global shape over the world size
+    SPLIT = "split"  # exactly the part of a layout rule this rank holds (core/rule.py)
     WHOLE = "whole"  # the whole tensor (replicated: written once)
     IRREGULAR = "irregular"  # anything else: listed explicitly, writers chosen by the coordinator
 
@@ -31,15 +36,15 @@ class ChunkClass(str, Enum):
 SPLIT, WHOLE, IRREGULAR = ChunkClass.SPLIT, ChunkClass.WHOLE, ChunkClass.IRREGULAR
 
 
-def rule_for(global_shape: tuple[int, ...], world_size: int) -> SplitRule | None:
+def rule_for(global_shape: tuple[int, ...], world_size: int) -> LayoutRule | None:
     """The ``torch.chunk`` split of dim 0 over ``world_size`` parts (None for a scalar or an empty dim 0)."""
     if not global_shape or global_shape[0] == 0:
         return None
-    return SplitRule(0, world_size, -(-global_shape[0] // world_size))
+    return LayoutRule.split(world_size)
 
 
 def classify(spec: ChunkSpec, rank: int, world_size: int) -> ChunkClass:
-    """This rank's chunk: part ``rank`` of the split rule, the whole tensor, or irregular.
+    """This rank's chunk: part ``rank`` of the dim-0 split rule, the whole tensor, or irregular.
 
     Whole wins over split (a replicated tensor is whole on every rank, so all ranks agree; the one
     ambiguous case, a dim 0 of 1 split over several ranks, then differs between ranks and the save
@@ -49,19 +54,47 @@ def classify(spec: ChunkSpec, rank: int, world_size: int) -> ChunkClass:
     shape, full = spec.shape, spec.global_shape
     if shape == full and not any(spec.offsets):
         return WHOLE
-    rule = rule_for(full, world_size)
-    if rule is None:
+    if rule_for(full, world_size) is None:
         return IRREGULAR
-    offsets, part_shape = rule.box(rank, full)
-    if part_shape[0] == 0:
+    size = -(-full[0] // world_size)
+    start, stop = min(rank * size, full[0]), min((rank + 1) * size, full[0])
+    if stop == start:
         return SPLIT if 0 in shape else IRREGULAR
-    return SPLIT if (spec.offsets, shape) == (offsets, part_shape) else IRREGULAR
+    return SPLIT if (spec.offsets, shape) == ((start, *([0] * (len(full) - 1))), (stop - start, *full[1:])) else IRREGULAR
 
 
-def layout_digest(entries: list[tuple[str, str, tuple[int, ...], ChunkClass]]) -> str:
-    """One digest of (key, dtype, global shape, class) of every tensor this rank holds, in key order.
-    Equal on all ranks exactly when they hold the same tensors laid out the same way."""
-    data = json.dumps(sorted(entries), separators=(",", ":")).encode()
+def follows_rule(rule: LayoutRule, chunks: list[LocalChunk], rank: int, world_size: int) -> bool:
+    """Whether this rank's chunks of one tensor are exactly the boxes ``rule`` gives its part (a
+    self-check: every rank that passes it is described by the rule, so all of them together are)."""
+    full = chunks[0].global_shape
+    if rule.world_size != world_size or not full or not all(full) or not rule.shard_dims:
+        return False
+    expected = [(b.offsets, b.shape) for b in rule.boxes(full, rule.part_of(rank))]
+    return [(c.offsets, c.shape) for c in chunks if numel(c.shape)] == expected
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    """A tensor this rank holds, as the layout digest sees it (``rule``: for a SPLIT tensor)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    cls: ChunkClass
+    rule: LayoutRule | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * element_size(getattr(torch, self.dtype.removeprefix("torch.")))
+
+    def digest_entry(self) -> tuple[object, ...]:
+        return (self.key, self.dtype, list(self.shape), self.cls.value, self.rule.to_json() if self.rule is not None else None)
+
+
+def layout_digest(tensors: list[HeldTensor]) -> str:
+    """One digest of (key, dtype, global shape, class, rule) of every tensor this rank holds, in key
+    order. Equal on all ranks exactly when they hold the same tensors laid out the same way."""
+    data = json.dumps(sorted(t.digest_entry() for t in tensors), separators=(",", ":")).encode()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
@@ -90,35 +123,54 @@ class LocalLayout:
     """This rank's chunks, classified without talking to any other rank."""
 
     classes: list[ChunkClass | None]  # per chunk of the view (None: neither described nor stored)
-    tensors: list[tuple[str, str, tuple[int, ...], ChunkClass]]  # (key, dtype, global shape, class), every key held
+    tensors: list[HeldTensor]  # every key held, once
     digest: str
 
     def keys_of(self, kind: ChunkClass) -> set[str]:
-        return {key for key, _, _, cls in self.tensors if cls == kind}
+        return {t.key for t in self.tensors if t.cls == kind}
+
+    def rules(self) -> list[tuple[str, int, LayoutRule]]:
+        """(key, bytes, rule) of every rule-described tensor (the input of core/rule.spread_writers)."""
+        return [(t.key, t.nbytes, t.rule) for t in self.tensors if t.rule is not None]
 
 
 def describe_layout(chunks: list[LocalChunk], rank: int, world_size: int) -> LocalLayout:
-    """Classify every chunk (:func:`classify`) and digest the result (:func:`layout_digest`)."""
-    classes: list[ChunkClass | None] = []
-    tensors = []
-    count: dict[str, int] = {}
+    """Classify every chunk and digest the result (:func:`layout_digest`): a DTensor that follows
+    its mesh's rule (:func:`follows_rule`) is SPLIT under that rule; other tensors are classified by
+    their offsets (:func:`classify`)."""
+    by_key: dict[str, list[LocalChunk]] = {}
     for chunk in chunks:
-        count[chunk.key] = count.get(chunk.key, 0) + 1
+        by_key.setdefault(chunk.key, []).append(chunk)
+    held: dict[str, HeldTensor] = {}
+    classes: list[ChunkClass | None] = []
     for chunk in chunks:
         if not is_stored(chunk) and numel(chunk.global_shape) == 0:
             classes.append(None)  # a tensor with no elements but not of shape (0,): never listed
             continue
-        spec = chunk.spec()
-        # A per-rank value (RNG state) exists on one rank only: listed explicitly, which is always
-        # correct, and kept out of the digest below.
-        # So does a tensor of which this rank holds several boxes (a _StridedShard local tensor).
-        cls = IRREGULAR if chunk.per_rank or count[chunk.key] > 1 else classify(spec, rank, world_size)
-        if cls == IRREGULAR and not is_stored(chunk):
-            classes.append(None)
-        else:
-            classes.append(cls)
-        tensors.append((spec.key, spec.dtype, spec.global_shape, cls))
+        tensor = held.get(chunk.key) or held.setdefault(chunk.key, _held(chunk, by_key[chunk.key], rank, world_size))
+        classes.append(None if tensor.cls == IRREGULAR and not is_stored(chunk) else tensor.cls)
+    tensors = list(held.values())
     # Irregular chunks travel to the coordinator explicitly (their agreement is checked there), so they
     # stay out of the digest: per-rank tensors (RNG state, keyed by rank) would otherwise make every
     # rank's digest differ and send every save to the fully listed layout.
-    return LocalLayout(classes, tensors, layout_digest([t for t in tensors if t[3] != IRREGULAR]))
+    return LocalLayout(classes, tensors, layout_digest([t for t in tensors if t.cls != IRREGULAR]))
+
+
+def _held(chunk: LocalChunk, same_key: list[LocalChunk], rank: int, world_size: int) -> HeldTensor:
+    """How this rank holds the tensor of ``chunk`` (all its chunks: ``same_key``)."""
+    spec = chunk.spec()
+
+    def held(cls: ChunkClass, rule: LayoutRule | None = None) -> HeldTensor:
+        return HeldTensor(spec.key, spec.dtype, spec.global_shape, cls, rule)
+
+    # A per-rank value (RNG state) exists on one rank only: listed explicitly, which is always correct.
+    if chunk.per_rank:
+        return held(IRREGULAR)
+    if len(same_key) == 1 and classify(spec, rank, world_size) == WHOLE:
+        return held(WHOLE)
+    if chunk.rule is not None and follows_rule(chunk.rule, same_key, rank, world_size):
+        return held(SPLIT, chunk.rule)
+    if len(same_key) > 1:  # several boxes, not of a rule: listed
+        return held(IRREGULAR)
+    cls = classify(spec, rank, world_size)
+    return held(cls, rule_for(spec.global_shape, world_size) if cls == SPLIT else None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsafe.core.format import ChunkEntry, TensorEntry, box_overlap, element_size, numel
+from shardsafe.core.rule import LayoutRule
 from shardsafe.errors import FormatError, SaveError
 
 
@@ -26,6 +27,7 @@ class LocalChunk:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     per_rank: bool = False  # part of a per-rank value (RNG state): exists on this rank only
+    rule: LayoutRule | None = None  # the DTensor's layout, when its mesh spans the job (core/rule.py)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -98,24 +100,23 @@ class ReadOp:
     shape: tuple[int, ...]
 
 
-PartLookup = Callable[[int], ChunkEntry]
+PartLookup = Callable[[int, tuple[int, ...]], ChunkEntry]  # (writer rank, box offsets) -> the box, from that rank's index
 
 
 def candidate_chunks(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...], part: PartLookup | None) -> list[ChunkEntry]:
-    """The stored chunks that may overlap the box: all listed ones, or, for a split rule, only the
-    parts holding rows ``[a, b)`` of the box (O(1) per tensor, never the W parts), resolved by
-    ``part`` (the per-rank indexes) unless the manifest lists the part itself (dedup)."""
-    rule = entry.split
+    """The stored chunks that may overlap the box: all listed ones, or, for a layout rule, only the
+    boxes of the parts that meet it (found without visiting the others, core/rule.py), each resolved
+    by ``part`` (its writer's index) unless the manifest lists the box itself (dedup)."""
+    rule = entry.rule
     if rule is None:
         return list(entry.chunks)
     if part is None:
-        raise FormatError("a tensor described by a split rule needs the per-rank indexes to be read")
-    start = dest_offsets[0] if dest_shape else 0
-    stop = start + (dest_shape[0] if dest_shape else 0)
+        raise FormatError("a tensor described by a layout rule needs the per-rank indexes to be read")
     out = []
-    for p in rule.parts_between(start, stop):
-        if rule.bounds(p, entry.shape[0])[1] > rule.bounds(p, entry.shape[0])[0]:
-            out.append(entry.overrides.get(p) or part(p))
+    for p in rule.parts_overlapping(entry.shape, dest_offsets, dest_shape):
+        for box in rule.boxes(entry.shape, p):
+            if box_overlap(box.offsets, box.shape, dest_offsets, dest_shape) is not None:
+                out.append(entry.overrides.get(box.offsets) or part(rule.writer_of(p), box.offsets))
     return out
 
 

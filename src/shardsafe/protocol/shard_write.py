@@ -97,8 +97,9 @@ class ReuseMap:
                 parts = reader.index(rank)
         except (FormatError, IntegrityError, OSError):
             return out
-        for key, chunk in parts.items():
-            out[(key, chunk.offsets)] = (self.manifest.tensors[key].dtype, replace(chunk, checkpoint=self.checkpoint))
+        for key, boxes in parts.items():
+            for chunk in boxes.values():
+                out[(key, chunk.offsets)] = (self.manifest.tensors[key].dtype, replace(chunk, checkpoint=self.checkpoint))
         return out
 
 

@@ -33,7 +33,7 @@ from shardsafe.core.format import (
     parse_manifest,
     parse_safetensors_header,
 )
-from shardsafe.core.index import parse_index
+from shardsafe.core.index import IndexParts, parse_index
 from shardsafe.core.integrity import BlockHasher
 from shardsafe.core.parallel import TaskRunner
 from shardsafe.core.plan import ReadOp, candidate_chunks, contiguous_span, plan_reads
@@ -59,7 +59,7 @@ class ChunkReader:
         self.verify = verify
         self.block = manifest.hash_block_size
         self._checked: dict[tuple[str | None, str], Any] = {}  # (checkpoint, file) -> its handle, once checked
-        self._indexes: dict[int, dict[str, ChunkEntry]] = {}  # rank -> its index, parsed and checked once
+        self._indexes: dict[int, IndexParts] = {}  # rank -> its index, parsed and checked once
         self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._verified: set[tuple[str | None, str, int, int]] = set()  # (checkpoint, file, chunk begin, block)
         self._local = threading.local()  # each reading thread's scratch block
@@ -80,7 +80,7 @@ class ChunkReader:
         self._runner.close()
         self.source.close()
 
-    def index(self, rank: int) -> dict[str, ChunkEntry]:
+    def index(self, rank: int) -> IndexParts:
         """Rank ``rank``'s index (format version 2), read, checked against the manifest, cached."""
         cached = self._indexes.get(rank)
         if cached is not None:
@@ -95,22 +95,22 @@ class ChunkReader:
         parts = self._indexes[rank] = parse_index(data, self.manifest, file, where)
         return parts
 
-    def part(self, key: str, entry: TensorEntry, part: int) -> ChunkEntry:
-        """Part ``part`` of split tensor ``key``: from the index of the rank that wrote it."""
-        chunk = self.index(part).get(key)
+    def part(self, key: str, writer: int, offsets: tuple[int, ...]) -> ChunkEntry:
+        """The box at ``offsets`` of rule-described tensor ``key``: from the index of its writer."""
+        chunk = self.index(writer).get(key, {}).get(offsets)
         if chunk is None:
-            found = self.manifest.index_of_rank(part)
-            where = self.source.describe(None, found[1].index.file) if found is not None and found[1].index is not None else f"rank {part}"
-            raise FormatError(f"{where}: lists no part {part} of tensor {key!r:.200}, which its split rule places there")
+            found = self.manifest.index_of_rank(writer)
+            where = self.source.describe(None, found[1].index.file) if found is not None and found[1].index is not None else f"rank {writer}"
+            raise FormatError(f"{where}: lists no box at {list(offsets)} of tensor {key!r:.200}, which its layout rule places there")
         return chunk
 
     def plan(self, key: str, entry: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[ReadOp]:
         """The reads that fill the box (offsets, shape) of ``key``, parts of a rule resolved through the indexes."""
-        return plan_reads(entry, offsets, shape, lambda p: self.part(key, entry, p))
+        return plan_reads(entry, offsets, shape, lambda writer, at: self.part(key, writer, at))
 
     def chunks_of(self, key: str, entry: TensorEntry) -> list[ChunkEntry]:
         """Every stored chunk of ``key`` (for a rule, every non-empty part: reads every index it needs)."""
-        return candidate_chunks(entry, (0,) * len(entry.shape), entry.shape, lambda p: self.part(key, entry, p))
+        return candidate_chunks(entry, (0,) * len(entry.shape), entry.shape, lambda writer, at: self.part(key, writer, at))
 
     def path_of(self, chunk: ChunkEntry) -> str:
         return self.source.describe(chunk.checkpoint, chunk.file)
@@ -193,7 +193,7 @@ class ChunkReader:
         if info is None or info.index is None:
             return listed
         parts = self.index(info.rank)
-        return listed + [(key, self.manifest.tensors[key].dtype, c) for key, c in parts.items()]
+        return listed + [(key, self.manifest.tensors[key].dtype, c) for key, boxes in parts.items() for c in boxes.values()]
 
     @property
     def remote(self) -> bool:

@@ -16,6 +16,7 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +26,7 @@ from shardsafe.core.boxes import DimSplit, dim_runs, local_boxes, local_shape
 from shardsafe.core.dtypes import dtype_name
 from shardsafe.core.format import MAX_DIMS, MAX_NUMEL, Manifest, check_tensor_key, numel
 from shardsafe.core.plan import LocalChunk
+from shardsafe.core.rule import LayoutRule, Placement
 from shardsafe.core.values import encode_value
 from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.protocol.transfer import ReadTarget
@@ -183,6 +185,50 @@ def dtensor_splits(tensor: Any) -> tuple[tuple[DimSplit, ...], ...]:
     return tuple(tuple(s) for s in steps)
 
 
+@lru_cache(maxsize=64)
+def _spans_world(mesh: Any) -> bool:
+    """Whether ``mesh`` numbers every rank of the job row-major (``init_device_mesh``'s numbering):
+    then a layout rule describes every rank's part without a list (core/rule.py)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    return bool(mesh.mesh.flatten().tolist() == list(range(dist.get_world_size())))
+
+
+def _root_dims(mesh: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """(the root mesh, the root dims ``mesh`` keeps, in order) of a mesh or a named slice of one
+    (``mesh["dp"]`` of a ``(dp, tp)`` mesh: the norms under FSDP2 x TP); None for a slice the
+    names do not place (a flattened dim) or that reorders dims."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if callable(get_root) else mesh
+    if root is None or root is mesh:
+        return mesh, tuple(range(mesh.ndim))
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if names is None or root_names is None or any(n not in root_names for n in names):
+        return None
+    dims = tuple(root_names.index(n) for n in names)
+    return (root, dims) if list(dims) == sorted(set(dims)) else None
+
+
+def dtensor_rule(tensor: Any) -> LayoutRule | None:
+    """The layout rule of a DTensor whose mesh (or the mesh it is a slice of) spans the job, with
+    ``Replicate`` on the dims its own mesh lacks; None otherwise (its chunks are then listed). The
+    save checks every rank's boxes against the rule (core/layout.follows_rule) before trusting it."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    found = _root_dims(tensor.device_mesh)
+    if found is None or not _spans_world(found[0]):
+        return None
+    root, dims = found
+    placements = [Placement(None)] * root.ndim
+    for mesh_dim, p in zip(dims, tensor.placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            dim = p.dim if p.dim >= 0 else p.dim + tensor.dim()
+            placements[mesh_dim] = Placement(dim, int(p.split_factor) if isinstance(p, _StridedShard) else 1)
+    return LayoutRule(tuple(int(n) for n in root.shape), tuple(placements))
+
+
 def pieces(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[Piece]]:
     """(global shape, the boxes of it this rank holds) of a tensor or DTensor.
 
@@ -243,9 +289,10 @@ def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
         unique(path)
         global_shape, held = pieces(tensor)
         check_storable(path, tensor, global_shape)
+        rule = dtensor_rule(tensor) if is_dtensor(tensor) else None
         # Empty shards too (FSDP2 ranks past the end of dim 0): they are never written, but say which
         # part of the split rule this rank holds, so every rank describes the same tensors (core/layout).
-        chunks.extend(LocalChunk(path, piece.local, global_shape, piece.offsets) for piece in held)
+        chunks.extend(LocalChunk(path, piece.local, global_shape, piece.offsets, rule=rule) for piece in held)
         return path
 
     return encode_value(value, name, ref)

@@ -1,0 +1,131 @@
+"""core/rule.py: layout rules (mesh + placements) against core/boxes.py and brute force.
+
+For random meshes, placements and shapes (uneven dims included):
+
+* the boxes of part ``part_of(rank)`` are the non-empty boxes :func:`local_boxes` gives for that
+  rank's mesh coordinate (the function every save describes its DTensors with);
+* the parts' boxes tile the tensor exactly once (replicas hold the same part, it is stored once);
+* every part has exactly one writer, a rank that holds it;
+* :meth:`parts_overlapping` finds exactly the parts a brute force over all parts finds, for random boxes;
+* the JSON form round-trips, and hostile forms are refused with a FormatError.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardsafe.core.boxes import DimSplit, local_boxes
+from shardsafe.core.rule import LayoutRule, Placement, spread_writers
+from shardsafe.errors import FormatError
+
+
+@st.composite
+def rules(draw: st.DrawFn) -> tuple[tuple[int, ...], LayoutRule]:
+    shape = tuple(draw(st.lists(st.integers(1, 11), min_size=1, max_size=3)))
+    mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    placements = []
+    for _ in mesh:
+        kind = draw(st.sampled_from(["r", "s", "ss"]))
+        dim = draw(st.integers(0, len(shape) - 1))
+        placements.append(Placement(None) if kind == "r" else Placement(dim, draw(st.integers(2, 4)) if kind == "ss" else 1))
+    if all(p.dim is None for p in placements):
+        placements[0] = Placement(0)
+    rule = LayoutRule(mesh, tuple(placements))
+    return shape, LayoutRule(mesh, tuple(placements), draw(st.integers(0, rule.replicas - 1)))
+
+
+def _coordinate(rank: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major, as init_device_mesh numbers ranks (written apart from core/rule.py's own)."""
+    return tuple(itertools.product(*(range(n) for n in mesh)))[rank]
+
+
+def _rank_boxes(shape: tuple[int, ...], rule: LayoutRule, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    coordinate = _coordinate(rank, rule.mesh)
+    steps: list[list[DimSplit]] = [[] for _ in shape]
+    for m, p in enumerate(rule.placements):
+        if p.dim is not None:
+            steps[p.dim].append(DimSplit(rule.mesh[m], coordinate[m], p.split_factor))
+    return [(b.offsets, b.shape) for b in local_boxes(shape, tuple(tuple(s) for s in steps)) if all(b.shape)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(rules())
+def test_parts_writers_and_tiling(case: tuple[tuple[int, ...], LayoutRule]) -> None:
+    shape, rule = case
+    rule.check(shape, rule.world_size, "test")
+    writers: dict[int, list[int]] = {}
+    for rank in range(rule.world_size):
+        part = rule.part_of(rank)
+        assert [(b.offsets, b.shape) for b in rule.boxes(shape, part)] == _rank_boxes(shape, rule, rank)
+        if rule.writes(rank):
+            writers.setdefault(part, []).append(rank)
+    assert sorted(writers) == list(range(rule.parts)) and all(len(w) == 1 for w in writers.values())
+    assert all(rule.part_of(rule.writer_of(p)) == p for p in range(rule.parts))
+    covered: dict[tuple[int, ...], int] = {}
+    for part in range(rule.parts):
+        for b in rule.boxes(shape, part):
+            for index in itertools.product(*(range(o, o + n) for o, n in zip(b.offsets, b.shape))):
+                covered[index] = covered.get(index, 0) + 1
+    assert covered == dict.fromkeys(itertools.product(*(range(n) for n in shape)), 1)
+    assert LayoutRule.from_json(rule.to_json(), "test") == rule
+    assert rule.stored_boxes(shape) == sum(len(rule.boxes(shape, p)) for p in range(rule.parts))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rules(), st.data())
+def test_parts_overlapping_matches_brute_force(case: tuple[tuple[int, ...], LayoutRule], data: st.DataObject) -> None:
+    shape, rule = case
+    lo = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    size = tuple(data.draw(st.integers(1, n - o)) for n, o in zip(shape, lo))
+
+    def meets(b_off: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+        return all(o < l + s and l < o + n for o, n, l, s in zip(b_off, b_shape, lo, size))
+
+    expected = [p for p in range(rule.parts) if any(meets(b.offsets, b.shape) for b in rule.boxes(shape, p))]
+    assert rule.parts_overlapping(shape, lo, size) == expected
+    for p in expected:
+        for b in rule.boxes(shape, p):
+            assert rule.part_holding(shape, b.offsets, b.shape) == p
+
+
+def test_version_2_split_is_the_one_dim_rule() -> None:
+    rule = LayoutRule.split(3)
+    assert rule.is_v2_split and rule.parts == 3 and rule.replicas == 1
+    # torch.chunk of 7 rows over 3: 3, 3, 1
+    assert [[(b.offsets, b.shape) for b in rule.boxes((7, 2), p)] for p in range(3)] == [[((0, 0), (3, 2))], [((3, 0), (3, 2))], [((6, 0), (1, 2))]]
+    # 2 rows over 3: the last part is empty
+    assert rule.boxes((2, 2), 2) == [] and rule.parts_overlapping((2, 2), (0, 0), (2, 2)) == [0, 1]
+
+
+def test_hsdp_writers_spread_over_replicas() -> None:
+    hsdp = LayoutRule((4, 2), (Placement(None), Placement(0)))  # 4 replicas of a 2-way shard
+    spread = spread_writers([(f"w{i}", 100 - i, hsdp) for i in range(4)])
+    written = {k: sorted(r for r in range(8) if spread[k].writes(r)) for k in spread}
+    assert len({tuple(v) for v in written.values()}) == 4  # each tensor written by other replicas
+    assert all(len(v) == 2 for v in written.values())
+
+
+@pytest.mark.parametrize(
+    ("raw", "shape", "world", "match"),
+    [
+        ({"mesh": [2, 2], "placements": [["shard", 0], ["shard", 1]], "writer": 0}, (4, 4), 8, "does not span"),
+        ({"mesh": [2, 2], "placements": [["shard", 0], ["shard", 3]], "writer": 0}, (4, 4), 4, "does not split"),
+        ({"mesh": [2], "placements": [["replicate"]], "writer": 0}, (4,), 2, "shards nothing"),
+        ({"mesh": [2, 2], "placements": [["replicate"], ["shard", 0]], "writer": 2}, (4,), 4, "writer"),
+        ({"mesh": [2], "placements": [["strided", 0, 0]], "writer": 0}, (4,), 2, "does not split"),
+        ({"mesh": [2], "placements": [["shard", 0]], "writer": 0}, (0,), 2, "with elements"),
+        ({"mesh": [2], "placements": [["shard", 0]], "writer": 0}, (), 2, "does not split"),
+        ({"mesh": [0], "placements": [["shard", 0]], "writer": 0}, (4,), 0, "sizes in"),
+        ({"mesh": [2], "placements": [["shard", True]], "writer": 0}, (4,), 2, "placement"),
+        ({"mesh": [2], "placements": [["shard", 0]]}, (4,), 2, "exactly"),
+        ({"mesh": [1 << 21], "placements": [["shard", 0]], "writer": 0}, (4,), 1 << 21, "sizes in"),
+        ({"mesh": [2, 2], "placements": [["shard", 0]], "writer": 0}, (4,), 4, "one placement per mesh dim"),
+    ],
+)
+def test_hostile_rules_are_refused(raw: dict[str, object], shape: tuple[int, ...], world: int, match: str) -> None:
+    with pytest.raises(FormatError, match=match):
+        LayoutRule.from_json(raw, "manifest").check(shape, world, "manifest")
