@@ -54,3 +54,13 @@ class LeaseHeldError(ShardsafeError):
 
 class LeaseLostError(ShardsafeError):
     """This run's lease on its checkpoint root was taken over by another run; it may publish and delete nothing."""
+
+
+class NoLoadableCheckpointError(ShardsafeError):
+    """``restore`` loaded nothing although the root holds committed checkpoints (names each, who wrote it and why it failed).
+
+    Raised instead of returning None, so a run does not silently start from scratch over a history it could not read."""
+
+
+class ReadOnlyError(ShardsafeError):
+    """A read-only CheckpointManager (``read_only=True``) was asked to save or delete."""

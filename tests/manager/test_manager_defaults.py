@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import shardsafe
+from shardsafe.errors import NoLoadableCheckpointError
 from shardsafe.manager.catalog import committed_steps
 from shardsafe.manager.naming import STEP_NAMING, StepNaming, step_name
 
@@ -105,16 +106,23 @@ def test_an_async_save_in_flight_at_exit_is_finished_not_lost(tmp_path: Path) ->
     shardsafe.verify(root / step_name(2))
 
 
-def test_restore_when_every_checkpoint_is_damaged_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_restore_when_every_checkpoint_is_damaged_refuses_to_start_from_scratch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = tmp_path / "ckpt"
     with shardsafe.CheckpointManager(root) as manager:
         manager.save(1, _state(1))
-    (root / step_name(1) / "manifest.json").write_bytes(b"{")
+        manager.save(2, _state(2))
+        writer = manager.lease.run_id
+    (root / step_name(2) / "manifest.json").write_bytes(b"{")
+    next(p for p in (root / step_name(1)).iterdir() if p.name.startswith("shard-")).write_bytes(b"x")
     manager = shardsafe.CheckpointManager(root)
-    with caplog.at_level(logging.WARNING, logger="shardsafe"):
-        assert manager.restore({"model": nn.Linear(4, 3), "step": None}) is None
-    assert [s for s, _ in manager.skipped] == [1]
-    assert any(r.levelno == logging.ERROR and "every committed checkpoint" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, logger="shardsafe"), pytest.raises(NoLoadableCheckpointError) as info:
+        manager.restore({"model": nn.Linear(4, 3), "step": None})
+    message = str(info.value)
+    assert "none of the 2 committed checkpoints" in message and "restore(state, step=N)" in message
+    assert f"step 1, written by run {writer} (lease epoch 1): IntegrityError" in message
+    assert "step 2, written by an unknown run (its manifest cannot be read: FormatError): FormatError" in message
+    assert [s for s, _ in manager.skipped] == [2, 1]
+    manager.close()
 
 
 def test_step_names_parse_back_only_in_their_canonical_form() -> None:

@@ -9,6 +9,10 @@ A damaged checkpoint (a manifest that is unreadable, truncated or fails validati
 the root from working: :func:`scan` passes over it, names it in a warning and returns it in
 :attr:`Catalog.damaged`, and retention, dedup, ``list`` and ``gc`` each decide what that means for
 them (in short: it is never counted, never deleted, never reused).
+
+*Who wrote a checkpoint* is a catalog question too: every manager, ShardsafeTrainer and Accelerate
+save records the ``run_id`` of the lease it held (:mod:`.lease`), and :func:`refuse_other_runs_step`
+applies the one rule all three share before they write a step that is already committed.
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardsafe.api.checkpoint import location
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
-from shardsafe.errors import ShardsafeError
+from shardsafe.errors import CheckpointExistsError, ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
 from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
@@ -90,23 +94,74 @@ def committed_steps(root: Root, naming: StepNaming = STEP_NAMING) -> list[int]:
 
 
 def info_of(step: int, path: Root, manifest: Manifest) -> CheckpointInfo:
-    meta = manager_meta(manifest)
-    metrics = meta.get("metrics")
-    run_id, epoch = meta.get("run_id"), meta.get("lease_epoch")
+    metrics = manager_meta(manifest).get("metrics")
+    run_id, epoch = writer_of(manifest)
     return CheckpointInfo(
         step,
         public_path(path),
         manifest.total_bytes,
         dict(metrics) if isinstance(metrics, dict) else {},
         manifest.created,
-        run_id=run_id if isinstance(run_id, str) else None,
-        lease_epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+        run_id=run_id,
+        lease_epoch=epoch,
     )
 
 
-def manager_meta(manifest: Manifest) -> dict[str, Any]:
-    meta = manifest.metadata.get(META_KEY)
+def manager_meta(manifest: Manifest, key: str = META_KEY) -> dict[str, Any]:
+    """What the writer recorded under ``key`` in the manifest metadata (the manager's by default; the Trainer and Accelerate use their own keys)."""
+    meta = manifest.metadata.get(key)
     return meta if isinstance(meta, dict) else {}
+
+
+def writer_of(manifest: Manifest, key: str = META_KEY) -> tuple[str | None, int | None]:
+    """The run id and lease epoch recorded in ``manifest`` (None for what was saved without a lease)."""
+    meta = manager_meta(manifest, key)
+    run_id, epoch = meta.get("run_id"), meta.get("lease_epoch")
+    return (run_id if isinstance(run_id, str) else None, epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None)
+
+
+def describe_writer(folder: Root, read: ReadManifest = read_manifest, key: str = META_KEY) -> tuple[str | None, str]:
+    """The run id that wrote the checkpoint ``folder`` (or None) and how to name the writer in a message."""
+    try:
+        run_id, epoch = writer_of(read(folder), key)
+    except (ShardsafeError, OSError) as exc:
+        return None, f"an unknown run (its manifest cannot be read: {type(exc).__name__})"
+    if run_id is None:
+        return None, "no recorded run (saved without a lease, e.g. by shardsafe.save)"
+    return run_id, f"run {run_id} (lease epoch {epoch if epoch is not None else 'unknown'})"
+
+
+def refuse_other_runs_step(
+    root: Root,
+    step: int,
+    run_id: str | None,
+    restored: Collection[int],
+    remedy: str,
+    *,
+    naming: StepNaming = STEP_NAMING,
+    key: str = META_KEY,
+    read: ReadManifest = read_manifest,
+) -> None:
+    """Raise :class:`CheckpointExistsError` if saving ``step`` would replace another run's committed checkpoint.
+
+    The run-identity rule (docs/MANAGER.md, "Which run wrote a step"): a *run* is one holder of the
+    root's lease, named by the lease's ``run_id``, which every checkpoint it writes records. A run
+    may replace a committed step only if that step's manifest records this run's id (a retry, a
+    re-save) or this run restored exactly that step (it continues that history). Anything else, a
+    step of another run, one saved without a lease, one whose manifest cannot be read, needs the
+    caller's explicit ``overwrite``. Called by the coordinator while it holds the lease, so no
+    other writer can change the answer before the save commits.
+    """
+    path = child(root, naming.name(step))
+    if step in restored or not has_manifest(path):
+        return
+    writer, who = describe_writer(path, read, key)
+    if writer is not None and writer == run_id:
+        return
+    raise CheckpointExistsError(
+        f"{where(path)}: step {step} is a committed checkpoint written by {who}, not by this run ({run_id}); "
+        f"a run never silently replaces another run's checkpoint. {remedy}"
+    )
 
 
 def read_info(root: Root, step: int, read: ReadManifest = read_manifest, naming: StepNaming = STEP_NAMING) -> CheckpointInfo:

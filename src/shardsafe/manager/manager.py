@@ -19,6 +19,12 @@ Async saves block the training loop only while the local state is copied into ho
 buffers (:mod:`.staging`, reused across saves); writing, hashing, the commit and retention run in
 a background thread that talks to the other ranks over its own gloo process group, never the
 training's.
+
+A run is the root's one writer (:mod:`.lease`) from its first ``restore`` or ``save`` on: it
+restores what the root holds at the moment it becomes the writer, never replaces a step another
+run committed unless told to (``overwrite=True``), and a save returns on every rank only once the
+retention it triggered is done. ``read_only=True`` makes a reader for evaluation jobs: no lease,
+no writes, and a step retired under it is passed over for the next newest.
 """
 
 from __future__ import annotations
@@ -37,7 +43,17 @@ import torch.distributed as dist
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.faults import crash_point
-from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, LeaseLostError, SaveError, ShardsafeError
+from shardsafe.errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    IntegrityError,
+    LeaseLostError,
+    NoLoadableCheckpointError,
+    ReadOnlyError,
+    SaveError,
+    ShardsafeError,
+    StateMismatchError,
+)
 from shardsafe.manager.catalog import (
     META_KEY,
     Catalog,
@@ -45,9 +61,13 @@ from shardsafe.manager.catalog import (
     ManifestCache,
     child,
     committed_steps,
+    describe_writer,
+    has_manifest,
     metric_value,
+    refuse_other_runs_step,
     scan,
     warn_damaged,
+    where,
 )
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.manager.naming import step_name
@@ -58,6 +78,13 @@ from shardsafe.state.registry import SaveView
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
+
+_DAMAGE = (IntegrityError, FormatError, CheckpointNotFoundError)  # what makes restore pass a checkpoint over
+_LISTED = 10  # committed checkpoints named in a NoLoadableCheckpointError
+_REPLACE_REMEDY = (
+    "Pass save(..., overwrite=True) to replace it on purpose; to continue that history, restore() first "
+    "(it loads the newest step, and this run may then re-save it); or save into another root"
+)
 
 
 def _optional_count(name: str, value: int | None, minimum: int) -> None:
@@ -76,6 +103,8 @@ class CheckpointManager:
     the next forward/backward; every optimizer in the saved state waits for it before its
     ``step()``, so the saved state is exactly the state at the save call; do not modify saved
     tensors in place other than through those optimizers until the next ``step()``).
+    ``read_only=True``: a reader (evaluation jobs next to a training run): no lease, ``save`` and
+    ``apply_retention`` raise :class:`~shardsafe.errors.ReadOnlyError`.
     """
 
     def __init__(
@@ -94,16 +123,21 @@ class CheckpointManager:
         fsync: bool = True,
         dedup: bool = False,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        read_only: bool = False,
     ) -> None:
         """``dedup``: a chunk whose bytes equal its counterpart in the newest earlier checkpoint is
         referenced rather than written (frozen weights of a fine-tune are stored once); costs one
         extra hash pass over chunks that have a counterpart.
 
-        ``lease_timeout``: before its first save or deletion the manager takes a lease on ``root``
-        (one live run per root, docs/MANAGER.md); a second run waits at most this long for a live
-        holder's lease to lapse, then raises :class:`~shardsafe.errors.LeaseHeldError`. A run whose
-        lease another run took over (it was paused longer than this) publishes and deletes nothing:
-        its saves raise :class:`~shardsafe.errors.LeaseLostError`. ``restore`` needs no lease."""
+        ``lease_timeout``: before its first restore, save or deletion the manager takes a lease on
+        ``root`` (one live run per root, docs/MANAGER.md); a second run waits at most this long for a
+        live holder's lease to lapse, then raises :class:`~shardsafe.errors.LeaseHeldError`. A run
+        whose lease another run took over (it was paused longer than this) publishes and deletes
+        nothing: its saves raise :class:`~shardsafe.errors.LeaseLostError`.
+
+        ``read_only``: never take the lease, never write or delete (``restore`` and the queries
+        only), so it can run while another job writes the root; not with ``handle_preemption``
+        (whose point is a final save)."""
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         if keep_best is not None and best_metric is None:
@@ -113,7 +147,10 @@ class CheckpointManager:
         _optional_count("save_every", save_every, 1)
         _optional_count("keep_last", keep_last, 0)
         _optional_count("keep_best", keep_best, 0)
+        if read_only and handle_preemption:
+            raise ValueError("read_only=True saves nothing, so handle_preemption (a final save on SIGTERM) cannot be honoured")
         self.root = location(root)
+        self.read_only = read_only
         self.keep_last, self.keep_best = keep_last, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_every = save_every
@@ -122,7 +159,7 @@ class CheckpointManager:
         self.dedup = dedup
         self.comm = get_comm(process_group)
         self.lease = RootLease(self.root, self.comm, timeout=lease_timeout)
-        self._background_comm = self._make_background_comm() if async_save else self.comm
+        self._background_comm = self._make_background_comm() if async_save and not read_only else self.comm
         self._staging = StagingBuffers()
         self._manifests = ManifestCache()
         self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already warned about
@@ -139,6 +176,7 @@ class CheckpointManager:
         self.stop_requested = False
         self.skipped: list[tuple[int, str]] = []  # (step, reason) of damaged checkpoints restore passed over
         self.retention_errors: list[str] = []  # retention failures (coordinator; logged, not raised)
+        self._restored: set[int] = set()  # steps this run restored: it continues them, so it may save them again
         if handle_preemption:
             self._install_signal_handlers(preemption_signals)
 
@@ -161,19 +199,28 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None, force: bool = False, *, overwrite: bool = False) -> bool:
         """Save ``state`` as ``step``. Collective. Returns True if it saved.
 
         Saves on every call unless ``save_every`` is set; then only when ``step`` is a multiple of
         it, or with ``force=True``, or when a preemption signal arrived. Raises the error of a
         previous background save, if one failed.
+
+        A committed ``step`` written by another run is not replaced: :class:`CheckpointExistsError`
+        names that run, unless ``overwrite=True``. This run's own steps, and the step it restored,
+        it may save again (the rule: :func:`~shardsafe.manager.catalog.refuse_other_runs_step`).
+        When the save returns (async: when it is committed, at the next ``save``/``wait``), the
+        retention it triggered has finished, on every rank.
         """
+        self._check_writable(f"save step {step}")
         self._raise_background_error()
         preempted = self._agree_on_preemption()
         if not (force or preempted or self.should_save(step)):
             return False
         self.wait()
         self.lease.ensure()
+        if not overwrite:
+            self._refuse_other_runs_step(step)
         self._check_best_metric(step, metrics)
         if self.dedup:
             self._check_not_referenced(step)
@@ -201,6 +248,21 @@ class CheckpointManager:
             log.warning("shardsafe: signal %s received; saved step %d, stop training now", self._preempt_signal, step)
         return True
 
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyError(
+                f"{where(self.root)}: this CheckpointManager is read-only (read_only=True) and does not {what}; "
+                "the job that trains into this root saves with its own (writing) manager"
+            )
+
+    def _refuse_other_runs_step(self, step: int) -> None:
+        """Collective: every rank raises the same CheckpointExistsError if ``step`` is another run's (decided under the lease)."""
+
+        def check() -> None:
+            refuse_other_runs_step(self.root, step, self.lease.run_id, self._restored, _REPLACE_REMEDY, read=self._manifests)
+
+        self.comm.on_coordinator(check, default=SaveError)
+
     def _check_best_metric(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Warn (once) when a save cannot be ranked: keep_best would silently keep nothing for it."""
         if self.best_metric is None or self._warned_metric or not self.comm.is_coordinator:
@@ -227,12 +289,15 @@ class CheckpointManager:
             reuse=reuse,
             before_publish=lambda: self.lease.fence(f"publish step {step}"),
         )
-        if (comm or self.comm).is_coordinator:
-            try:
-                self.apply_retention()
-            except Exception as exc:  # the save is committed; raising here, on the coordinator alone, would split the ranks
-                log.warning("shardsafe: retention after saving step %d failed (retried after the next save): %s", step, exc)
-                self.retention_errors.append(f"step {step}: {type(exc).__name__}: {exc}")
+        # Every rank waits for the coordinator's retention: when a save returns anywhere, the root is as retention left it.
+        (comm or self.comm).on_coordinator(lambda: self._retain_after(step))
+
+    def _retain_after(self, step: int) -> None:
+        try:
+            self.apply_retention()
+        except Exception as exc:  # the save is committed: a retention failure is logged and retried, never a failed save
+            log.warning("shardsafe: retention after saving step %d failed (retried after the next save): %s", step, exc)
+            self.retention_errors.append(f"step {step}: {type(exc).__name__}: {exc}")
 
     def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: Staged) -> None:
         try:
@@ -281,6 +346,7 @@ class CheckpointManager:
         A damaged checkpoint is neither counted nor deleted (it is warned about once): the newest
         readable one is the latest, the one ``restore`` would load.
         """
+        self._check_writable("delete checkpoints")
         if not self.comm.is_coordinator or (self.keep_last is None and self.keep_best is None):
             return []
         catalog = self._catalog()
@@ -337,31 +403,86 @@ class CheckpointManager:
     def restore(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest committed checkpoint that loads cleanly (or ``step``). Collective.
 
-        A damaged checkpoint (missing file, hash mismatch, bad manifest) is reported and skipped
-        in favour of the next older one. Returns the step loaded, or None if there is none.
+        A writing manager first takes the root's lease (waiting as a save does), so it loads the
+        newest checkpoint as of the moment this run becomes the root's only writer. A damaged
+        checkpoint (missing file, hash mismatch, bad manifest) is reported, listed in
+        :attr:`skipped` and passed over for the next older one; one that was retired while it was
+        being read (a read-only manager next to a writing run) is passed over quietly for the
+        newest one left. Returns the step loaded, or None when the root holds no committed
+        checkpoint. When it holds some and none loads, raises
+        :class:`~shardsafe.errors.NoLoadableCheckpointError` (naming each, and who wrote it)
+        rather than let the run start from scratch over that history.
         """
         self.wait()
-        candidates = [step] if step is not None else list(reversed(self.comm.broadcast(self.steps())))
-        for candidate in candidates:
+        if not self.read_only:
+            self.lease.ensure()
+        if step is not None:
+            self._load(step, state, strict)
+        else:
+            found = self._restore_newest(state, strict)
+            if found is None:
+                return None
+            step = found
+        self._restored.add(step)
+        return step
+
+    def _restore_newest(self, state: dict[str, Any], strict: bool) -> int | None:
+        """The newest step that loads, listing again after each failure (a reader's root can change meanwhile)."""
+        failed: dict[int, str] = {}
+        while (candidate := self._newest_except(failed)) is not None:
             try:
-                metadata = load(self.step_path(candidate), state, process_group=self.comm.group, strict=strict)
-                written = metadata.get(META_KEY, {}) if isinstance(metadata, dict) else {}
-                if self.comm.is_coordinator:
-                    log.info(
-                        "shardsafe: restored %s, written by run %s (lease epoch %s)",
-                        self.step_path(candidate),
-                        written.get("run_id", "unknown"),
-                        written.get("lease_epoch", "unknown"),
-                    )
+                self._load(candidate, state, strict)
                 return candidate
-            except (IntegrityError, FormatError, CheckpointNotFoundError) as exc:
-                if step is not None:
+            except StateMismatchError:  # the checkpoint does not fit the state: the caller's error, not the checkpoint's
+                raise
+            except (ShardsafeError, OSError) as exc:
+                # Whatever a load raises when the folder goes from under it (retention, between the listing and the last read).
+                if self.comm.on_coordinator(lambda: not has_manifest(self.step_path(candidate))):
+                    log.debug("shardsafe: %s was retired while it was read; trying the newest one left", self.step_path(candidate))
+                    failed[candidate] = "retired while it was read"
+                    continue
+                if not isinstance(exc, _DAMAGE):
                     raise
                 log.warning("shardsafe: skipping damaged checkpoint %s: %s", self.step_path(candidate), exc)
                 self.skipped.append((candidate, str(exc)))
-        if candidates and step is None:
-            log.error("shardsafe: every committed checkpoint under %s failed to load; nothing restored", self.root)
+                failed[candidate] = f"{type(exc).__name__}: {exc}"
+        problem = self.comm.on_coordinator(lambda: self._nothing_loaded(failed)) if failed else None
+        if problem is not None:
+            raise NoLoadableCheckpointError(problem)
         return None
+
+    def _newest_except(self, failed: dict[int, str]) -> int | None:
+        """The coordinator's newest committed step not yet tried, on every rank."""
+        return self.comm.on_coordinator(lambda: max((s for s in self.steps() if s not in failed), default=None))
+
+    def _load(self, step: int, state: dict[str, Any], strict: bool) -> None:
+        metadata = load(self.step_path(step), state, process_group=self.comm.group, strict=strict)
+        written = metadata.get(META_KEY, {}) if isinstance(metadata, dict) else {}
+        if self.comm.is_coordinator:
+            log.info(
+                "shardsafe: restored %s, written by run %s (lease epoch %s)",
+                self.step_path(step),
+                written.get("run_id", "unknown"),
+                written.get("lease_epoch", "unknown"),
+            )
+
+    def _nothing_loaded(self, failed: dict[int, str]) -> str | None:
+        """Coordinator: what a restore that loaded nothing saw, and what to do (the NoLoadableCheckpointError
+        message); None if the root holds no committed checkpoint any more (all were retired: nothing to refuse)."""
+        committed = self.steps()
+        if not committed:
+            return None
+        seen = []
+        for step in reversed(committed[-_LISTED:]):
+            _, who = describe_writer(self.step_path(step), self._manifests)
+            seen.append(f"step {step}, written by {who}: {failed.get(step, 'not tried')}")
+        more = f" (and {len(committed) - _LISTED} older)" if len(committed) > _LISTED else ""
+        return (
+            f"{where(self.root)}: restore loaded none of the {len(committed)} committed checkpoints{more}: " + "; ".join(seen) + ". "
+            "Starting from scratch here would silently train over that history. Check them (shardsafe verify / shardsafe list), "
+            "then repair or move the damaged ones away, load one on purpose with restore(state, step=N), or start the run in "
+            "another root; to start from scratch here anyway, catch NoLoadableCheckpointError"
+        )
 
     # ------------------------------------------------------------------ preemption
 
