@@ -45,10 +45,12 @@ from common import load_average, write_section  # noqa: E402
 from shardsafe._version import __version__  # noqa: E402
 from shardsafe.api.save import RankResult, tensor_entries  # noqa: E402
 from shardsafe.core.format import INDEX_PATTERN, SHARD_PATTERN, ChunkEntry, FileEntry, IndexRef, parse_manifest  # noqa: E402
+from shardsafe.core.gcpause import gc_paused  # noqa: E402
 from shardsafe.core.index import build_index  # noqa: E402
 from shardsafe.core.integrity import hash_bytes  # noqa: E402
-from shardsafe.core.layout import describe_layout, rule_for  # noqa: E402
+from shardsafe.core.layout import describe_layout  # noqa: E402
 from shardsafe.core.plan import LocalChunk, assign_writers  # noqa: E402
+from shardsafe.core.rule import LayoutRule, Placement, spread_writers  # noqa: E402
 from shardsafe.protocol.commit import new_manifest  # noqa: E402
 from shardsafe.protocol.transfer import ChunkReader  # noqa: E402
 
@@ -73,9 +75,10 @@ def layout(n: int = TENSORS) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def local_box(shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    rule = rule_for(shape, world)
-    assert rule is not None
-    return rule.box(rank, shape)
+    """Rank ``rank``'s ``torch.chunk`` part of dim 0 (empty past the end of an uneven split)."""
+    size = -(-shape[0] // world)
+    start, stop = min(rank * size, shape[0]), min((rank + 1) * size, shape[0])
+    return (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:])
 
 
 def rank_chunks(tensors: list[tuple[str, tuple[int, ...]]], rank: int, world: int) -> list[LocalChunk]:
@@ -130,7 +133,7 @@ def shardsafe_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sa
     assign_writers([specs for _, specs in digests])
     files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
     manifest = new_manifest(world, files, b"{}", {}, __version__)
-    manifest.tensors = tensor_entries(results, mine, world)
+    manifest.tensors = tensor_entries(results, mine, spread_writers(mine.rules()))
     data = manifest.to_bytes()
     parse_manifest(data, "the manifest about to be written")
     coordinator = time.perf_counter() - t0
@@ -163,6 +166,142 @@ class MemorySource:
 
     def close(self) -> None:
         pass
+
+
+# ----------------------------------------------------------------------------- N-D mesh
+
+ND_SECTION = "## Scale on a 3-D mesh (metadata, simulated)"
+ND_MESH = (8, 256, 8)  # (dp_replicate, dp_shard, tp): HSDP x tensor parallel, 16,384 ranks
+_R, _TP_ROWS, _TP_COLS = Placement(None), Placement(0), Placement(1)
+COLWISE = (_R, Placement(0, ND_MESH[2]), _TP_ROWS)  # FSDP2 over colwise TP: _StridedShard on dp_shard
+ROWWISE = (_R, Placement(0), _TP_COLS)  # FSDP2 over rowwise TP
+NORM = (_R, Placement(0), _R)  # FSDP2 only, replicated over tp
+
+
+def nd_layout(n: int = TENSORS) -> list[tuple[str, tuple[int, ...], LayoutRule]]:
+    """A Llama-3-8B-shaped model's parameters on ``ND_MESH`` the way torchtitan lays them out."""
+    per_layer = [
+        ("attention.wq.weight", (4096, 4096), COLWISE),
+        ("attention.wk.weight", (1024, 4096), COLWISE),
+        ("attention.wv.weight", (1024, 4096), COLWISE),
+        ("attention.wo.weight", (4096, 4096), ROWWISE),
+        ("feed_forward.w1.weight", (14336, 4096), COLWISE),
+        ("feed_forward.w2.weight", (4096, 14336), ROWWISE),
+        ("feed_forward.w3.weight", (14336, 4096), COLWISE),
+        ("attention_norm.weight", (4096,), NORM),
+        ("ffn_norm.weight", (4096,), NORM),
+    ]
+    out = []
+    for i in range(-(-n // len(per_layer))):
+        out += [(f"model/layers.{i}.{name}", shape, LayoutRule(ND_MESH, placements)) for name, shape, placements in per_layer]
+    return out[:n]
+
+
+def nd_chunks(tensors: list[tuple[str, tuple[int, ...], LayoutRule]], rank: int) -> list[LocalChunk]:
+    """The rank's boxes of every tensor as the state adapters describe a DTensor (meta tensors: no data)."""
+    out = []
+    for key, shape, rule in tensors:
+        for box in rule.boxes(shape, rule.part_of(rank)):
+            out.append(LocalChunk(key, torch.empty(box.shape, dtype=torch.bfloat16, device="meta"), shape, box.offsets, rule=rule))
+    return out
+
+
+def nd_index(tensors: list[tuple[str, tuple[int, ...], LayoutRule]], rules: dict[str, LayoutRule], rank: int) -> bytes:
+    """The index rank ``rank`` writes: the boxes of the parts it is the writer of."""
+    pos, entries = 4096, []
+    for key, shape, _ in tensors:
+        rule = rules[key]
+        part = rule.part_of(rank)
+        if rule.writer_of(part) != rank:
+            continue
+        for box in rule.boxes(shape, part):
+            nbytes = 2 * int(torch.Size(box.shape).numel())
+            blocks = -(-nbytes // (1 << 20))
+            entries.append(
+                (key, ChunkEntry(box.offsets, box.shape, SHARD_PATTERN.format(rank=rank), pos, pos + nbytes, ("0123456789abcdef",) * blocks))
+            )
+            pos += nbytes
+    return build_index(rank, SHARD_PATTERN.format(rank=rank), entries)
+
+
+def nd_once(tensors: list[tuple[str, tuple[int, ...], LayoutRule]], world: int) -> Sample:
+    """One rank's describe, the coordinator's manifest, one rank's parse + plan, on the 3-D mesh."""
+    reader_rank = world // 2 + 1
+    gc.collect()
+    t0 = time.perf_counter()
+    mine = describe_layout(nd_chunks(tensors, reader_rank), reader_rank, world)
+    rank_describe = time.perf_counter() - t0
+    rules = spread_writers(mine.rules())
+    writers = sorted({rules[key].writer_of(rules[key].part_of(reader_rank)) for key, _, _ in tensors})
+    indexes = {w: nd_index(tensors, rules, w) for w in writers}
+    shard_size = 1 << 40
+    results = [
+        RankResult(
+            (SHARD_PATTERN.format(rank=r), shard_size),
+            IndexRef(INDEX_PATTERN.format(rank=r), len(indexes[r]), hash_bytes(indexes[r]))
+            if r in indexes
+            else IndexRef(INDEX_PATTERN.format(rank=r), 1000, f"{r:016x}"),
+        )
+        for r in range(world)
+    ]
+    t0 = time.perf_counter()
+    with gc_paused():  # as save() runs (core/gcpause.py)
+        files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
+        manifest = new_manifest(world, files, b"{}", {}, __version__)
+        manifest.tensors = tensor_entries(results, mine, spread_writers(mine.rules()))
+        data = manifest.to_bytes()
+        parse_manifest(data, "the manifest about to be written")
+    coordinator = time.perf_counter() - t0
+    del manifest, results
+    gc.collect()
+    t0 = time.perf_counter()
+    with gc_paused():  # as load() runs
+        parsed = parse_manifest(data)
+        parse = time.perf_counter() - t0
+        reader = ChunkReader(Path("/nonexistent"), parsed)
+        reader.source = MemorySource({INDEX_PATTERN.format(rank=w): indexes[w] for w in writers})  # type: ignore[assignment]
+        reads = 0
+        for key, shape, rule in tensors:
+            for box in rule.boxes(shape, rule.part_of(reader_rank)):
+                reads += len(reader.plan(key, parsed.tensors[key], box.offsets, box.shape))
+    load_plan = time.perf_counter() - t0
+    print(f"    parse {secs(parse)}, plan {secs(load_plan - parse)} reading {len(writers)} indexes", flush=True)
+    return Sample(rank_describe, coordinator, len(data), load_plan, reads)
+
+
+def report_nd(samples: list[Sample], runs: int, command: str, elapsed: float) -> str:
+    size, plan = median(samples, "manifest_bytes"), median(samples, "load_plan")
+    ok = size <= 8e6 and plan <= 0.5
+    world = 1
+    for n in ND_MESH:
+        world *= n
+    return (
+        "\n".join(
+            [
+                ND_SECTION,
+                "",
+                f"- **Command:** `{command}` (what `make bench-scale` runs); medians of {runs} runs; took {elapsed:.0f} s; "
+                f"load average at the end {load_average()}",
+                f"- **Layout:** {TENSORS:,} tensors of a Llama-3-8B-shaped model (per layer wq/wk/wv/w1/w3 colwise: "
+                f"`(Replicate, _StridedShard(0, sf={ND_MESH[2]}), Shard(0))`; wo/w2 rowwise: `(Replicate, Shard(0), Shard(1))`; two "
+                f"norms `(Replicate, Shard(0), Replicate)`) on a `(dp_replicate={ND_MESH[0]}, dp_shard={ND_MESH[1]}, tp={ND_MESH[2]})` "
+                f"mesh: {world:,} ranks. No data, only metadata; one process, the code a save and a load run.",
+                "- **Measured:** one rank's describe (its boxes checked against each tensor's rule, digested); the coordinator's "
+                "manifest from the W per-rank results, validated by the load's parser; one rank's parse of that manifest and the "
+                "plan of the reads of its own boxes, reading and validating (from memory) the indexes of the writers of its parts.",
+                "",
+                "| ranks | manifest | coordinator | one rank's parse + plan | one rank's describe | reads planned | target |",
+                "|---|---|---|---|---|---|---|",
+                f"| {world:,} | {mb(size)} | {secs(median(samples, 'coordinator'))} | {secs(plan)} | {secs(median(samples, 'rank_describe'))} "
+                f"| {samples[0].reads:,} | manifest <= 8 MB, parse + plan <= 0.5 s: {'met' if ok else 'MISSED'} |",
+                "",
+                "The manifest's `tensors` section holds one rule per tensor (mesh + placements + writer, ~120 bytes); the rest is the "
+                "`files` list, one entry per rank. Listing the chunks instead (format 2's fallback for N-D layouts) would take "
+                f"{world // ND_MESH[0]:,} chunks per tensor.",
+            ]
+        )
+        + "\n"
+    )
 
 
 # ----------------------------------------------------------------------------- DCP
@@ -357,6 +496,7 @@ def main() -> None:
     parser.add_argument("--md", type=Path, default=None)
     parser.add_argument("--real-only", action="store_true", help="only the real 4 / 8 / 16-process runs")
     parser.add_argument("--simulated-only", action="store_true", help="only the simulation")
+    parser.add_argument("--nd-only", action="store_true", help="only the 3-D mesh simulation")
     parser.add_argument("--layers", type=int, default=250, help="Linear(64, 64) layers of the real runs (4 tensors each)")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
@@ -364,6 +504,16 @@ def main() -> None:
     md = args.md if args.md is not None else (None if args.quick else REPO / "BENCHMARKS.md")
     tensors = layout()
     command = "python benchmarks/bench_scale.py" + (" --quick" if args.quick else "") + (f" --runs {args.runs}" if args.runs != 3 else "")
+    if not args.real_only:
+        start = time.perf_counter()
+        nd = measure(nd_once, nd_layout(), 16384, runs)  # type: ignore[arg-type]
+        text = report_nd(nd, runs, command, time.perf_counter() - start)
+        print(text)
+        if md is not None:
+            write_section(md, ND_SECTION, text)
+            print(f"wrote the {ND_SECTION!r} section of {md}")
+    if args.nd_only:
+        return
     if not args.real_only:
         start = time.perf_counter()
         results: dict[int, dict[str, list[Sample]]] = {}

@@ -73,10 +73,13 @@ def test_the_manifest_holds_rules_and_loads_in_one_process(saved: tuple[Path, di
             assert "layout" in entry and "chunks" not in entry, key
     assert manifest["tensors"][STRIDED]["layout"]["placements"] == [["strided", 0, 2], ["shard", 0]]
     assert manifest["tensors"][NORM]["layout"]["placements"] == [["shard", 0], ["replicate"]]
-    # Every parameter and moment byte is in exactly one index box, and the writers of replicated
-    # parts are spread: all four ranks write.
-    writers = {LayoutRule.from_json(e["layout"], "t").writer_of(p) for e in manifest["tensors"].values() if "layout" in e for p in range(2)}
-    assert writers == {0, 1, 2, 3}
+    # Every rank writes (the parts of the TP-sharded weights), and the norms' parts (replicated on
+    # tp) are each written by one replica, the one the rule names.
+    assert sorted(f["rank"] for f in manifest["files"].values() if "index" in f) == [0, 1, 2, 3]
+    norm = LayoutRule.from_json(manifest["tensors"][NORM]["layout"], "manifest")
+    for part in range(norm.parts):
+        holders = [r for r in range(4) if norm.part_of(r) == part]
+        assert len(holders) == 2 and [r for r in holders if norm.writes(r)] == [norm.writer_of(part)]
     assert shardsafe.verify(path)["indexes"] == 4
     got = _load_one(path)
     assert got.keys() == reference.keys()

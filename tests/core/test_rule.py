@@ -103,10 +103,11 @@ def test_version_2_split_is_the_one_dim_rule() -> None:
 
 def test_hsdp_writers_spread_over_replicas() -> None:
     hsdp = LayoutRule((4, 2), (Placement(None), Placement(0)))  # 4 replicas of a 2-way shard
-    spread = spread_writers([(f"w{i}", 100 - i, hsdp) for i in range(4)])
+    spread = spread_writers([(f"w{i}", (100 - i) << 20, hsdp) for i in range(4)] + [(f"n{i}", 1024, hsdp) for i in range(4)])
     written = {k: sorted(r for r in range(8) if spread[k].writes(r)) for k in spread}
-    assert len({tuple(v) for v in written.values()}) == 4  # each tensor written by other replicas
+    assert len({tuple(written[f"w{i}"]) for i in range(4)}) == 4  # each large tensor written by other replicas
     assert all(len(v) == 2 for v in written.values())
+    assert {tuple(written[f"n{i}"]) for i in range(4)} == {tuple(written["w0"])}  # small ones: one index to read
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ typed fields, tensor keys and the size limits."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from shardsafe.errors import FormatError
@@ -16,18 +17,13 @@ MAX_HASH_BLOCK_SIZE = 1 << 30
 RESERVED_HEADER_NAME = "__metadata__"
 
 
+_SAFE_COMPONENT = re.compile(r"(?!\.\.?\Z)(?!~)[^/\\\x00]{1,255}\Z")  # one regex pass: manifests name 10^4+ files
+
+
 def check_component(name: object, where: str) -> str:
-    """A file or folder name that cannot leave its folder: one component, no '..', no '/'."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or name.startswith("~")
-        or len(name) > 255
-    ):
+    """A file or folder name that cannot leave its folder: one component, not '.' or '..', no '/',
+    '\\' or NUL, not starting with '~', at most 255 characters."""
+    if not isinstance(name, str) or _SAFE_COMPONENT.match(name) is None:
         raise FormatError(f"{where}: unsafe or invalid file name {name!r}")
     return name
 

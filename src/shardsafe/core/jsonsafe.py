@@ -19,11 +19,13 @@ _SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise FormatError(f"duplicate JSON key {key!r}")
-        out[key] = value
+    out = dict(pairs)  # one C-speed pass; a key seen twice makes the dict shorter than the pairs
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise FormatError(f"duplicate JSON key {key!r}")
+            seen.add(key)
     return out
 
 

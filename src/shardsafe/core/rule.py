@@ -32,7 +32,7 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from shardsafe.core.boxes import MAX_BOXES, DimSplit, LocalBox, Run, dim_runs, local_boxes
@@ -128,21 +128,31 @@ class LayoutRule:
         """Whether format version 2's ``split`` field says the same (it is written that way)."""
         return len(self.mesh) == 1 and self.placements == (Placement(0),) and self.writer == 0
 
+    @cached_property
+    def _strides(self) -> tuple[int, ...]:
+        """Row-major strides of the mesh (rank = sum of coordinate x stride)."""
+        return tuple(math.prod(self.mesh[i + 1 :]) for i in range(len(self.mesh)))
+
+    @cached_property
+    def _numbering(self) -> tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]:
+        """(mesh size, rank stride, part or replica stride) of the sharding dims and of the replicate dims."""
+
+        def of(dims: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+            sizes = [self.mesh[i] for i in dims]
+            return tuple((self.mesh[i], self._strides[i], math.prod(sizes[k + 1 :])) for k, i in enumerate(dims))
+
+        return of(self.shard_dims), of(self.replica_dims)
+
     def part_of(self, rank: int) -> int:
         """The part rank ``rank`` holds."""
-        coordinate = _unravel(rank, self.mesh)
-        return _ravel((coordinate[i] for i in self.shard_dims), (self.mesh[i] for i in self.shard_dims))
+        return sum((rank // stride) % size * inner for size, stride, inner in self._numbering[0])
 
     def writer_of(self, part: int) -> int:
         """The rank that writes ``part``."""
-        shard = _unravel(part, tuple(self.mesh[i] for i in self.shard_dims))
-        replica = _unravel((part + self.writer) % self.replicas, tuple(self.mesh[i] for i in self.replica_dims))
-        coordinate = [0] * len(self.mesh)
-        for i, c in zip(self.shard_dims, shard):
-            coordinate[i] = c
-        for i, c in zip(self.replica_dims, replica):
-            coordinate[i] = c
-        return _ravel(coordinate, self.mesh)
+        shard, replica = self._numbering
+        replica_number = (part + self.writer) % self.replicas
+        rank = sum((part // inner) % size * stride for size, stride, inner in shard)
+        return rank + sum((replica_number // inner) % size * stride for size, stride, inner in replica)
 
     def writes(self, rank: int) -> bool:
         return self.writer_of(self.part_of(rank)) == rank
@@ -155,14 +165,24 @@ class LayoutRule:
 
     def boxes(self, shape: tuple[int, ...], part: int) -> list[LocalBox]:
         """The non-empty boxes of ``part`` (in the local tensor's row-major order)."""
-        shard = dict(zip(self.shard_dims, _unravel(part, tuple(self.mesh[i] for i in self.shard_dims))))
-        steps = tuple(tuple(DimSplit(self.mesh[i], shard[i], self.placements[i].split_factor) for i in self._acting(d)) for d in range(len(shape)))
-        return [b for b in local_boxes(shape, steps) if all(b.shape)]
+        return list(_part_boxes(self.mesh, self.placements, shape, part))
 
     def parts_overlapping(self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]) -> list[int]:
         """The parts holding any element of the box (``offsets``, ``box_shape``), without visiting
         the others: per tensor dim, the coordinates of the mesh dims splitting it whose indices meet
-        the box's range; the parts are their products."""
+        the box's range; the parts are their products. Small answers are remembered: a load asks
+        the same question for every layer of a model (same shape, same rule, same box)."""
+        key = (self.mesh, self.placements, shape, offsets, box_shape)
+        found = _OVERLAPS.get(key)
+        if found is None:
+            found = tuple(self._find_overlapping(shape, offsets, box_shape))
+            if len(found) <= 64:
+                if len(_OVERLAPS) >= 1 << 14:
+                    _OVERLAPS.clear()
+                _OVERLAPS[key] = found
+        return list(found)
+
+    def _find_overlapping(self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]) -> list[int]:
         if not all(box_shape):
             return []
         per_dim: list[list[tuple[int, ...]]] = []
@@ -242,6 +262,21 @@ class LayoutRule:
         return cls(tuple(mesh), tuple(Placement.from_json(p, where) for p in placements), writer)
 
 
+_OVERLAPS: dict[tuple[object, ...], tuple[int, ...]] = {}
+
+
+@lru_cache(maxsize=1 << 14)
+def _part_boxes(mesh: tuple[int, ...], placements: tuple[Placement, ...], shape: tuple[int, ...], part: int) -> tuple[LocalBox, ...]:
+    """The non-empty boxes of ``part`` (cached: a model's layers repeat a few shapes and layouts,
+    and a load asks for the same part of every tensor)."""
+    shard_dims = tuple(i for i, p in enumerate(placements) if p.dim is not None)
+    coordinate = dict(zip(shard_dims, _unravel(part, tuple(mesh[i] for i in shard_dims))))
+    steps = tuple(
+        tuple(DimSplit(mesh[i], coordinate[i], placements[i].split_factor) for i in shard_dims if placements[i].dim == d) for d in range(len(shape))
+    )
+    return tuple(b for b in local_boxes(shape, steps) if all(b.shape))
+
+
 def _local_intervals(runs: tuple[Run, ...], lo: int, hi: int) -> list[tuple[int, int]]:
     """The local positions [a, b) whose global indices (``runs``) lie in [lo, hi)."""
     out = []
@@ -288,15 +323,22 @@ def _coordinates_meeting(size: int, parts: tuple[int, ...], factors: tuple[int, 
     return out
 
 
+SPREAD_MIN_PART_BYTES = 64 << 10  # a smaller part is not worth another index for its replicas to read
+
+
 def spread_writers(rules: list[tuple[str, int, LayoutRule]]) -> dict[str, LayoutRule]:
     """Each replicated-and-sharded tensor's rule with its ``writer`` set, from (key, nbytes, rule)
     triples every rank knows alike: largest tensors first, each turned one replica further than the
     previous one on the same mesh, so part p of successive tensors is written by successive
-    replicas and every rank of the mesh gets writes (O(T), the same on every rank)."""
+    replicas and every rank of the mesh gets writes (O(T), the same on every rank).
+
+    Tensors whose parts are small (norms, biases: under :data:`SPREAD_MIN_PART_BYTES`) all keep
+    ``writer`` 0: spreading them saves nothing, and a rank that loads them reads one more index per
+    replica that writes them."""
     turned: dict[tuple[int, ...], int] = {}
     out: dict[str, LayoutRule] = {}
-    for key, _, rule in sorted(rules, key=lambda kr: (-kr[1], kr[0])):
-        if rule.replicas == 1:
+    for key, nbytes, rule in sorted(rules, key=lambda kr: (-kr[1], kr[0])):
+        if rule.replicas == 1 or nbytes < SPREAD_MIN_PART_BYTES * rule.parts:
             out[key] = rule
             continue
         start = turned.get(rule.mesh, 0)
