@@ -1,6 +1,6 @@
 """``verify``: a checkpoint checked completely - manifest, state tree, every file's size and
 safetensors header (the checks every load runs on the files it opens), every per-rank index
-(format version 2: its hash, and every part of every split rule present in it), every block hash."""
+(format version 2+: its hash, and every box of every part of every rule present in it), every block hash."""
 
 from __future__ import annotations
 

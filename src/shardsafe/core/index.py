@@ -1,4 +1,4 @@
-"""The per-rank index of format version 2: where the parts of rule-described tensors lie in a shard.
+"""The per-rank index of format versions 2 and 3: where the parts of rule-described tensors lie in a shard.
 
 ``shard-RRRRR.index.json`` is written by rank R right after its shard file (the safetensors header
 is written first, before the block hashes are known, and a trailer would make the file unreadable
