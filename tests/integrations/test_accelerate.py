@@ -172,3 +172,61 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
     assert loaded[0]["consumed"] == saved[0]["consumed"] == 2 * BATCH * SAVE_AT
     for key, value in saved[0]["weights"].items():
         assert torch.equal(loaded[0]["weights"][key], value), key
+
+
+def _first_run(rank: int, world_size: int, root: str) -> str | None:
+    from shardsafe.integrations import accelerate as ss_accelerate
+
+    s = _setup(root, world_size, automatic_checkpoint_naming=True)
+    for _ in range(2):
+        _train(s, 1)
+        ss_accelerate.save_state(s["acc"])  # checkpoint_0, checkpoint_1
+    return ss_accelerate._LEASES[str((Path(root) / "checkpoints").absolute())].run_id
+
+
+def _second_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A new run on the first one's project: it waits for a live holder before it picks the newest, and replaces only what it loaded."""
+    import shutil
+    import threading
+    import time
+
+    from shardsafe.errors import CheckpointExistsError
+    from shardsafe.integrations import accelerate as ss_accelerate
+    from shardsafe.manager.lease import Lease
+
+    folder = Path(root) / "checkpoints"
+    s = _setup(root, world_size, automatic_checkpoint_naming=True)
+    config = s["acc"].project_configuration
+    if rank == 0:  # another run still holds the folder, commits checkpoint_2, then ends
+        other = Lease(folder, timeout=1.0)
+        other.acquire()
+
+        def finish() -> None:
+            time.sleep(1.0)
+            shutil.copytree(folder / "checkpoint_1", folder / "checkpoint_2")
+            other.release()
+
+        threading.Thread(target=finish).start()
+    loaded = ss_accelerate.load_state(s["acc"])
+    after_load = config.iteration
+    config.iteration = 0
+    try:
+        ss_accelerate.save_state(s["acc"])
+        refused = ""
+    except CheckpointExistsError as exc:
+        refused = str(exc)
+    config.iteration = 2
+    again = ss_accelerate.save_state(s["acc"])  # the checkpoint it loaded
+    config.iteration = 0
+    forced = ss_accelerate.save_state(s["acc"], overwrite=True)
+    return {"loaded": Path(loaded).name, "iteration": after_load, "refused": refused, "saved": [Path(again).name, Path(forced).name]}
+
+
+def test_a_second_run_loads_under_the_lease_and_never_replaces_the_first_runs_checkpoint(tmp_path: Path) -> None:
+    root = str(tmp_path / "proj")
+    first = run_ranks(_first_run, 1, root, work_dir=tmp_path / "a")[0]
+    results = run_ranks(_second_run, 2, root, work_dir=tmp_path / "b")
+    for r in results:
+        assert r["loaded"] == "checkpoint_2" and r["iteration"] == 3, "the newest once the other run had ended"
+        assert f"step 0 is a committed checkpoint written by run {first}" in r["refused"] and "overwrite=True" in r["refused"]
+        assert r["saved"] == ["checkpoint_2", "checkpoint_0"]

@@ -15,7 +15,11 @@ With ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`` c
 committed, the oldest beyond ``total_limit`` are retired (renamed hidden, then deleted), by the
 coordinator only, and the run holds a lease on the checkpoints folder (one live run per project;
 a second run waits for it to lapse, then fails with LeaseHeldError; a run whose lease was taken
-over publishes and deletes nothing). Like the Accelerator's own methods, these read Accelerate's registries
+over publishes and deletes nothing). The run is this process: ``load_state`` takes the lease before
+it picks the newest checkpoint (so it loads what a previous run still saving there last committed),
+and ``save_state`` does not replace a ``checkpoint_<n>`` another run committed (CheckpointExistsError
+names the run; ``overwrite=True`` replaces it on purpose), while one this process saved or loaded it
+may save again. Like the Accelerator's own methods, these read Accelerate's registries
 (``_models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``, ``_custom_objects``).
 """
 
@@ -33,8 +37,8 @@ import torch
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import get_comm
 from shardsafe.data.sampler import ReshardableSampler
-from shardsafe.errors import CheckpointNotFoundError, ShardsafeError
-from shardsafe.manager.catalog import CheckpointInfo, committed_steps
+from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError
+from shardsafe.manager.catalog import CheckpointInfo, committed_steps, refuse_other_runs_step
 from shardsafe.manager.lease import RootLease
 from shardsafe.manager.naming import StepNaming
 from shardsafe.manager.retention import choose_kept, retire
@@ -46,6 +50,10 @@ log = logging.getLogger(__name__)
 ACCELERATE_NAMING = StepNaming("checkpoint_")  # checkpoint_<iteration>, as Accelerate names them
 STEP_KEY = "accelerator_step"
 META_KEY = "shardsafe.accelerate"
+_REPLACE_REMEDY = (
+    "To continue that run, load_state(accelerator) first (it loads the newest checkpoint and continues its numbering); "
+    "to replace it on purpose, save_state(accelerator, overwrite=True); or use another project_dir"
+)
 
 
 def _name(kind: str, i: int) -> str:
@@ -131,11 +139,14 @@ def _numbered(folder: Path) -> list[tuple[int, Path]]:
     return [(n, folder / ACCELERATE_NAMING.name(n)) for n in committed_steps(folder, ACCELERATE_NAMING)]
 
 
-def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None) -> str:
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None, *, overwrite: bool = False) -> str:
     """What ``accelerator.save_state(output_dir)`` saves, as one atomic shardsafe checkpoint; returns its path.
 
     Collective: every rank calls it. With automatic checkpoint naming, ``output_dir`` is ignored
-    (as by Accelerate) and ``total_limit`` is applied after the commit.
+    (as by Accelerate), ``total_limit`` is applied after the commit (on every rank, the save
+    returns once it is done), and a ``checkpoint_<n>`` committed by another run is not replaced
+    unless ``overwrite=True``. An explicit ``output_dir`` holding a checkpoint is replaced only
+    with ``overwrite=True``.
     """
     config = accelerator.project_configuration
     auto = bool(config.automatic_checkpoint_naming)
@@ -147,10 +158,13 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
         target = Path(output_dir)
     comm = get_comm()
     lease = _lease(_checkpoints_dir(accelerator), comm) if auto else None
+    if lease is not None and not overwrite:
+        _refuse_other_runs_checkpoint(_checkpoints_dir(accelerator), int(config.iteration), lease, comm)
     meta = {"iteration": int(config.iteration), "step": int(accelerator.step), **(lease.metadata() if lease else {})}
     view = describe_collectively(accelerator_state(accelerator), comm)
     fence = (lambda: lease.fence(f"publish {target}")) if lease is not None else None
-    write_checkpoint(location(target), view, comm, metadata={META_KEY: meta}, before_publish=fence)
+    replace = overwrite or lease is not None  # automatic naming: the run rule above decided
+    write_checkpoint(location(target), view, comm, overwrite=replace, metadata={META_KEY: meta}, before_publish=fence)
     if lease is not None and config.total_limit is not None:
         limit = int(config.total_limit)
         comm.on_coordinator(lambda: _retire_beyond(_checkpoints_dir(accelerator), limit, lease.fence))
@@ -159,6 +173,17 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
 
 
 _LEASES: dict[str, RootLease] = {}
+_LOADED: dict[str, set[int]] = {}  # checkpoints folder -> the checkpoint numbers this process's run loaded there
+
+
+def _refuse_other_runs_checkpoint(folder: Path, number: int, lease: RootLease, comm: Any) -> None:
+    """Collective: every rank raises the same CheckpointExistsError if ``checkpoint_<number>`` is another run's (the manager's rule)."""
+    loaded = _LOADED.get(str(folder.absolute()), set())
+
+    def check() -> None:
+        refuse_other_runs_step(folder, number, lease.run_id, loaded, _REPLACE_REMEDY, naming=ACCELERATE_NAMING, key=META_KEY)
+
+    comm.on_coordinator(check, default=SaveError)
 
 
 def _lease(root: Path, comm: Any) -> RootLease:
@@ -191,16 +216,21 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
 
     Without ``input_dir``, automatic checkpoint naming picks the newest *committed* checkpoint (a
     folder an interrupted save left is never picked), and the next save continues its numbering.
+    It takes the run's lease on the checkpoints folder first (waiting for a run still saving
+    there), so the newest is what that run last committed.
     """
     config = accelerator.project_configuration
     if input_dir is not None:
         path = Path(input_dir)
     elif config.automatic_checkpoint_naming:
-        numbered = _numbered(_checkpoints_dir(accelerator))
+        folder = _checkpoints_dir(accelerator)
+        _lease(folder, get_comm())
+        numbered = get_comm().broadcast(_numbered(folder))
         if not numbered:
-            raise CheckpointNotFoundError(f"{_checkpoints_dir(accelerator)}: no committed checkpoint_<n> folder")
+            raise CheckpointNotFoundError(f"{folder}: no committed checkpoint_<n> folder")
         path = numbered[-1][1]
         config.iteration = numbered[-1][0] + 1
+        _LOADED.setdefault(str(folder.absolute()), set()).add(numbered[-1][0])
     else:
         raise ShardsafeError("load_state: pass input_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
     state = accelerator_state(accelerator)

@@ -23,7 +23,7 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.core.comm import get_comm
-from shardsafe.errors import CheckpointNotFoundError, ShardsafeError, StateMismatchError
+from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import check_model_folder
 from shardsafe.hf.pretrained import save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
 from shardsafe.hf.push import push
@@ -37,6 +37,7 @@ from shardsafe.integrations.transformers.checkpoints import (
     RNG,
     SCALER,
     SCHEDULER,
+    TRAINER_NAMING,
     TRAINER_STATE_NAME,
     TRAINING_ARGS_NAME,
     checkpoint_path,
@@ -47,6 +48,7 @@ from shardsafe.integrations.transformers.checkpoints import (
 from shardsafe.integrations.transformers.data_order import ReshardableDataTrainer
 from shardsafe.integrations.transformers.model_folder import hub_token, install_model_folder, new_hidden, stage_upload
 from shardsafe.integrations.transformers.zero3 import is_zero3_model, parameter_count, zero3_gathered_tensors, zero3_sharded_model
+from shardsafe.manager.catalog import refuse_other_runs_step
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.state.adapters import unwrap_module
@@ -61,6 +63,10 @@ _UNSUPPORTED_STAGE = (
     "ShardsafeTrainer checkpoints DeepSpeed ZeRO stage 3 (and DDP, one process), not stage {stage}: "
     "use stage 3, or save_strategy='no' (save_model works), or the plain Trainer and `shardsafe convert` for its checkpoints"
 )
+_REPLACE_REMEDY = (
+    "To continue that run, train(resume_from_checkpoint=True); to replace its checkpoints on purpose, "
+    "ShardsafeTrainer(..., overwrite_checkpoints=True); or train into another output_dir"
+)
 
 
 class ShardsafeTrainer(ReshardableDataTrainer):
@@ -71,6 +77,13 @@ class ShardsafeTrainer(ReshardableDataTrainer):
     and ``max_shard_size`` (largest weights file, default ``"50GB"`` as ``save_pretrained``). Every
     method here is collective where the Trainer's is called on every process (it is): all ranks
     take part, only the coordinator (global rank 0) creates, writes or deletes shared paths.
+
+    Each ``train()`` call is one *run* holding the lease on ``output_dir`` (``lease_timeout``, as
+    the CheckpointManager's), taken before a resume reads the checkpoint, so
+    ``resume_from_checkpoint=True`` resumes what the previous run last committed. A checkpoint
+    another run committed at a step this run saves is not replaced
+    (:class:`~shardsafe.errors.CheckpointExistsError` names the run) unless
+    ``overwrite_checkpoints=True``; the checkpoint this run resumed from it may save again.
     """
 
     def __init__(
@@ -79,12 +92,15 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         save_dtype: torch.dtype | None = None,
         max_shard_size: int | str = HF_MAX_SHARD_SIZE,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        overwrite_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
         self.save_dtype = save_dtype
         self.max_shard_size = max_shard_size
         self.lease_timeout = lease_timeout
+        self.overwrite_checkpoints = overwrite_checkpoints
         self._leases: dict[str, RootLease] = {}  # run dir -> this run's lease on it (one live run per output_dir)
+        self._resumed: dict[str, int] = {}  # run dir -> the step this run resumed from there (it may save it again)
         self._resuming_from: str | None = None
         super().__init__(*args, **kwargs)
 
@@ -109,6 +125,8 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             self._record_callback_states()
         comm = get_comm()
         lease = self._lease(run_dir)
+        if not self.overwrite_checkpoints:
+            self._refuse_other_runs_checkpoint(run_dir, lease)
         state = self._checkpoint_state(model_only=self.args.save_only_model)
         metadata = self._checkpoint_metadata()
         metadata[META_KEY] = {**metadata.get(META_KEY, {}), **lease.metadata()}
@@ -123,11 +141,24 @@ class ShardsafeTrainer(ReshardableDataTrainer):
                 log.warning("shardsafe: writing the trainer files next to %s failed (a resume writes them again): %s", output_dir, exc)
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
-        if comm.is_coordinator:
+
+        def rotate() -> None:
             try:
                 rotate_checkpoints(Path(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, fence=lease.fence)
-            except Exception as exc:  # the checkpoint is committed; failing here, on one rank, would split the ranks
+            except Exception as exc:  # the checkpoint is committed: a rotation failure is logged and retried, never a failed save
                 log.warning("shardsafe: rotating the checkpoints in %s failed (retried after the next save): %s", run_dir, exc)
+
+        comm.on_coordinator(rotate)  # every rank returns once the rotation is done, as a manager's save does
+
+    def _refuse_other_runs_checkpoint(self, run_dir: str, lease: RootLease) -> None:
+        """Collective: every rank raises the same CheckpointExistsError if ``checkpoint-<step>`` is another run's (the manager's rule)."""
+        step, key = self.state.global_step, str(Path(run_dir).absolute())
+        resumed = {self._resumed[key]} if key in self._resumed else set()
+
+        def check() -> None:
+            refuse_other_runs_step(Path(run_dir), step, lease.run_id, resumed, _REPLACE_REMEDY, naming=TRAINER_NAMING, key=META_KEY)
+
+        get_comm().on_coordinator(check, default=SaveError)
 
     def _record_callback_states(self) -> None:
         from transformers.trainer_callback import ExportableState
@@ -212,25 +243,42 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         ``state.json`` if they are missing (a crash right after the commit leaves them missing).
         """
         self._check_checkpointable()
-        comm = get_comm()
-        path: str | None = None
-        if resume_from_checkpoint is True:
-            found = comm.broadcast(latest_checkpoint(self._output_dir()) if comm.is_coordinator else None)
-            if found is None:
-                raise CheckpointNotFoundError(f"{self._output_dir()}: no committed shardsafe checkpoint to resume from")
-            path = str(found)
-        elif resume_from_checkpoint not in (None, False):
-            path = str(resume_from_checkpoint)
-        if path is not None:
-            comm.on_coordinator(lambda: write_trainer_files(Path(path), only_missing=True))
-        self._resuming_from = path
         try:
+            path = self._resume_path(resume_from_checkpoint)
+            self._resuming_from = path
             return super().train(resume_from_checkpoint=path, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         finally:
             self._resuming_from = None
             for lease in self._leases.values():
                 lease.release()
             self._leases.clear()
+            self._resumed.clear()
+
+    def _resume_path(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint to resume from (collective), chosen under this run's lease on ``output_dir``.
+
+        With ``True`` (or a checkpoint inside ``output_dir``) the lease is taken first, waiting for a
+        previous run still saving there, so the newest checkpoint is the one it last committed.
+        """
+        comm = get_comm()
+        if resume_from_checkpoint in (None, False):
+            return None
+        out = self._output_dir()
+        inside = resume_from_checkpoint is True or Path(str(resume_from_checkpoint)).absolute().parent == out
+        if inside and self.args.save_strategy != SaveStrategy.NO:
+            self._lease(str(out))
+        if resume_from_checkpoint is True:
+            found = comm.broadcast(latest_checkpoint(out) if comm.is_coordinator else None)
+            if found is None:
+                raise CheckpointNotFoundError(f"{out}: no committed shardsafe checkpoint to resume from")
+            path = str(found)
+        else:
+            path = str(resume_from_checkpoint)
+        step = TRAINER_NAMING.parse(Path(path).name)
+        if inside and step is not None:
+            self._resumed[str(out)] = step
+        comm.on_coordinator(lambda: write_trainer_files(Path(path), only_missing=True))
+        return path
 
     def _lease(self, run_dir: str) -> RootLease:
         """This run's lease on ``run_dir``, taken (collectively) before the first checkpoint goes there."""
