@@ -8,6 +8,13 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# libfuse3 for the power-loss harness (tests/powerloss, through mfusepy); its tests skip, saying why, where this cannot be had
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so' || ! command -v fusermount3 >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get install -y -q fuse3 libfuse3-3 >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fuse3 libfuse3-3 >/dev/null 2>&1)) \
+				|| echo "note: could not install fuse3/libfuse3-3; the power-loss tests will skip"; \
+		else echo "note: libfuse3 and fusermount3 are missing (apt-get install fuse3 libfuse3-3); the power-loss tests will skip"; fi; \
+	fi
 	$(PY) -m pip install -q --upgrade pip
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-dev.txt
 	# torchtitan as a real client (tests/integrations/test_torchtitan.py): without its training-only deps
@@ -33,7 +40,10 @@ test: lint
 
 stress: $(STAMP)
 	$(PY) -m pip install -q atheris
-	$(PY) -m pytest -q -m stress
+	# the power-loss harness's full exploration writes its counts into docs/RELIABILITY.md (also when a test fails)
+	rm -f $(VENV)/powerloss.jsonl
+	SHARDSAFE_POWERLOSS_REPORT=$(CURDIR)/$(VENV)/powerloss.jsonl $(PY) -m pytest -q -m stress; status=$$?; \
+		test ! -s $(VENV)/powerloss.jsonl || $(PY) tools/powerloss_report.py $(VENV)/powerloss.jsonl docs/RELIABILITY.md; exit $$status
 	$(PY) tests/fuzz/fuzz_parsers.py -runs=20000
 	$(PY) tests/fuzz/fuzz_deepspeed_unpickler.py -runs=20000
 	$(PY) tests/fuzz/fuzz_dcp_metadata.py -runs=20000

@@ -17,9 +17,12 @@ a resume picks, a model folder - that does not load, verify or hold exactly what
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,23 @@ def done(markers: list[str]) -> list[str]:
 
 def begun(markers: list[str]) -> list[str]:
     return [m[len("begin:") :] for m in markers if m.startswith("begin:")]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP logs every failed load at ERROR with its traceback: thousands of states would flood the output."""
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _failure(exc: BaseException) -> bool:
+    """A failure of the code under test (DCP's CheckpointException is a BaseException), not an interrupt."""
+    return not isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
 
 
 def _error(exc: BaseException) -> str:
@@ -259,7 +279,8 @@ class ExportsChecker(Checker):
         import torch.distributed.checkpoint as dcp
 
         state = {k: torch.zeros_like(v) for k, v in self.expected.items()}
-        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+        with _quiet():
+            dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
         self._check_model({k: v for k, v in state.items() if k in self.expected}, str(path))
 
     def summarise(self, root: Path) -> Verdict:
@@ -282,7 +303,9 @@ class ExportsChecker(Checker):
             try:
                 check(path)
                 facts[name] = "good"
-            except Exception as exc:
+            except BaseException as exc:
+                if not _failure(exc):
+                    raise
                 facts[name] = "broken"
                 problems.append(("broken", f"{name}: visible but {_error(exc)}"))
         return Verdict(facts, problems)
@@ -309,8 +332,11 @@ class DcpChecker(Checker):
             return Verdict({"version": None})
         state = {"model": {k: torch.zeros_like(v) for k, v in dcp_state("A")["model"].items()}, "step": torch.tensor(0)}
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        except Exception as exc:
+            with _quiet():
+                dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        except BaseException as exc:
+            if not _failure(exc):
+                raise
             return Verdict({"version": "broken"}, [("broken", f".metadata present, dcp.load fails: {_error(exc)}")])
         for version in DCP_VERSIONS:
             want = dcp_state(version)
@@ -326,6 +352,20 @@ class DcpChecker(Checker):
         if verdict.facts["version"] not in allowed:
             return [("lost", f"save {finished[-1]} had returned (or was the previous good one); the folder now holds {verdict.facts['version']}")]
         return []
+
+
+def trainer_expected(log: Any) -> dict[int, dict[str, bytes]]:
+    """{step: {file: bytes}} of each Trainer checkpoint as it stood when its ``on_save`` ran (the live view)."""
+    from powerloss.crashfs import walk
+
+    expected: dict[int, dict[str, bytes]] = {}
+    everything = frozenset(range(len(log.micro)))
+    for pos, text in log.marker_positions("done:"):
+        step = int(text[len("done:") :])
+        prefix = f"out/checkpoint-{step}/"
+        nodes = log.replay(pos + 1, "strict", everything)
+        expected[step] = {path[len(prefix) :]: bytes(n.data) for path, _, n in walk(nodes) if path.startswith(prefix) and n.kind == "f"}
+    return expected
 
 
 class TrainerChecker(Checker):

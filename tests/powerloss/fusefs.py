@@ -89,12 +89,12 @@ class RecordingFS(mfusepy.Operations):
 
     # ------------------------------------------------------------------ reads
 
-    def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
-        text = self._marker(path)
+    def getattr(self, path: str | None, fh: int | None = None) -> dict[str, Any]:
+        text = self._marker(path) if path is not None else None
         if text is not None:
             self._emit(op="marker", text=text)
             raise mfusepy.FuseOSError(errno.ENOENT)
-        st = os.fstat(fh) if fh is not None else os.lstat(self._real(path))
+        st = os.fstat(fh) if fh is not None else os.lstat(self._real(path or "/"))
         keys = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_ino", "st_blocks")
         out = {k: getattr(st, k) for k in keys}
         out.update(st_atime=st.st_atime_ns, st_mtime=st.st_mtime_ns, st_ctime=st.st_ctime_ns)
@@ -199,11 +199,12 @@ class RecordingFS(mfusepy.Operations):
         self.data_size += written
         return written
 
-    def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+    def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
         if fh is not None:
             os.ftruncate(fh, length)
             ident = self.fd_ids[fh]
         else:
+            assert path is not None
             os.truncate(self._real(path), length)
             ident = self._id_of(self._real(path))
         self._emit(op="truncate", ino=ident, size=length)
@@ -225,17 +226,19 @@ class RecordingFS(mfusepy.Operations):
         os.close(fh)
         return 0
 
-    def chmod(self, path: str, mode: int) -> int:
-        os.chmod(self._real(path), mode)
+    def chmod(self, path: str | None, mode: int) -> int:
+        if path is not None:
+            os.chmod(self._real(path), mode)
         return 0
 
-    def chown(self, path: str, uid: int, gid: int) -> int:
-        os.lchown(self._real(path), uid, gid)
+    def chown(self, path: str | None, uid: int, gid: int) -> int:
+        if path is not None:
+            os.lchown(self._real(path), uid, gid)
         return 0
 
-    def utimens(self, path: str, times: Any = None) -> int:
-        real = self._real(path)
-        if not stat.S_ISLNK(os.lstat(real).st_mode):
+    def utimens(self, path: str | None, times: Any = None) -> int:
+        real = self._real(path) if path is not None else None
+        if real is not None and not stat.S_ISLNK(os.lstat(real).st_mode):
             os.utime(real, ns=times) if times else os.utime(real)
         return 0
 
@@ -255,7 +258,12 @@ class RecordingFS(mfusepy.Operations):
 
 
 class FlagsFUSE(mfusepy.FUSE):
-    """mfusepy drops rename's flags (RENAME_EXCHANGE, RENAME_NOREPLACE): pass them on."""
+    """mfusepy drops rename's flags (RENAME_EXCHANGE, RENAME_NOREPLACE) and truncate's file handle
+    (an ``ftruncate`` of an open file comes without a path under ``nullpath_ok``): pass them on."""
+
+    def truncate_fuse_3(self, path: bytes | None, length: int, fip: Any) -> int:
+        fh = fip.contents.fh if fip else None
+        return self.operations.truncate(None if path is None else path.decode(self.encoding, self.errors), length, fh)
 
     def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
         return self.operations.rename(old.decode(self.encoding, self.errors), new.decode(self.encoding, self.errors), flags)

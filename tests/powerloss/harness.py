@@ -131,10 +131,14 @@ class Exploration:
         return "\n  ".join([head, *self.examples])
 
 
-def cut_points(log: OpLog, random_cuts: int, rng: random.Random, every: int = 0) -> list[int]:
-    """Where to cut: before each named crash point, right after each "done" marker, and at random
-    moments (``every``: also every ``every``-th entry)."""
-    cuts = {pos for pos, _ in log.marker_positions("point:")}
+def cut_points(log: OpLog, random_cuts: int, rng: random.Random, every: int = 0, each_point: bool = True) -> list[int]:
+    """Where to cut: before each named crash point reached (``each_point=False``: before one
+    occurrence of each point, chosen at random), right after each "done" marker, and at random
+    moments (``every``: also after every ``every``-th entry)."""
+    occurrences: dict[str, list[int]] = {}
+    for pos, text in log.marker_positions("point:"):
+        occurrences.setdefault(text, []).append(pos)
+    cuts = {pos for found in occurrences.values() for pos in (found if each_point else [rng.choice(found)])}
     cuts |= {pos + 1 for pos, _ in log.marker_positions("done:")}
     cuts.add(len(log))
     if every:
@@ -153,12 +157,13 @@ def explore(
     random_cuts: int = 8,
     randoms: int = 2,
     every: int = 0,
+    each_point: bool = True,
     seed: int = 0,
 ) -> Exploration:
     rng = random.Random(f"{workload}/{profile}/{seed}")
     result = Exploration(workload, checker.library, profile)
     cache: dict[str, Verdict] = {}
-    cuts = cut_points(log, random_cuts, rng, every)
+    cuts = cut_points(log, random_cuts, rng, every, each_point)
     result.cuts = len(cuts)
     for cut in cuts:
         markers = log.markers_before(cut)

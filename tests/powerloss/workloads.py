@@ -228,7 +228,6 @@ def _trainer(mount: str, workdir: str) -> None:
         logging_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
-        logging_dir=os.path.join(workdir, "logs"),
     )
     Trainer(model=tiny_gpt2(), args=args, train_dataset=data, callbacks=[Markers()]).train()
 
