@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from shardsafe.core.comm import Comm
 from shardsafe.errors import LeaseHeldError, LeaseLostError, ShardsafeError
 from shardsafe.protocol.temppath import hidden_name
-from shardsafe.storage.local import fsync_dir, read_small_file
+from shardsafe.storage.local import fsync_dir, make_dirs, read_small_file
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class LocalRecords:
         return LeaseRecord.parse(data, str(path))
 
     def _write_tmp(self, record: LeaseRecord) -> Path:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.folder)  # durably: an epoch record in a folder that a power cut removes is no record
         tmp = self.folder / hidden_name(_RECORD.format(epoch=record.epoch))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

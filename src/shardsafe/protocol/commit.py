@@ -44,7 +44,7 @@ from shardsafe.core.format import (
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError
 from shardsafe.protocol.temppath import TemporaryPath, publish
-from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, safe_child, write_small_file
+from shardsafe.storage.local import fsync_dir, make_dirs, read_small_file, remove_tree, safe_child, write_small_file
 from shardsafe.storage.remote import RemoteDir
 from shardsafe.storage.safetensors import write_tensor_file
 
@@ -204,7 +204,7 @@ def _make_tmp(final: Path, overwrite: bool) -> Path:
         raise SaveError(f"{final}: exists and is not a folder")
     if final.is_dir() and not is_committed(final) and any(final.iterdir()) and not overwrite:
         raise CheckpointExistsError(f"{final}: folder exists, is not empty and holds no checkpoint; pass overwrite=True to replace it")
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(final.parent)  # a new root's name is durable before anything is published into it
     return TemporaryPath(final).path
 
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from shardsafe.core.faults import crash_point
-from shardsafe.storage.local import exchange_paths, fsync_dir, remove_tree
+from shardsafe.storage.local import exchange_paths, fsync_dir, make_dirs, remove_tree
 
 TMP_MARK = ".shardsafe-tmp-"  # being written; published by rename
 OLD_MARK = ".shardsafe-old-"  # the previous copy, moved aside where no atomic swap exists
@@ -96,7 +96,7 @@ class TemporaryPath:
         self.path = hidden_sibling(self.final, mark)
         self.published = False
         if create:
-            self.final.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.final.parent)  # durably: what is published there must not vanish with a new parent
             self.path.mkdir()
 
     def publish(self, fsync: bool = True) -> Path:

@@ -151,6 +151,38 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Make a file's data durable (for files another library wrote and closed without fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: Path, fsync: bool = True) -> None:
+    """``mkdir -p path``, durably: each folder it creates is fsynced into its parent.
+
+    ``Path.mkdir(parents=True)`` alone leaves a new folder's name in the page cache: after a power
+    cut the folder (and every checkpoint later published into it, however well fsynced) can be gone.
+    """
+    path = Path(path)
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:  # made by another process meanwhile: made durable here all the same
+            if not folder.is_dir():
+                raise
+        if fsync:
+            fsync_dir(folder.parent)
+
+
 def safe_child(folder: Path, name: str) -> Path:
     """``folder/name``, refusing anything that resolves outside ``folder`` (symlinks included)."""
     candidate = folder / name
