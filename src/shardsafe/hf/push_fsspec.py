@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 from shardsafe.core.faults import crash_point
@@ -20,6 +21,7 @@ from shardsafe.errors import PushError
 from shardsafe.hf.push_plan import Destination, UploadFile, UploadPlan, where
 from shardsafe.hf.push_retry import Progress, transport_error, with_retries
 from shardsafe.protocol.temppath import PUSH_MARK, hidden_name
+from shardsafe.storage.local import fsync_dir, fsync_file, make_dirs
 
 log = logging.getLogger("shardsafe.hf.push")
 
@@ -45,6 +47,8 @@ def push_fsspec(plan: UploadPlan, target: Destination, *, progress: bool) -> str
     # An older model at the destination becomes invisible before any of its files is replaced.
     for marker in with_retries(lambda: _markers_at(fs, root, plan.marker_names), "listing the destination", at, fsspec_transient):
         with_retries(functools.partial(fs.rm_file, f"{root}/{marker}"), f"removing the old {marker}", at, fsspec_transient)
+        if local:  # durably: after a power cut the old marker must not come back over half-replaced files
+            fsync_dir(Path(f"{root}/{marker}").parent)
         log.info("%s: removed the commit marker %s of an earlier upload", target.url, marker)
 
     with Progress(plan.total_bytes, f"push {target.url}", progress) as bar:
@@ -63,12 +67,15 @@ def _put_one(fs: Any, root: str, f: UploadFile, local: bool, bar: Progress) -> N
     callback = bar.fsspec_callback(f)
     if local:
         # A local copy is not atomic: copy to a hidden name, then rename.
+        # Durable before the next file (and so before the marker): its data, then its name (new folders: as they are made).
         parent, _, base = remote.rpartition("/")
-        fs.makedirs(parent or "/", exist_ok=True)
+        make_dirs(Path(parent or "/"))
         tmp = f"{parent}/{hidden_name(base, PUSH_MARK)}"
         try:
             fs.put_file(str(f.path), tmp, callback=callback)
+            fsync_file(tmp)
             fs.mv(tmp, remote)
+            fsync_dir(Path(parent or "/"))
         except BaseException:
             try:
                 if fs.exists(tmp):
