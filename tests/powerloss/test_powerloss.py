@@ -24,7 +24,7 @@ REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"power-loss harness unavailable: {REASON}")
 
 FAST: dict[str, Any] = {"random_cuts": 4, "randoms": 1, "each_point": False}
-FULL: dict[str, Any] = {"random_cuts": 40, "randoms": 8, "every": 1}
+FULL: dict[str, Any] = {"random_cuts": 24, "randoms": 4, "every": 3}
 
 
 def _assert_clean(result: Exploration) -> None:
