@@ -55,7 +55,7 @@ def section(entries: list[dict[str, object]], revision: str) -> str:
     examples = [(e["library"], e["workload"], e["profile"], x) for e in entries if e["library"] != "shardsafe" for x in list(e["examples"])[:1]]  # type: ignore[call-overload]
     if examples:
         lines += ["", "One failing state of each anchor exploration, as the checker reported it:", ""]
-        lines += [f"- {lib} {wl} [{prof}]: {str(x).replace('|', '/')}" for lib, wl, prof, x in examples]
+        lines += [f"- {lib} {wl} [{prof}]: {str(x).splitlines()[0][:220]}" for lib, wl, prof, x in examples]
     lines += ["", END]
     return "\n".join(lines)
 
