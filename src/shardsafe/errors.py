@@ -40,6 +40,12 @@ class DistributedError(ShardsafeError):
     """Ranks disagree or a collective step failed on another rank."""
 
 
+class PeerFailedError(DistributedError):
+    """This rank waited on another rank's part of a collective step that failed there (bytes it
+    reads for others, protocol/shared_read.py). When the ranks agree, the failing rank's own error
+    is what every rank raises; this one only stands in if no rank reported a cause."""
+
+
 class ModelFolderError(ShardsafeError):
     """A model folder's weights are missing, empty, or smaller than its index or manifest says."""
 

@@ -33,6 +33,7 @@ from shardsafe.core.gcpause import gc_paused
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.commit import open_checkpoint
+from shardsafe.protocol.shared_read import plan_shared
 from shardsafe.protocol.transfer import BlockRead, ChunkReader, ReadRequest
 from shardsafe.state.base import LoadStep
 from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps, unclaimed
@@ -48,6 +49,7 @@ def load(
     strict: bool = True,
     verify: bool = True,
     atomic: bool = True,
+    share_reads: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``state`` in place. Collective: every rank calls it.
 
@@ -75,13 +77,24 @@ def load(
     store the first 64 MiB of verified blocks are kept in memory and the rest is downloaded again
     and re-verified. ``atomic=False`` reads once, straight into the destinations: faster, but a
     hash mismatch found midway leaves the tensors read before it overwritten.
+
+    ``share_reads`` (default, on gloo process groups): a stored chunk that several ranks need
+    (HSDP replicas, tensor-parallel ranks holding the same norm) is read from storage by one of
+    them, verified there, and sent to the others over the process group, so each byte is read
+    from storage once per job (protocol/shared_read.py). ``False``: every rank reads what it needs.
     """
     with gc_paused():  # thousands of small entries: see core/gcpause.py
-        return _load(path, state, process_group, strict, verify, atomic)
+        return _load(path, state, process_group, strict, verify, atomic, share_reads)
 
 
 def _load(
-    path: str | os.PathLike[str] | RemoteDir, state: dict[str, Any], process_group: Any, strict: bool, verify: bool, atomic: bool
+    path: str | os.PathLike[str] | RemoteDir,
+    state: dict[str, Any],
+    process_group: Any,
+    strict: bool,
+    verify: bool,
+    atomic: bool,
+    share_reads: bool = True,
 ) -> dict[str, Any]:
     folder = location(path)
     foreign = foreign_format(folder)  # a DCP folder, ...: read by the reader registered for it (see api/foreign.py)
@@ -93,7 +106,7 @@ def _load(
         check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
         return manifest, tree
 
-    return load_from(state, opened, lambda manifest: ChunkReader(folder, manifest, verify), process_group, strict, verify, atomic)
+    return load_from(state, opened, lambda manifest: ChunkReader(folder, manifest, verify), process_group, strict, verify, atomic, share_reads)
 
 
 OpenChecked = Callable[[], tuple[Manifest, dict[str, Any]]]  # the manifest and the state tree, parsed and cross-checked
@@ -101,7 +114,14 @@ OpenReader = Callable[[Manifest], ChunkReader]
 
 
 def load_from(
-    state: dict[str, Any], opened: OpenChecked, open_reader: OpenReader, process_group: Any, strict: bool, verify: bool, atomic: bool
+    state: dict[str, Any],
+    opened: OpenChecked,
+    open_reader: OpenReader,
+    process_group: Any,
+    strict: bool,
+    verify: bool,
+    atomic: bool,
+    share_reads: bool = True,
 ) -> dict[str, Any]:
     """:func:`load`'s phases over any checkpoint that can be described as a manifest, a state tree and a
     :class:`ChunkReader` of its bytes: shardsafe's own, or a foreign format's reader (a DCP folder,
@@ -135,8 +155,17 @@ def load_from(
     with open_reader(manifest) as reader:
         try:
             fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
+        except Exception as exc:
+            problem = exc
+        # Collective, so run by a rank whose planning failed too (it shares nothing): chunks several
+        # ranks need are read by one of them and sent to the others (protocol/shared_read.py).
+        shared = plan_shared(comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads)
+        fresh_reads, existing_reads = shared.local(fresh_reads), shared.local(existing_reads)
+        try:
+            if problem is not None:
+                raise problem
             if atomic:  # check everything this rank will read in place, nothing written
-                _check_sources(reader, fresh_reads, existing_reads)
+                _check_sources(reader, fresh_reads, existing_reads, shared.checks(reader))
             steps = prepare_steps(binding, SharedLookup(reader, manifest))
         except Exception as exc:
             problem = exc
@@ -153,6 +182,14 @@ def load_from(
         _agree(comm, problem, reset=fresh, undo=applied, default=StateMismatchError)
         try:
             _read(reader, existing_reads if atomic else fresh_reads + existing_reads)
+        except Exception as exc:
+            problem = exc
+        with torch.no_grad():
+            exchanged = shared.exchange(reader, comm, failed=problem is not None)  # every rank runs its batches
+        problem = problem or exchanged
+        try:
+            if problem is not None:
+                raise problem
             for step in (s for s in steps if s.undo is None):
                 step.apply()
         except Exception as exc:
@@ -246,12 +283,12 @@ def _read(reader: ChunkReader, items: list[ReadRequest], checks: list[BlockRead]
         reader.read_all(items, checks)
 
 
-def _check_sources(reader: ChunkReader, fresh: list[ReadRequest], existing: list[ReadRequest]) -> None:
+def _check_sources(reader: ChunkReader, fresh: list[ReadRequest], existing: list[ReadRequest], shared: list[BlockRead]) -> None:
     """The first pass of an atomic load: everything the in-place reads of ``existing`` targets will
     read is checked and no live tensor is written. Tensors the load itself created (``fresh``: a
     fresh optimizer's state, which a failed load drops) are read, verified, straight into place:
-    they are read once, not twice."""
-    checks = [check for r in existing for check in reader.check_reads(r.key, r.op, r.saved_dtype)]
+    they are read once, not twice. ``shared``: the checks of the chunks this rank reads for others."""
+    checks = [check for r in existing for check in reader.check_reads(r.key, r.op, r.saved_dtype)] + shared
     prefault = threading.Thread(target=prefault_writable, args=([r.dest for r in fresh],), name="shardsafe-prefault", daemon=True)
     prefault.start()  # the new memory's page faults are taken while the reads wait on the disk
     try:

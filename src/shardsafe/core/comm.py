@@ -141,13 +141,16 @@ class Comm:
         """Every rank reports its own ``problem`` (or None); if any rank had one, every rank raises.
 
         The class is the first failing rank's; the message lists each distinct problem once, and
-        ranks that did not fail are told which rank reported it.
+        ranks that did not fail are told which rank reported it. A :class:`~shardsafe.errors.PeerFailedError`
+        (a rank that waited on a peer that failed) gives way to the peer's own report.
         """
         mine = Outcome.failure(problem, self.rank, default) if problem is not None else Outcome[Any]()
         reports: list[Outcome[Any]] = self.all_gather(mine)
         failed = [r for r in reports if not r.ok]
         if not failed:
             return
+        causes = [r for r in failed if r.error != errors.PeerFailedError.__name__]
+        failed = causes or failed  # a rank that only waited on a failed peer steps aside for the peer's own error
         first = failed[0]
         distinct = sorted({r.message for r in failed})
         message = "\n".join(distinct) if len(distinct) > 1 else first.message

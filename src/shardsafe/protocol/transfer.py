@@ -160,7 +160,11 @@ class ChunkReader:
     def _check_header(self, checkpoint: str | None, file: str, handle: Any, size: int, where: str) -> None:
         """The file's safetensors header parses and lists every chunk the manifest places in it with
         the same byte range, dtype and shape (what a safetensors reader of the file sees is what is loaded)."""
-        first = memoryview(bytearray(min(size, HEAD_READ_BYTES)))
+        chunks = self._chunks_in(checkpoint, file)
+        # The header ends where the first chunk begins (if the manifest is right; else the rest is read
+        # below): reading just that keeps a load's reads to the bytes it uses, one request either way.
+        data_start = min((c.begin for _, _, c in chunks), default=HEAD_READ_BYTES)
+        first = memoryview(bytearray(min(size, HEAD_READ_BYTES, max(8, data_start))))
         self.source.read_into(handle, [first], 0, where)
         length = int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
         if len(first) < 8 or length > MAX_HEADER_BYTES or 8 + length > size:
@@ -171,7 +175,7 @@ class ChunkReader:
             self.source.read_into(handle, [rest], len(first), where)
             head += bytes(rest)
         by_range = {(begin, end): (dtype, shape) for dtype, shape, begin, end in parse_safetensors_header(head, size, where).values()}
-        for key, dtype, chunk in self._chunks_in(checkpoint, file):
+        for key, dtype, chunk in chunks:
             found = by_range.get((chunk.begin, chunk.end))
             if found is None or found[0] != dtype or tuple(found[1]) != chunk.shape:
                 shown = "no entry" if found is None else f"{found[0]} {list(found[1])}"

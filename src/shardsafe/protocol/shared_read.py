@@ -1,0 +1,210 @@
+"""Bytes several ranks need, read from storage once per job and passed over the process group.
+
+HSDP replicas, tensor-parallel ranks that all hold a replicated norm, and reshards in which ranks
+need the same rows of a stored chunk would each read the same bytes from storage (DCP reads them
+once per replica). Here a stored chunk whose byte ranges two or more ranks need is read by one of
+them (verified as that rank verifies every read) and sent to the others, which copy their boxes
+out of it. Ranks that need disjoint parts of a chunk (an FSDP2 reshard to more ranks) still read
+their own parts: no byte is read twice either way.
+
+Call order, on every rank of the load (each step collective, run even by a rank that failed
+before it, so none waits alone):
+
+1. :func:`plan_shared`: every rank sends the byte spans of the stored chunks its requests read
+   (one ``all_gather``); a chunk whose spans overlap gets one reader, the needer with the fewest
+   shared bytes so far (ties: lowest rank), chosen alike on every rank. The result says which of
+   this rank's requests it still reads itself (:meth:`SharedPlan.local`).
+2. An atomic load's first pass adds :meth:`SharedPlan.checks`: every block of the chunks this
+   rank reads for others is verified before the ranks agree that the load can go ahead.
+3. :meth:`SharedPlan.exchange`: in one global order, each batch's reader reads its chunks whole,
+   sends them with a last byte that says whether the read succeeded, and every needer copies its
+   boxes out of them. A rank whose read failed still sends (the flag says so), so no rank waits
+   for bytes that never come; the first problem is returned after the last batch.
+
+Works on gloo (CPU tensors); on other backends the reads are not shared (each rank reads what it
+needs, as with ``share_reads=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardsafe.core.comm import Comm
+from shardsafe.core.dtypes import element_size
+from shardsafe.core.fields import numel
+from shardsafe.core.format import ChunkEntry
+from shardsafe.errors import PeerFailedError
+from shardsafe.protocol.transfer import BlockRead, ChunkReader, ReadRequest
+from shardsafe.storage.local import tensor_bytes
+
+BATCH_BYTES = 64 << 20  # bytes of chunks sent as one message (one chunk may be larger)
+ALIGN = 16
+
+ChunkId = tuple[str, str, int, int]  # (sibling checkpoint or "", file, begin, end): unique per stored chunk
+
+
+def chunk_id(chunk: ChunkEntry) -> ChunkId:
+    return (chunk.checkpoint or "", chunk.file, chunk.begin, chunk.end)
+
+
+def _span(request: ReadRequest) -> tuple[int, int]:
+    """The bytes of its chunk a request reads: the chunk's rows its box spans."""
+    op, chunk = request.op, request.op.chunk
+    if not chunk.shape:
+        return 0, chunk.end - chunk.begin
+    row = numel(chunk.shape[1:]) * element_size(request.saved_dtype)
+    first = op.offsets[0] - chunk.offsets[0]
+    return first * row, (first + op.shape[0]) * row
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Chunks one rank reads and sends to the same receivers, in one message."""
+
+    reader: int
+    receivers: tuple[int, ...]
+    chunks: tuple[ChunkId, ...]
+
+    def positions(self) -> tuple[list[int], int]:
+        """Where each chunk lies in the message (16-byte aligned, so every dtype can view it), and its length."""
+        out, position = [], 0
+        for _, _, begin, end in self.chunks:
+            out.append(position)
+            position += -(-(end - begin) // ALIGN) * ALIGN
+        return out, position
+
+
+@dataclass
+class SharedPlan:
+    """This rank's part in the exchange (see the module doc for the call order)."""
+
+    rank: int
+    batches: list[Batch] = field(default_factory=list)  # every batch this rank takes part in, in the global order
+    shared: set[ChunkId] = field(default_factory=set)  # chunks served by the exchange
+    requests: dict[ChunkId, list[ReadRequest]] = field(default_factory=dict)  # this rank's requests of those chunks
+    entries: dict[ChunkId, tuple[str, ChunkEntry]] = field(default_factory=dict)  # (key, chunk) of those this rank reads
+
+    def local(self, requests: Sequence[ReadRequest]) -> list[ReadRequest]:
+        """The requests this rank reads from storage itself (those of unshared chunks)."""
+        return [r for r in requests if chunk_id(r.op.chunk) not in self.shared]
+
+    def checks(self, reader: ChunkReader) -> list[BlockRead]:
+        """Block checks of every chunk this rank reads for others (an atomic load's first pass)."""
+        return [c for b in self.batches if b.reader == self.rank for cid in b.chunks for c in reader.whole_chunk_checks(*self.entries[cid])]
+
+    def exchange(self, reader: ChunkReader, comm: Comm, failed: bool = False) -> Exception | None:
+        """Run every batch this rank is in (``failed``: this rank failed before; it sends failure
+        flags and drops what it receives). Returns the first problem rather than raising: every
+        rank runs every batch it is in."""
+        problem: Exception | None = None
+        for batch in self.batches:
+            buffer = torch.zeros(batch.positions()[1] + 1, dtype=torch.uint8)
+            if batch.reader == self.rank:
+                read_problem = None if failed else self._read(reader, batch, buffer)  # read for others even after a failed receive
+                problem = problem or read_problem
+                buffer[-1] = int(not failed and read_problem is None)
+                for receiver in batch.receivers:  # each is at this batch too (the same global order everywhere)
+                    dist.send(buffer, _global(comm, receiver), group=comm.group)
+            else:
+                dist.recv(buffer, _global(comm, batch.reader), group=comm.group)
+                if not buffer[-1]:
+                    problem = problem or PeerFailedError(f"rank {batch.reader} could not read chunks it reads for rank {self.rank} (see its error)")
+            if buffer[-1] and not failed:
+                self._copy_out(batch, buffer)
+        return problem
+
+    def _read(self, reader: ChunkReader, batch: Batch, buffer: torch.Tensor) -> Exception | None:
+        view = tensor_bytes(buffer)
+        reads: list[BlockRead] = []
+        for cid, position in zip(batch.chunks, batch.positions()[0]):
+            key, chunk = self.entries[cid]
+            size = chunk.end - chunk.begin
+            reads += reader.block_reads(key, chunk, 0, size, view[position : position + size])
+        try:
+            reader.run(reads)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _copy_out(self, batch: Batch, buffer: torch.Tensor) -> None:
+        """Each of this rank's requests of the batch's chunks, copied out of the received bytes."""
+        with torch.no_grad():
+            for cid, position in zip(batch.chunks, batch.positions()[0]):
+                for request in self.requests.get(cid, []):
+                    _copy_box(request, buffer[position : position + cid[3] - cid[2]])
+
+
+def _copy_box(request: ReadRequest, data: torch.Tensor) -> None:
+    op, chunk = request.op, request.op.chunk
+    source = data.view(request.saved_dtype).view(chunk.shape)
+    target = request.dest
+    for d in range(len(op.shape)):
+        source = source.narrow(d, op.offsets[d] - chunk.offsets[d], op.shape[d])
+        target = target.narrow(d, op.offsets[d] - request.dest_offsets[d], op.shape[d])
+    target.copy_(source)
+
+
+def _global(comm: Comm, rank: int) -> int:
+    return rank if comm.group is dist.GroupMember.WORLD else dist.get_global_rank(comm.group, rank)
+
+
+def can_share(comm: Comm) -> bool:
+    """Whether this job's reads can be shared: several ranks on a gloo group (CPU tensors)."""
+    return comm.distributed and dist.get_backend(comm.group) == "gloo"
+
+
+def plan_shared(comm: Comm, requests: Sequence[ReadRequest], enabled: bool = True) -> SharedPlan:
+    """Step 1 (collective when ``enabled`` and :func:`can_share`): who reads each chunk several ranks need."""
+    plan = SharedPlan(comm.rank)
+    if not enabled or not can_share(comm):
+        return plan
+    spans: dict[ChunkId, tuple[int, int]] = {}
+    for r in requests:
+        chunk = r.op.chunk
+        if chunk.end - chunk.begin != numel(chunk.shape) * element_size(r.saved_dtype):
+            continue  # not raw tensor bytes (a foreign format's item, e.g. DCP's): read by each rank as it needs
+        cid = chunk_id(chunk)
+        lo, hi = _span(r)
+        old = spans.get(cid)
+        spans[cid] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+        plan.requests.setdefault(cid, []).append(r)
+        plan.entries.setdefault(cid, (r.key, r.op.chunk))
+    everyone = comm.all_gather(sorted((cid, lo, hi) for cid, (lo, hi) in spans.items() if cid[3] > cid[2]))
+    needers: dict[ChunkId, list[tuple[int, int, int]]] = {}
+    for rank, items in enumerate(everyone):
+        for cid, lo, hi in items:
+            needers.setdefault(cid, []).append((rank, lo, hi))
+    load = [0] * comm.world_size
+    open_batches: dict[tuple[int, tuple[int, ...]], list[ChunkId]] = {}
+    batches: list[tuple[int, tuple[int, ...], list[ChunkId]]] = []
+    for cid in sorted(needers):
+        ranks = needers[cid]
+        if len(ranks) < 2 or not _overlapping(ranks):
+            continue
+        reader = min((r for r, _, _ in ranks), key=lambda r: (load[r], r))
+        load[reader] += cid[3] - cid[2]
+        receivers = tuple(r for r, _, _ in ranks if r != reader)
+        key = (reader, receivers)
+        current = open_batches.get(key)
+        if current is None or sum(c[3] - c[2] for c in current) + cid[3] - cid[2] > BATCH_BYTES:
+            current = open_batches[key] = []
+            batches.append((reader, receivers, current))
+        current.append(cid)
+    for reader, receivers, chunks in batches:
+        if comm.rank == reader or comm.rank in receivers:
+            plan.batches.append(Batch(reader, receivers, tuple(chunks)))
+            plan.shared.update(chunks)
+    return plan
+
+
+def _overlapping(spans: list[tuple[int, int, int]]) -> bool:
+    """Whether any two ranks' byte spans of a chunk overlap (else each reads its own part)."""
+    ordered = sorted((lo, hi) for _, lo, hi in spans)
+    return any(b_lo < a_hi for (_, a_hi), (b_lo, _) in zip(ordered, ordered[1:]))
+
+
+__all__ = ["BATCH_BYTES", "Batch", "SharedPlan", "can_share", "chunk_id", "plan_shared"]

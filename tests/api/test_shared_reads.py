@@ -1,0 +1,125 @@
+"""Bytes several ranks need are read from storage once per job (protocol/shared_read.py).
+
+An HSDP checkpoint (mesh ``(replicate=2, shard=2)``) restored on the same 4 ranks: with the
+default, the bytes the ranks read from the shard files (counted at the ``os.preadv`` system call
+every local read goes through, page cache or not: what ranks on separate nodes would each fetch
+from storage; ``/proc/self/io`` cannot tell files from gloo's sockets) add up to the checkpoint's
+shard bytes once; with ``share_reads=False``, to twice that (one read per replica, what DCP
+does). Every parameter equals the saved one either way. A chunk damaged on disk is refused on
+every rank (atomic and not), with nothing left waiting, and an atomic load leaves the tensors as
+they were.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from dist_utils import launch, run_ranks
+from shardsafe.errors import ShardsafeError
+
+ROWS, COLS = 512, 256  # 512 KiB per tensor: the metadata a load reads is noise beside it
+
+
+def _state(seed: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(seed)
+    return {f"w{i}": distribute_tensor(torch.randn(ROWS, COLS), mesh, [Replicate(), Shard(0)]) for i in range(4)}
+
+
+class FileReads:
+    """Tensor bytes ``os.preadv`` returns from the shard files of ``folder`` while counting (the
+    call itself runs; bytes before a file's data, its safetensors header, are metadata and not counted)."""
+
+    def __init__(self, folder: str) -> None:
+        import os
+
+        self.folder, self.bytes, self._real = str(Path(folder).resolve()), 0, os.preadv
+        data_start: dict[str, int] = {}
+
+        def counted(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+            got = self._real(fd, buffers, offset, *flags)
+            name = os.path.realpath(f"/proc/self/fd/{fd}")
+            if name.startswith(self.folder) and name.endswith(".safetensors"):
+                if name not in data_start:
+                    with open(name, "rb") as f:
+                        data_start[name] = 8 + int.from_bytes(f.read(8), "little")
+                self.bytes += max(0, offset + got - max(offset, data_start[name]))
+            return got
+
+        os.preadv = counted
+
+    def close(self) -> None:
+        import os
+
+        os.preadv = self._real
+
+
+def restore_job(rank: int, world_size: int, path: str, share: bool) -> dict[str, Any]:
+    saved = _state(seed=1)
+    shardsafe.save(path, saved)
+    fresh = _state(seed=2)
+    shardsafe.load(path, fresh, atomic=False, share_reads=share)  # a warm-up: imports and first-use reads
+    fresh = _state(seed=2)
+    counter = FileReads(path)
+    try:
+        shardsafe.load(path, fresh, atomic=False, share_reads=share)
+    finally:
+        counter.close()
+    read = counter.bytes
+    equal = all(torch.equal(fresh[k].to_local(), saved[k].to_local()) for k in saved)
+    return {"read": read, "equal": equal}
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_hsdp_restore_reads_each_byte_once(tmp_path: Path, share: bool) -> None:
+    path = tmp_path / "ck"
+    results = run_ranks(restore_job, 4, str(path), share, work_dir=tmp_path)
+    assert all(r["equal"] for r in results)
+    shard_bytes = 0  # tensor bytes of the shard files: each file's size past its safetensors header
+    for shard in path.glob("shard-*.safetensors"):
+        with shard.open("rb") as f:
+            shard_bytes += shard.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    ratio = sum(r["read"] for r in results) / shard_bytes
+    if share:
+        assert ratio == 1.0, ratio  # once per job
+    else:
+        assert ratio == 2.0, ratio  # once per replica
+
+
+def damaged_job(rank: int, world_size: int, path: str, atomic: bool) -> str:
+    import torch.distributed as dist
+
+    saved = _state(seed=1)
+    shardsafe.save(path, saved)
+    if rank == 0:
+        shard = sorted(Path(path).glob("shard-*.safetensors"))[0]
+        data = bytearray(shard.read_bytes())
+        data[-100] ^= 0xFF  # a byte of the last chunk of that file
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    fresh = _state(seed=2)
+    before = {k: v.to_local().clone() for k, v in fresh.items()}
+    try:
+        shardsafe.load(path, fresh, atomic=atomic)
+    except ShardsafeError as exc:
+        untouched = all(torch.equal(before[k], fresh[k].to_local()) for k in fresh)
+        return f"{type(exc).__name__}|{untouched}"
+    return "loaded"
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_damaged_shared_chunk_fails_on_every_rank(tmp_path: Path, atomic: bool) -> None:
+    result = launch(damaged_job, 4, str(tmp_path / "ck"), atomic, work_dir=tmp_path, timeout=120)
+    assert result.ok, result.describe()
+    outcomes = result.results
+    assert all(o != "loaded" for o in outcomes), outcomes
+    if atomic:  # verified before anything is written: every rank's tensors as they were
+        assert all(o.endswith("|True") for o in outcomes), outcomes
