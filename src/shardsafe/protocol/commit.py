@@ -254,11 +254,17 @@ def open_checkpoint(folder: Path | RemoteDir) -> tuple[Manifest, dict[str, Any]]
         raise CheckpointNotFoundError(f"{folder}: no such checkpoint folder")
     if not manifest_path.is_file():
         raise CheckpointNotFoundError(f"{folder}: no {MANIFEST_NAME}; this is not a committed checkpoint (an interrupted save leaves none)")
-    manifest = parse_manifest(read_small_file(safe_child(folder, MANIFEST_NAME), MAX_JSON_BYTES), str(manifest_path))
+    gone = f"{folder}: removed while it was being opened (retired or replaced by another run?)"
+    try:
+        manifest = parse_manifest(read_small_file(safe_child(folder, MANIFEST_NAME), MAX_JSON_BYTES), str(manifest_path))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(gone) from None
     state_path = safe_child(folder, manifest.state_file)
     try:
         data = read_small_file(state_path, MAX_JSON_BYTES)
     except FileNotFoundError:
+        if not manifest_path.is_file():  # the whole folder went away under us, not a damaged checkpoint
+            raise CheckpointNotFoundError(gone) from None
         raise errors.IntegrityError(f"{state_path}: missing") from None
     return manifest, _parse_state(manifest, data, str(state_path))
 
