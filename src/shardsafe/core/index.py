@@ -20,14 +20,12 @@ it needs.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from shardsafe.core.fields import check_tensor_key, expect_field, int_list, numel
 from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, TensorEntry, element_size
 from shardsafe.core.integrity import hash_bytes, num_blocks
 from shardsafe.core.jsonsafe import dump_json, parse_json
-from shardsafe.core.rule import LayoutRule
 from shardsafe.errors import FormatError, IntegrityError
 
 INDEX_FORMAT = "shardsafe-index"
@@ -86,17 +84,11 @@ def _parse_part(key: str, item: Any, manifest: Manifest, file: str, entry: FileE
     part = rule.part_of(entry.rank)
     if rule.writer_of(part) != entry.rank:
         raise FormatError(f"{kwhere}: rank {entry.rank} holds part {part}, which rank {rule.writer_of(part)} writes under the layout rule")
-    expected = _expected_boxes(rule, tensor.shape, part)
+    expected = rule.box_shapes(tensor.shape, part)
     items = item if isinstance(item, list) else [item]
     if not items or len(items) > len(expected):
         raise FormatError(f"{kwhere}: lists {len(items)} boxes; part {part} has {len(expected)}")
     return [_parse_box(kwhere, raw, tensor, expected, manifest, file, entry) for raw in items]
-
-
-@lru_cache(maxsize=1 << 12)
-def _expected_boxes(rule: LayoutRule, shape: tuple[int, ...], part: int) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """Offsets -> shape of the boxes of ``part`` (cached: every layer of a model asks the same; read only)."""
-    return {b.offsets: b.shape for b in rule.boxes(shape, part)}
 
 
 def _parse_box(

@@ -30,17 +30,17 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _check_depth(value: Any, where: str) -> None:
-    """No value deeper than :data:`MAX_JSON_DEPTH` (the root is at depth 0); only containers are
-    walked, so a wide document costs one pass over its containers."""
-    stack: list[tuple[Any, int]] = [(value, 0)] if isinstance(value, (dict, list)) else []
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        if not children:
-            continue
-        if depth >= MAX_JSON_DEPTH:
+    """No value deeper than :data:`MAX_JSON_DEPTH` (the root is at depth 0): one level at a time,
+    only containers visited, so a wide document costs one pass over its containers."""
+    level = [value] if type(value) in (dict, list) else []
+    depth = 0
+    while level:
+        if depth >= MAX_JSON_DEPTH and any(level):
             raise FormatError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        stack.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
+        below: list[Any] = []
+        for item in level:
+            below += [c for c in (item.values() if type(item) is dict else item) if type(c) in (dict, list)]
+        level, depth = below, depth + 1
 
 
 def parse_json(data: bytes, where: str) -> Any:

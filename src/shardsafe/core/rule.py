@@ -163,24 +163,40 @@ class LayoutRule:
         """The mesh dims that split tensor dim ``dim``, in mesh order."""
         return tuple(i for i in self.shard_dims if self.placements[i].dim == dim)
 
+    @cached_property
+    def _memo(self) -> dict[tuple[object, ...], object]:
+        """Answers already computed for this rule (rules are interned when parsed, so a manifest's
+        tensors of one layout share them; keys are plain tuples of ints, cheap to hash)."""
+        return {}
+
     def boxes(self, shape: tuple[int, ...], part: int) -> list[LocalBox]:
         """The non-empty boxes of ``part`` (in the local tensor's row-major order)."""
-        return list(_part_boxes(self.mesh, self.placements, shape, part))
+        key = ("boxes", shape, part)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = _part_boxes(self.mesh, self.placements, shape, part)
+        return list(found)  # type: ignore[call-overload]
+
+    def box_shapes(self, shape: tuple[int, ...], part: int) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """Offsets -> shape of the boxes of ``part`` (shared: read only)."""
+        key = ("shapes", shape, part)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = {b.offsets: b.shape for b in self.boxes(shape, part)}
+        return found  # type: ignore[return-value]
 
     def parts_overlapping(self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]) -> list[int]:
         """The parts holding any element of the box (``offsets``, ``box_shape``), without visiting
         the others: per tensor dim, the coordinates of the mesh dims splitting it whose indices meet
         the box's range; the parts are their products. Small answers are remembered: a load asks
         the same question for every layer of a model (same shape, same rule, same box)."""
-        key = (self.mesh, self.placements, shape, offsets, box_shape)
-        found = _OVERLAPS.get(key)
+        key = ("overlap", shape, offsets, box_shape)
+        found = self._memo.get(key)
         if found is None:
             found = tuple(self._find_overlapping(shape, offsets, box_shape))
-            if len(found) <= 64:
-                if len(_OVERLAPS) >= 1 << 14:
-                    _OVERLAPS.clear()
-                _OVERLAPS[key] = found
-        return list(found)
+            if len(found) <= 64 and len(self._memo) < 1 << 14:  # small answers only: a whole-tensor query is asked once
+                self._memo[key] = found
+        return list(found)  # type: ignore[call-overload]
 
     def _find_overlapping(self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]) -> list[int]:
         if not all(box_shape):
@@ -259,10 +275,16 @@ class LayoutRule:
             raise FormatError(f"{where}: layout mesh must be a list of integers, placements a list, writer an integer")
         if len(mesh) > MAX_MESH_DIMS or any(n < 1 or n > MAX_WORLD_SIZE for n in mesh):
             raise FormatError(f"{where}: layout mesh {mesh!r:.80} is not a list of at most {MAX_MESH_DIMS} sizes in 1..{MAX_WORLD_SIZE}")
-        return cls(tuple(mesh), tuple(Placement.from_json(p, where) for p in placements), writer)
+        if len(placements) > MAX_MESH_DIMS:
+            raise FormatError(f"{where}: layout rule needs 1 to {MAX_MESH_DIMS} mesh dims and one placement per mesh dim")
+        return _interned(tuple(mesh), tuple(Placement.from_json(p, where) for p in placements), writer)
 
 
-_OVERLAPS: dict[tuple[object, ...], tuple[int, ...]] = {}
+@lru_cache(maxsize=1 << 12)
+def _interned(mesh: tuple[int, ...], placements: tuple[Placement, ...], writer: int) -> LayoutRule:
+    """One object per distinct rule: a manifest's thousands of tensors share a few, and their
+    computed properties and the caches keyed by them are then built once."""
+    return LayoutRule(mesh, placements, writer)
 
 
 @lru_cache(maxsize=1 << 14)
