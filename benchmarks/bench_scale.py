@@ -48,7 +48,7 @@ from shardsafe.core.format import INDEX_PATTERN, SHARD_PATTERN, ChunkEntry, File
 from shardsafe.core.gcpause import gc_paused  # noqa: E402
 from shardsafe.core.index import build_index  # noqa: E402
 from shardsafe.core.integrity import hash_bytes  # noqa: E402
-from shardsafe.core.layout import describe_layout  # noqa: E402
+from shardsafe.core.layout import LocalLayout, describe_layout  # noqa: E402
 from shardsafe.core.plan import LocalChunk, assign_writers  # noqa: E402
 from shardsafe.core.rule import LayoutRule, Placement, spread_writers  # noqa: E402
 from shardsafe.protocol.commit import new_manifest  # noqa: E402
@@ -131,13 +131,9 @@ def shardsafe_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sa
     t0 = time.perf_counter()
     assert len({d for d, _ in digests}) == 1
     assign_writers([specs for _, specs in digests])
-    files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
-    manifest = new_manifest(world, files, b"{}", {}, __version__)
-    manifest.tensors = tensor_entries(results, mine, spread_writers(mine.rules()))
-    data = manifest.to_bytes()
-    parse_manifest(data, "the manifest about to be written")
+    data = coordinator_manifest(world, results, mine)
     coordinator = time.perf_counter() - t0
-    del manifest, results
+    del results
     gc.collect()
     # one rank's load: parse, then plan the reads of its box, reading the one index it needs
     t0 = time.perf_counter()
@@ -150,6 +146,17 @@ def shardsafe_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sa
         reads += len(reader.plan(key, parsed.tensors[key], offsets, local))
     load_plan = time.perf_counter() - t0
     return Sample(rank_describe, coordinator, len(data), load_plan, reads)
+
+
+def coordinator_manifest(world: int, results: list[RankResult], layout: LocalLayout) -> bytes:
+    """What the coordinator does with the W per-rank results: build the manifest, check it with the
+    load's parser, serialize it (the save's own functions)."""
+    files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
+    manifest = new_manifest(world, files, b"{}", {}, __version__)
+    manifest.tensors = tensor_entries(results, layout, spread_writers(layout.rules()))
+    data = manifest.to_bytes()
+    parse_manifest(data, "the manifest about to be written")
+    return data
 
 
 class MemorySource:
@@ -246,13 +253,9 @@ def nd_once(tensors: list[tuple[str, tuple[int, ...], LayoutRule]], world: int) 
     ]
     t0 = time.perf_counter()
     with gc_paused():  # as save() runs (core/gcpause.py)
-        files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
-        manifest = new_manifest(world, files, b"{}", {}, __version__)
-        manifest.tensors = tensor_entries(results, mine, spread_writers(mine.rules()))
-        data = manifest.to_bytes()
-        parse_manifest(data, "the manifest about to be written")
+        data = coordinator_manifest(world, results, mine)
     coordinator = time.perf_counter() - t0
-    del manifest, results
+    del results
     gc.collect()
     t0 = time.perf_counter()
     with gc_paused():  # as load() runs
