@@ -23,7 +23,7 @@ from shardsafe.core.layout import IRREGULAR, SPLIT, WHOLE, LocalLayout, describe
 from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers
 from shardsafe.core.rule import LayoutRule, spread_writers
 from shardsafe.core.values import encode_state
-from shardsafe.errors import SaveError
+from shardsafe.errors import SaveError, ShardsafeError
 from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
 from shardsafe.protocol.shard_write import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
@@ -60,17 +60,28 @@ def save(
     return public_path(written)  # a Path, or the URL string of an object-store prefix
 
 
-def describe_collectively(state: dict[str, Any], comm: Comm) -> SaveView:
+def describe_collectively(
+    state: dict[str, Any],
+    comm: Comm,
+    coordinator_check: Callable[[], None] | None = None,
+    default: type[ShardsafeError] = ShardsafeError,
+) -> SaveView:
     """Describe (and check) this rank's state; if any rank cannot, every rank raises (rather than
-    some waiting forever)."""
+    some waiting forever).
+
+    ``coordinator_check`` (the manager's refusal of another run's step) runs on the coordinator
+    first and shares the same agreement: one collective however many checks, which is all an
+    async save's caller waits for besides its copy."""
     problem: Exception | None = None
     view = None
     try:
+        if coordinator_check is not None and comm.is_coordinator:
+            coordinator_check()
         with gc_paused():  # the part of an async save the training loop waits for (core/gcpause.py)
             view = describe_for_save(state, comm.rank)
     except Exception as exc:
         problem = exc
-    comm.agree(problem)
+    comm.agree(problem, default=default)
     assert view is not None
     return view
 

@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ from shardsafe.manager.catalog import (
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.retention import choose_kept, retire
-from shardsafe.manager.staging import Staged, StagingBuffers, copy_all
+from shardsafe.manager.staging import SaveWorker, Staged, StagingBuffers, copy_all
 from shardsafe.protocol.shard_write import ReuseMap, reuse_map
 from shardsafe.state.registry import SaveView
 from shardsafe.storage.remote import RemoteDir
@@ -164,7 +165,7 @@ class CheckpointManager:
         self._manifests = ManifestCache()
         self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already warned about
         self._warned_metric = False
-        self._thread: threading.Thread | None = None
+        self._worker = SaveWorker()  # writes async saves; started by the first
         self._at_exit = False
         self._copied = threading.Event()
         self._copied.set()
@@ -219,8 +220,6 @@ class CheckpointManager:
             return False
         self.wait()
         self.lease.ensure()
-        if not overwrite:
-            self._refuse_other_runs_step(step)
         self._check_best_metric(step, metrics)
         if self.dedup:
             self._check_not_referenced(step)
@@ -228,7 +227,7 @@ class CheckpointManager:
         metadata = {
             META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode, **written_by}
         }
-        view = describe_collectively(state, self.comm)
+        view = self._describe_and_check(step, state, overwrite)
         if not self.async_save or preempted:
             self._write(step, view, metadata)
         else:
@@ -238,8 +237,7 @@ class CheckpointManager:
                 self._hook_optimizers(state)
             else:
                 copy_all(copies)
-            self._thread = threading.Thread(target=self._background, args=(step, view, metadata, copies), name="shardsafe-save", daemon=True)
-            self._thread.start()
+            self._worker.submit(partial(self._background, step, view, metadata, copies))
             if not self._at_exit:
                 atexit.register(self._finish_at_exit)
                 self._at_exit = True
@@ -255,13 +253,14 @@ class CheckpointManager:
                 "the job that trains into this root saves with its own (writing) manager"
             )
 
-    def _refuse_other_runs_step(self, step: int) -> None:
-        """Collective: every rank raises the same CheckpointExistsError if ``step`` is another run's (decided under the lease)."""
+    def _describe_and_check(self, step: int, state: dict[str, Any], overwrite: bool) -> SaveView:
+        """Collective, one agreement: this rank's view of ``state`` and, on the coordinator unless
+        ``overwrite``, the refusal of a ``step`` another run committed (decided under the lease)."""
 
-        def check() -> None:
+        def refuse() -> None:
             refuse_other_runs_step(self.root, step, self.lease.run_id, self._restored, _REPLACE_REMEDY, read=self._manifests)
 
-        self.comm.on_coordinator(check, default=SaveError)
+        return describe_collectively(state, self.comm, None if overwrite else refuse, default=SaveError)
 
     def _check_best_metric(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Warn (once) when a save cannot be ranked: keep_best would silently keep nothing for it."""
@@ -363,9 +362,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._worker.join()
         self._raise_background_error()
 
     def _raise_background_error(self) -> None:
@@ -379,7 +376,7 @@ class CheckpointManager:
 
     def _finish_at_exit(self) -> None:
         """At interpreter exit, finish a save still in flight rather than let the exit kill it silently."""
-        if self._thread is None:
+        if not self._worker.busy:
             return
         log.warning("shardsafe: finishing the save in flight under %s at exit (close the manager, or use it in a with block)", self.root)
         try:
@@ -516,6 +513,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._worker.close()
             self.lease.release()
             if self._at_exit:
                 atexit.unregister(self._finish_at_exit)

@@ -11,6 +11,9 @@ caller's stream at the save call, and are waited for by event, never by a device
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,3 +103,62 @@ def copy_all(staged: Staged) -> None:
             done.append(event)
     for event in done:
         event.synchronize()
+
+
+class SaveWorker:
+    """The one long-lived thread that writes async saves, one after another.
+
+    Starting a thread per save costs the caller a few milliseconds (the start handshake competes
+    for the GIL with the training loop); a save through a thread that already waits is one queue
+    put. Jobs run in submission order; :meth:`join` returns once the last one submitted has
+    finished (a job reports its own errors: the manager's ``_background`` keeps them).
+    """
+
+    def __init__(self, name: str = "shardsafe-save") -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0  # jobs submitted and not finished
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job submitted is still running (or waiting to)."""
+        return not self._idle.is_set()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the worker thread (started on first use), after the jobs submitted before it."""
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def join(self) -> None:
+        """Wait until every job submitted has finished."""
+        self._idle.wait()
+
+    def close(self) -> None:
+        """Finish the job in flight and stop the thread (a later :meth:`submit` starts a new one)."""
+        self.join()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._jobs.put(None)
+            thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.set()
