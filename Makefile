@@ -55,6 +55,7 @@ bench-core: $(STAMP)
 	$(PY) benchmarks/run.py
 
 bench-load: $(STAMP)
+	$(PY) benchmarks/bench_load_one.py --md BENCHMARKS.md
 	$(PY) benchmarks/bench_load.py --md BENCHMARKS.md
 
 bench-export: $(STAMP)

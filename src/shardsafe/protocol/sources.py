@@ -55,6 +55,23 @@ class LocalSource:
     def read_into(self, handle: Any, views: list[memoryview], offset: int, where: object) -> None:
         pread_into(handle, views, offset, where)
 
+    def stream(self, handle: Any) -> int | None:
+        """A second open file description of the file behind ``handle`` (already opened and checked),
+        or None where that cannot be had: the kernel keeps readahead state per open file, so each
+        of several threads reading their own region of one file needs its own to be read ahead as
+        a sequential stream. Reopened through ``/proc/self/fd``, it is the very same inode (a file
+        replaced at the path meanwhile is not what it opens). The caller closes it."""
+        try:
+            fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        if os.fstat(fd).st_ino != os.fstat(handle).st_ino:
+            os.close(fd)
+            return None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd
+
     def read_small(self, name: str, limit: int) -> bytes:
         """A small file of this checkpoint (an index), whole; IntegrityError when it is missing."""
         path = self._path(None, name)

@@ -14,6 +14,7 @@ the file with the size it has.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -255,12 +256,30 @@ class ChunkReader:
             for file_reads in by_file.values():
                 for span in self._spans(file_reads):
                     self._do_span(span)
-        else:
-            self._runner.run([partial(self._do_each, file_reads) for file_reads in by_file.values()])
+            return
+        streams = max(1, self._runner.threads // max(1, len(by_file)))
+        tasks = []
+        for file_reads in by_file.values():
+            regions = _regions(file_reads, streams)
+            tasks += [partial(self._do_each, region, own_stream=len(regions) > 1) for region in regions]
+        self._runner.run(tasks)
 
-    def _do_each(self, reads: list[BlockRead]) -> None:
-        for read in reads:
-            self._do(read)
+    def _do_each(self, reads: list[BlockRead], own_stream: bool = False) -> None:
+        """Do ``reads`` in order; ``own_stream``: through an open file of this thread's own (a region
+        of a file other threads read too), so the kernel reads ahead of each region separately."""
+        if not own_stream or not reads:
+            for read in reads:
+                self._do(read)
+            return
+        stream = self.source.stream(self.open(reads[0].chunk)) if isinstance(self.source, LocalSource) else None
+        self._local.stream = stream
+        try:
+            for read in reads:
+                self._do(read)
+        finally:
+            self._local.stream = None
+            if stream is not None:
+                os.close(stream)
 
     def _do(self, read: BlockRead) -> None:
         self._do_span([read])
@@ -376,7 +395,8 @@ class ChunkReader:
     def read_raw(self, chunk: ChunkEntry, views: list[memoryview], offset: int, where: object) -> None:
         if self._cache and self._from_cache(chunk, views, offset):
             return
-        self.source.read_into(self.open(chunk), views, offset, where)
+        stream = getattr(self._local, "stream", None)  # this thread's own open file of the region it reads
+        self.source.read_into(self.open(chunk) if stream is None else stream, views, offset, where)
 
     def _from_cache(self, chunk: ChunkEntry, views: list[memoryview], offset: int) -> bool:
         """Fill ``views`` from cached verified blocks when they hold every byte asked for."""
@@ -484,6 +504,24 @@ class ChunkReader:
                 target.copy_(box)
 
         return PlannedRead(reads, copy_box, slab.numel() * es)
+
+
+def _regions(reads: list[BlockRead], streams: int) -> list[list[BlockRead]]:
+    """One file's ``reads`` (in file order) cut into up to ``streams`` runs of about equal bytes,
+    each read by its own thread as a sequential stream: one process reading one large file keeps
+    several requests in flight, as several ranks reading their own files do (on this machine a
+    cold 1.2 GB file read as 4 streams took 0.95 s, as one 1.60 s; ``cat`` 0.79 s)."""
+    if streams <= 1 or len(reads) < 2 * streams:
+        return [reads]
+    total = sum(r.hi - r.lo for r in reads)
+    out: list[list[BlockRead]] = [[]]
+    done = 0
+    for read in reads:
+        if out[-1] and done >= total * len(out) / streams and len(out) < streams:
+            out.append([])
+        out[-1].append(read)
+        done += read.hi - read.lo
+    return out
 
 
 class _Where:
