@@ -7,8 +7,7 @@ symlink to a file outside the folder...), and runs ``python -m shardsafe.cli`` o
 subprocess. For every command the output must hold no traceback, no terminal escape and never
 the secret planted in files next to the checkpoint (``root/outside/``, where a symlink or a
 sibling reference points). Commands a case lists as refusing must exit 1 with one ``error:``
-message naming what is wrong and nothing on stdout, never an "internal error" (the few that
-remain in code owned elsewhere are marked ``known``, as expected failures). Other commands may
+message naming what is wrong and nothing on stdout, never an "internal error". Other commands may
 accept the input (exit 0) or refuse it cleanly.
 
 Every run is its own process (``run_forked`` in test_cli_runner.py: forked from one interpreter
@@ -23,7 +22,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ class Case:
     refused: tuple[str, ...] = ("inspect", "verify")  # must exit 1 with `error:`
     tolerated: tuple[str, ...] = ()  # may succeed; if they fail, cleanly
     accepted: tuple[str, ...] = ()  # must succeed (exit 0)
-    known: dict[str, str] = field(default_factory=dict)  # command -> why it is expected to fail (a bug owned elsewhere)
     argument: Callable[[Path], str | bytes] | None = None  # what to pass instead of the folder
 
 
@@ -453,13 +451,9 @@ def check(case: Case, command: str, result: subprocess.CompletedProcess[bytes]) 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_hostile_input(case: Case, results: dict[tuple[str, str], subprocess.CompletedProcess[bytes]]) -> None:
     problems: list[str] = []
-    expected: list[str] = []
     for command in commands_of(case):
-        found = check(case, command, results[case.name, command])
-        (expected if command in case.known else problems).extend(found)
+        problems.extend(check(case, command, results[case.name, command]))
     assert not problems, "\n".join(problems)
-    if expected:
-        pytest.xfail("; ".join(sorted({case.known[p.split(":", 1)[0]] for p in expected})))
 
 
 def test_enough_cases() -> None:

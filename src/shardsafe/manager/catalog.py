@@ -164,11 +164,6 @@ def refuse_other_runs_step(
     )
 
 
-def read_info(root: Root, step: int, read: ReadManifest = read_manifest, naming: StepNaming = STEP_NAMING) -> CheckpointInfo:
-    path = child(root, naming.name(step))
-    return info_of(step, path, read(path))
-
-
 def warn_damaged(damaged: DamagedCheckpoint) -> None:
     log.warning("shardsafe: skipping damaged checkpoint %s: %s", where(damaged.path), damaged.reason)
 
