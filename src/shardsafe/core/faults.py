@@ -14,6 +14,8 @@ import errno
 import os
 import signal
 
+__all__ = ["POINTS", "crash_point"]
+
 POINTS = (
     "save:after-prepare",  # temporary folder exists, nothing written
     "save:mid-write",  # this rank's shard file is half written
