@@ -3,7 +3,7 @@
 Each layer's table lists its modules with the first line of their docstrings, and what the layer
 may import (from the import-linter contract in pyproject.toml). The tables sit between the
 markers below; the prose around them is kept. ``make docs`` rewrites the file;
-``tests/test_layers.py`` fails when the file and the code disagree.
+``tests/core/test_layers.py`` fails when the file and the code disagree.
 
     python tools/architecture.py [--check]
 """

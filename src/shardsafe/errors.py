@@ -7,6 +7,24 @@ Everything shardsafe raises on purpose derives from :class:`ShardsafeError`, a p
 
 from __future__ import annotations
 
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "DistributedError",
+    "FormatError",
+    "IntegrityError",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "ModelFolderError",
+    "NoLoadableCheckpointError",
+    "PeerFailedError",
+    "PushError",
+    "ReadOnlyError",
+    "SaveError",
+    "ShardsafeError",
+    "StateMismatchError",
+]
+
 
 class ShardsafeError(Exception):
     """Base class of every error shardsafe raises on purpose."""

@@ -136,6 +136,17 @@ def test_push_to_a_local_folder_url(models: dict[str, Path], tmp_path: Path) -> 
         shardsafe.push(models["sharded"], f"file://{dest}", private=True)
 
 
+def test_a_push_stopped_before_its_marker_publishes_nothing(models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``push:before-marker`` fault point (core/faults.py): every file is up, the commit marker is not."""
+    dest = tmp_path / "stopped"
+    monkeypatch.setenv("SHARDSAFE_FAIL_AT", "push:before-marker")
+    with pytest.raises(PushError, match="injected I/O error at push:before-marker"):
+        shardsafe.push(models["sharded"], f"file://{dest}", progress=False)
+    monkeypatch.delenv("SHARDSAFE_FAIL_AT")
+    expected = local_files(models["sharded"])
+    assert set(local_files(dest)) == set(expected) - {INDEX_FILE}, "everything but the commit marker"
+
+
 # ----------------------------------------------------------------------------- S3
 
 

@@ -19,6 +19,8 @@ from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import FormatError
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["ForeignFormat", "foreign_format", "refuse_foreign", "register_format"]
+
 
 @dataclass(frozen=True)
 class ForeignFormat:

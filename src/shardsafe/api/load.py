@@ -40,6 +40,8 @@ from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, 
 from shardsafe.storage.local import prefault_writable
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["load", "load_from", "open_checkpoint"]
+
 
 def load(
     path: str | os.PathLike[str] | RemoteDir,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from shardsafe.storage.remote import RemoteDir, is_url, local_path_of
 
+__all__ = ["location", "shown"]
+
 
 def location(path: str | os.PathLike[str] | RemoteDir) -> Path | RemoteDir:
     """A local folder, or a prefix on an object store for fsspec URLs such as ``s3://bucket/ckpt``."""

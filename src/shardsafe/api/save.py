@@ -32,6 +32,8 @@ from shardsafe.storage.local import safe_child
 from shardsafe.storage.location import public_path
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["HASH_BLOCK_SIZE", "RankResult", "describe_collectively", "new_manifest", "save", "tensor_entries", "write_checkpoint"]
+
 
 def save(
     path: str | os.PathLike[str] | RemoteDir,

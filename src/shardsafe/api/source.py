@@ -25,6 +25,8 @@ from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.state.engine_entry import KIND_DEEPSPEED_ENGINE, engine_model_tensors
 from shardsafe.storage.local import safe_child
 
+__all__ = ["CHECKPOINT_DIR", "CheckpointSource", "DTYPE_CHOICES", "EXPORT_META", "TensorInfo", "TensorSource", "find_config_files"]
+
 log = logging.getLogger(__name__)
 
 CONFIG_FILES = ("config.json", "generation_config.json")

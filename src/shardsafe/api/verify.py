@@ -14,6 +14,8 @@ from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["verify"]
+
 
 def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     """Check a checkpoint completely: manifest, state file, shard headers and every block hash.

@@ -1,1 +1,3 @@
 """Every `shardsafe ...` command, one error boundary, and the demo."""
+
+__all__: list[str] = []

@@ -10,6 +10,8 @@ from shardsafe.cli.formatting import format_bytes
 from shardsafe.manager.catalog import list_root, where
 from shardsafe.manager.gc import collect
 
+__all__ = ["add_parsers"]
+
 
 def add_parsers(sub: Any) -> None:
     """``shardsafe list ROOT`` and ``shardsafe gc ROOT``."""

@@ -13,6 +13,8 @@ from shardsafe.interop.dcp_metadata import is_dcp_folder
 from shardsafe.interop.deepspeed_convert import convert_deepspeed
 from shardsafe.protocol.commit import open_checkpoint
 
+__all__ = ["add_parser"]
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``convert SRC OUT [--tag T] [--dtype D] [--for-engine] [--overwrite] [--no-progress]`` to a ``shardsafe`` parser."""

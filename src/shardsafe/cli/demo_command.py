@@ -8,6 +8,8 @@ from typing import Any
 
 from shardsafe.cli.formatting import positive_int
 
+__all__ = ["add_parser"]
+
 
 def add_parser(sub: Any) -> None:
     """``shardsafe demo [--steps N] [--save-every K] ...``."""

@@ -11,6 +11,8 @@ from shardsafe.errors import CheckpointExistsError
 from shardsafe.hf.export import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_size
 from shardsafe.hf.guard import check_model_folder
 
+__all__ = ["add_parser"]
+
 
 def _size_arg(text: str) -> int:
     try:

@@ -13,6 +13,8 @@ import math
 import re
 from collections.abc import Collection
 
+__all__ = ["format_bytes", "natural_key", "plural", "positive_int", "printable", "table"]
+
 _UNITS = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
 
 # C0 and C1 controls (tab and newline allowed only where the caller says), unpaired surrogates

@@ -35,6 +35,8 @@ from shardsafe.state.base import (
 )
 from shardsafe.state.deepspeed_engine import flat_tensor_shapes
 
+__all__ = ["add_parsers", "describe_checkpoint", "format_inspection"]
+
 MAX_FILE_SIZE = (1 << 63) - 1  # off_t: no file system holds a larger file
 MAX_CREATED = 253_370_764_800.0  # 9998-12-31 UTC: inside what datetime can show in any time zone
 TENSOR_KINDS = (KIND_MODULE, KIND_OPTIMIZER, KIND_TENSOR, KIND_DEEPSPEED_ENGINE)

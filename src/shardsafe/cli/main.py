@@ -34,6 +34,8 @@ from shardsafe.cli import checkpoints, convert, demo_command, export, inspect, p
 from shardsafe.cli.formatting import printable
 from shardsafe.errors import ShardsafeError
 
+__all__ = ["build_parser", "describe_error", "main"]
+
 DEBUG_ENV = "SHARDSAFE_DEBUG"
 MAX_INTERNAL_MESSAGE = 160  # characters of an unexpected exception's message shown
 

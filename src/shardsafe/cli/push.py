@@ -8,6 +8,8 @@ from typing import Any
 
 from shardsafe.hf.push import DEFAULT_MESSAGE, push
 
+__all__ = ["add_parser"]
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``shardsafe push SRC DEST [--revision R] [--private] [--message M]`` to an argparse subparsers object."""

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from shardsafe import errors
 from shardsafe.errors import ShardsafeError
 
+__all__ = ["Comm", "Outcome", "get_comm"]
+
 T = TypeVar("T")
 
 

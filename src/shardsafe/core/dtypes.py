@@ -6,6 +6,8 @@ import torch
 
 from shardsafe.errors import FormatError
 
+__all__ = ["dtype_from_name", "dtype_from_safetensors_name", "dtype_name", "element_size", "safetensors_dtype"]
+
 # torch dtype <-> (manifest name, safetensors name)
 _DTYPES: dict[torch.dtype, tuple[str, str]] = {
     torch.float64: ("float64", "F64"),

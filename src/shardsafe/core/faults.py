@@ -4,7 +4,8 @@
 point (on every rank, or only on the given rank); ``SHARDSAFE_FAIL_AT=<point>[@<rank>]`` makes
 it raise ``OSError(EIO)`` there instead, as a failing disk would. Points are hooks in the code, not timers, so a
 test can kill a save exactly between two protocol steps. Unset (the normal case), a point is a
-single dictionary look-up.
+single dictionary look-up. Every point the code passes is listed in :data:`POINTS` and every listed
+point is in the code (tests/core/test_faults_registry.py scans the source for both).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import signal
+
+__all__ = ["POINTS", "crash_point"]
 
 POINTS = (
     "save:after-prepare",  # temporary folder exists, nothing written
@@ -26,6 +29,7 @@ POINTS = (
     "retention:before-rename",  # manager: the checkpoints to retire are chosen, none touched yet
     "retention:after-rename",  # manager: a retired checkpoint is hidden but not yet deleted
     "retention:mid-delete",  # manager: a hidden retired checkpoint is partly deleted (its manifest first)
+    "push:before-marker",  # push to an object store: every file uploaded, the commit marker not yet
 )
 
 
@@ -38,6 +42,15 @@ def _armed(variable: str, name: str, rank: int) -> bool:
 
 
 def crash_point(name: str, rank: int) -> None:
+    """Die (``SHARDSAFE_CRASH_AT``) or fail with EIO (``SHARDSAFE_FAIL_AT``) here if armed for ``name`` on ``rank``.
+
+    Args:
+        name: one of :data:`POINTS`, written as a literal at the call site.
+        rank: the calling process's rank (0 for coordinator-only points).
+
+    Raises:
+        OSError: ``EIO``, when ``SHARDSAFE_FAIL_AT`` names this point (and this rank, or no rank).
+    """
     if _armed("SHARDSAFE_CRASH_AT", name, rank):
         os.kill(os.getpid(), signal.SIGKILL)
     if _armed("SHARDSAFE_FAIL_AT", name, rank):

@@ -9,6 +9,20 @@ from typing import Any
 
 from shardsafe.errors import FormatError
 
+__all__ = [
+    "MAX_DIMS",
+    "MAX_HASH_BLOCK_SIZE",
+    "MAX_HEADER_BYTES",
+    "MAX_NUMEL",
+    "MIN_HASH_BLOCK_SIZE",
+    "RESERVED_HEADER_NAME",
+    "check_component",
+    "check_tensor_key",
+    "expect_field",
+    "int_list",
+    "numel",
+]
+
 MAX_HEADER_BYTES = 256 << 20
 MAX_NUMEL = 1 << 48
 MAX_DIMS = 16

@@ -28,6 +28,8 @@ from shardsafe.core.integrity import hash_bytes, num_blocks
 from shardsafe.core.jsonsafe import dump_json, parse_json
 from shardsafe.errors import FormatError, IntegrityError
 
+__all__ = ["IndexParts", "build_index", "parse_index"]
+
 INDEX_FORMAT = "shardsafe-index"
 
 

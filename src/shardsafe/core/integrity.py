@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import xxhash
 
+__all__ = ["BlockHasher", "HASH_ALGORITHM", "HASH_BLOCK_SIZE", "hash_blocks", "hash_bytes", "num_blocks"]
+
 HASH_ALGORITHM = "xxh3_64"
 HASH_BLOCK_SIZE = 16 * 1024 * 1024
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from shardsafe.errors import FormatError
 
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "check_json_string", "check_plain_json", "dump_json", "parse_json"]
+
 MAX_JSON_BYTES = 1 << 30
 MAX_JSON_DEPTH = 64
 _SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")

@@ -24,6 +24,8 @@ from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
 from shardsafe.core.rule import LayoutRule
 
+__all__ = ["IRREGULAR", "LocalLayout", "SPLIT", "WHOLE", "classify", "describe_layout", "follows_rule", "is_stored", "rule_for", "whole_writers"]
+
 
 class ChunkClass(str, Enum):
     """How a save stores one of this rank's chunks (the value is what the layout digest hashes)."""

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+__all__ = ["TaskRunner"]
+
 Task = Callable[[], None]
 
 

@@ -17,6 +17,8 @@ from shardsafe.core.format import ChunkEntry, TensorEntry, box_overlap, element_
 from shardsafe.core.rule import LayoutRule
 from shardsafe.errors import FormatError, SaveError
 
+__all__ = ["ChunkSpec", "LocalChunk", "ReadOp", "assign_writers", "candidate_chunks", "contiguous_span", "plan_reads"]
+
 
 @dataclass
 class LocalChunk:

@@ -15,6 +15,8 @@ from shardsafe.core.fields import MAX_HEADER_BYTES, RESERVED_HEADER_NAME, expect
 from shardsafe.core.jsonsafe import parse_json
 from shardsafe.errors import FormatError
 
+__all__ = ["HeaderEntry", "build_safetensors_header", "header_sizes", "parse_safetensors_header"]
+
 
 @dataclass(frozen=True)
 class HeaderEntry:

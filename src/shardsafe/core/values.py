@@ -17,6 +17,8 @@ from shardsafe.core.format import STATE_NAME, Manifest, check_tensor_key
 from shardsafe.core.jsonsafe import MAX_JSON_DEPTH, check_json_string, dump_json, parse_json
 from shardsafe.errors import FormatError, SaveError
 
+__all__ = ["TENSOR_REF", "check_state_tree", "decode_value", "encode_state", "encode_value", "merge_values", "state_tensor_keys"]
+
 TENSOR_REF = "__tensor__"
 TUPLE_TAG = "__tuple__"
 PAIRS_TAG = "__pairs__"

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["ReshardableSampler"]
+
 
 def _world() -> tuple[int, int]:
     import torch.distributed as dist

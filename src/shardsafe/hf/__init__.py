@@ -1,1 +1,3 @@
 """Hugging Face model folders: what counts as a model (guard), export, save_pretrained, push."""
+
+__all__: list[str] = []

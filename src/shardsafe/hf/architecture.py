@@ -30,6 +30,8 @@ from typing import Any
 
 from shardsafe.core.format import numel
 
+__all__ = ["expected_weights", "judge"]
+
 log = logging.getLogger(__name__)
 
 # transformers ignores these left-overs of older checkpoints whenever the model has such buffers

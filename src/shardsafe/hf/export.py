@@ -45,6 +45,19 @@ from shardsafe.protocol.temppath import publish
 from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, safe_child, write_small_file
 from shardsafe.storage.safetensors import LocalSink, SafetensorsWriter
 
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "SINGLE_FILE",
+    "SafetensorsStreamWriter",
+    "ShardPlan",
+    "export_hf",
+    "iter_output",
+    "output_dtype",
+    "parse_size",
+    "plan_shards",
+    "write_index",
+]
+
 log = logging.getLogger(__name__)
 
 SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"

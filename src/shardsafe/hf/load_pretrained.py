@@ -40,6 +40,8 @@ from shardsafe.state.deepspeed_engine import is_deepspeed_engine
 from shardsafe.state.zero3 import Zero3Targets, is_zero3_param
 from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child, tensor_bytes
 
+__all__ = ["load_pretrained"]
+
 READ_BUDGET = 64 << 20  # bytes read per step (at least one row of the tensor)
 HF_PREFIX = "hf://"
 _DOWNLOAD_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", INDEX_FILE]

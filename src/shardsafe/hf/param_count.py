@@ -16,6 +16,8 @@ from typing import Any
 
 from shardsafe.core.format import numel
 
+__all__ = ["config_parameter_count"]
+
 
 @dataclass(frozen=True)
 class ParameterCount:

@@ -38,6 +38,8 @@ from shardsafe.protocol.temppath import publish
 from shardsafe.state.adapters import unwrap_module
 from shardsafe.storage.local import fsync_dir, remove_tree, write_small_file
 
+__all__ = ["NOTE_FILE", "save_pretrained", "save_pretrained_sharded", "save_pretrained_stream", "tied_aliases"]
+
 NOTE_FILE = "EXPORT.md"
 _WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 

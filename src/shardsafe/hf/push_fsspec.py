@@ -23,6 +23,8 @@ from shardsafe.hf.push_retry import Progress, transport_error, with_retries
 from shardsafe.protocol.temppath import PUSH_MARK, hidden_name
 from shardsafe.storage.local import fsync_dir, fsync_file, make_dirs
 
+__all__ = ["push_fsspec"]
+
 log = logging.getLogger("shardsafe.hf.push")
 
 _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)

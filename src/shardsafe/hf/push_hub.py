@@ -18,6 +18,8 @@ from shardsafe.errors import PushError
 from shardsafe.hf.push_plan import COMMIT_MARKERS, Destination, UploadFile, UploadPlan, where
 from shardsafe.hf.push_retry import RETRY_STATUS, Progress, chain, describe, transport_error, with_retries
 
+__all__ = ["DEFAULT_MESSAGE", "push_hub"]
+
 log = logging.getLogger("shardsafe.hf.push")
 
 DEFAULT_MESSAGE = "Upload model with shardsafe"

@@ -18,6 +18,8 @@ from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import PushError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
 
+__all__ = ["COMMIT_MARKERS", "Destination", "UploadFile", "UploadPlan", "parse_destination", "plan_upload", "where"]
+
 log = logging.getLogger("shardsafe.hf.push")  # one logger for every part of a push
 
 # The file whose presence makes a folder a model, by the kind the guard recognised. Uploaded last.

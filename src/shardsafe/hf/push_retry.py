@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 from shardsafe.errors import PushError, ShardsafeError
 from shardsafe.hf.push_plan import UploadFile
 
+__all__ = ["MAX_ATTEMPTS", "Progress", "RETRY_STATUS", "chain", "describe", "transport_error", "with_retries"]
+
 log = logging.getLogger("shardsafe.hf.push")
 
 T = TypeVar("T")

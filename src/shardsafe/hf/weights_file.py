@@ -23,6 +23,8 @@ import torch
 from shardsafe.core.format import MAX_HEADER_BYTES, numel, parse_json, parse_safetensors_header
 from shardsafe.errors import ModelFolderError, ShardsafeError
 
+__all__ = ["METADATA_KEY", "NO_TENSORS", "WeightsFile", "open_with_safetensors", "read_weights_file", "show_name"]
+
 NO_TENSORS = "holds no tensors: looks like a ZeRO-3 save without gathered weights"
 METADATA_KEY = "__metadata__"
 _NAME_SHOWN = 80  # characters of a tensor name an error shows

@@ -3,3 +3,5 @@
 ``shardsafe.integrations.transformers.ShardsafeTrainer``: a drop-in ``transformers.Trainer`` whose
 checkpoints, ``save_model``, rotation, resume and ``push_to_hub`` go through shardsafe.
 """
+
+__all__: list[str] = []

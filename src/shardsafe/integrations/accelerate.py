@@ -45,6 +45,8 @@ from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.state.deepspeed_engine import is_deepspeed_engine
 from shardsafe.state.rng import RNGState
 
+__all__ = ["load_state", "save_state"]
+
 log = logging.getLogger(__name__)
 
 ACCELERATE_NAMING = StepNaming("checkpoint_")  # checkpoint_<iteration>, as Accelerate names them

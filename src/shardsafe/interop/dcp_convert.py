@@ -27,6 +27,8 @@ from shardsafe.interop.dcp_metadata import METADATA_NAME
 from shardsafe.interop.dcp_reader import DcpCheckpoint
 from shardsafe.interop.deepspeed_convert import Planned, write_planned
 
+__all__ = ["convert_dcp", "dcp_state_tree", "export_dcp"]
+
 log = logging.getLogger(__name__)
 
 _KINDS = {"model": "module", "optim": "optimizer"}

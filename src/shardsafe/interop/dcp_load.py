@@ -30,6 +30,8 @@ from shardsafe.interop.dcp_convert import dcp_state_tree
 from shardsafe.interop.dcp_metadata import METADATA_NAME, is_dcp_folder
 from shardsafe.interop.dcp_reader import DcpCheckpoint, DcpChunkReader, dcp_manifest
 
+__all__: list[str] = []
+
 
 def load_dcp(
     folder: Path, state: dict[str, Any], *, process_group: Any = None, strict: bool = True, verify: bool = True, atomic: bool = True

@@ -32,6 +32,8 @@ import torch
 from shardsafe.errors import CheckpointNotFoundError, FormatError
 from shardsafe.interop.pickle_scan import MAX_DIMS, MAX_PICKLE_BYTES, GlobalRules, check_value_graph, scan_pickle
 
+__all__ = ["DcpItem", "DcpMetadata", "METADATA_NAME", "RULES", "is_dcp_folder", "read_metadata"]
+
 METADATA_NAME = ".metadata"
 _DATA_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,200}\.distcp$")
 _MD = "torch.distributed.checkpoint.metadata"

@@ -30,6 +30,8 @@ from shardsafe.interop.unpickler import TensorAt, load_bytes, locate_tensor
 from shardsafe.protocol.transfer import BlockRead, ChunkReader
 from shardsafe.storage.local import FileWindow, safe_child
 
+__all__ = ["DcpCheckpoint", "DcpChunkReader", "dcp_manifest", "format_dcp"]
+
 CRC_PIECE = 8 << 20  # the scratch buffer a record's CRC-32 is computed through
 
 

@@ -39,6 +39,8 @@ from shardsafe.interop.deepspeed_reader import DeepSpeedCheckpoint
 from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
 from shardsafe.state.deepspeed_engine import KIND_DEEPSPEED_ENGINE, SECTIONS, engine_meta, tensor_key
 
+__all__ = ["Planned", "convert_deepspeed", "write_planned"]
+
 log = logging.getLogger(__name__)
 
 

@@ -22,6 +22,8 @@ from shardsafe.interop.mapped_copy import FileMapping
 from shardsafe.interop.unpickler import load_file
 from shardsafe.storage.local import open_regular, safe_child
 
+__all__ = ["DeepSpeedFiles", "find_deepspeed_checkpoint", "is_deepspeed_checkpoint"]
+
 LATEST = "latest"
 MAX_LATEST_BYTES = 1024  # a tag is one folder name (at most 255 bytes), plus a newline
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d{1,6})_mp_rank_(\d{1,6})_optim_states\.pt$")

@@ -20,6 +20,8 @@ from shardsafe.core.format import numel
 from shardsafe.errors import FormatError
 from shardsafe.interop.deepspeed_values import shapes_of, short, small_int
 
+__all__ = ["Param", "zero12_layout", "zero3_layout"]
+
 
 @dataclass(frozen=True)
 class Param:

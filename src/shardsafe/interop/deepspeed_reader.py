@@ -52,6 +52,8 @@ from shardsafe.interop.deepspeed_values import (
 from shardsafe.interop.mapped_copy import copy_out
 from shardsafe.interop.unpickler import STAND_INS, LossScalerState
 
+__all__ = ["DeepSpeedCheckpoint", "open_source"]
+
 log = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -18,6 +18,8 @@ import torch
 from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.interop.pickle_scan import MAX_DIMS
 
+__all__ = ["flat_tensor", "get_entry", "hyper_parameter", "is_scalar", "reading", "shapes_of", "short", "small_int"]
+
 MAX_NUMEL = 1 << 62  # elements of one shape (each dimension and their product)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

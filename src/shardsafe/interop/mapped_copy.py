@@ -23,6 +23,8 @@ import torch
 from shardsafe.errors import FormatError
 from shardsafe.storage.local import MADV_DONTNEED, PAGE, madvise_pages
 
+__all__ = ["FileMapping", "copy_out"]
+
 COPY_PIECE = 8 << 20  # bytes copied out of a memory-mapped file (then unmapped) at a time
 
 

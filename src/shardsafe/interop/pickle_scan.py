@@ -26,6 +26,8 @@ from typing import Any
 
 from shardsafe.errors import FormatError
 
+__all__ = ["GlobalRules", "MAX_DIMS", "MAX_PICKLE_BYTES", "check_value_graph", "scan_pickle"]
+
 MAX_PICKLE_BYTES = 64 << 20  # DeepSpeed's pickles hold names, shapes and hyper-parameters: kilobytes to a few MiB
 MAX_OPCODES = 4_000_000  # about 30 per tensor: 100,000+ tensors in one file
 MAX_NESTING = 64  # DeepSpeed nests 8 deep; the ds_config a few more

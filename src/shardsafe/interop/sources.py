@@ -10,6 +10,8 @@ from shardsafe.interop.dcp_metadata import is_dcp_folder
 from shardsafe.interop.dcp_reader import DcpCheckpoint
 from shardsafe.interop.deepspeed_reader import open_source as open_deepspeed_or_shardsafe
 
+__all__ = ["open_source"]
+
 
 def open_source(path: str | os.PathLike[str], key: str = "model", *, verify: bool = True) -> Any:
     """The export source for ``path``: a :class:`DcpCheckpoint`, a DeepSpeed checkpoint, or a shardsafe ``CheckpointSource``."""

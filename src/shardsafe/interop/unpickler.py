@@ -52,6 +52,8 @@ from shardsafe.interop import pickle_scan
 from shardsafe.interop.mapped_copy import FileMapping
 from shardsafe.interop.pickle_scan import MAX_DIMS, GlobalRules, check_value_graph, scan_pickle
 
+__all__ = ["LossScalerState", "RULES", "STAND_INS", "TensorAt", "load_bytes", "load_file", "load_pt", "locate_tensor"]
+
 MAX_RECORDS = 1_000_000  # records in one archive (DeepSpeed writes one per tensor)
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, name length, extra length of a zip local file header
 _KEY = re.compile(r"^[0-9]{1,19}$")

@@ -4,3 +4,5 @@
 included), ``retention`` (what to keep, and the deleter), ``gc`` (what interrupted saves left),
 ``staging`` (host buffers of async saves), ``manager`` (the CheckpointManager that uses them).
 """
+
+__all__: list[str] = []

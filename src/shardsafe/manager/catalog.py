@@ -32,6 +32,29 @@ from shardsafe.manager.naming import STEP_NAMING, StepNaming
 from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = [
+    "Catalog",
+    "CheckpointInfo",
+    "DamagedCheckpoint",
+    "META_KEY",
+    "ManifestCache",
+    "child",
+    "committed_steps",
+    "describe_writer",
+    "has_manifest",
+    "list_checkpoints",
+    "list_root",
+    "metric_value",
+    "ranked",
+    "read_manifest",
+    "references",
+    "refuse_other_runs_step",
+    "scan",
+    "step_folders",
+    "warn_damaged",
+    "where",
+]
+
 log = logging.getLogger("shardsafe")
 
 META_KEY = "shardsafe.manager"  # manifest metadata the manager records: step, metrics, best-metric settings

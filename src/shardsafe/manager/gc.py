@@ -29,6 +29,8 @@ from shardsafe.protocol.temppath import OLD_MARK, is_hidden_temp, original_name
 from shardsafe.storage.local import fsync_dir, remove_tree
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["collect", "collect_garbage"]
+
 log = logging.getLogger("shardsafe")
 
 

@@ -48,6 +48,8 @@ from shardsafe.protocol.temppath import hidden_name
 from shardsafe.storage.local import fsync_dir, make_dirs, read_small_file
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["DEFAULT_LEASE_TIMEOUT", "LEASE_DIR", "Lease", "LeaseRecord", "LocalRecords", "RemoteRecords", "RootLease"]
+
 log = logging.getLogger(__name__)
 
 LEASE_DIR = ".shardsafe-lease"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+__all__ = ["STEP_NAMING", "STEP_RE", "StepNaming", "step_name"]
+
 STEP_DIGITS = 10
 STEP_RE = re.compile(r"^step-(\d+)$")
 

@@ -21,6 +21,8 @@ from shardsafe.protocol.temppath import DELETING_MARK, hidden_sibling
 from shardsafe.storage.local import fsync_dir, remove_tree
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["choose_kept", "remove_unreferenced", "retire"]
+
 
 @dataclass(frozen=True)
 class Kept:

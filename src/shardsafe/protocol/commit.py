@@ -48,6 +48,8 @@ from shardsafe.storage.local import fsync_dir, make_dirs, read_small_file, remov
 from shardsafe.storage.remote import RemoteDir
 from shardsafe.storage.safetensors import write_tensor_file
 
+__all__ = ["agree_and_publish", "is_committed", "new_manifest", "open_checkpoint", "prepare", "prepare_save"]
+
 log = logging.getLogger("shardsafe")
 
 

@@ -26,6 +26,8 @@ from shardsafe.errors import FormatError
 from shardsafe.storage.device_copy import HostToDevice, host_view
 from shardsafe.storage.pinned import PinnedPool, split_range
 
+__all__ = ["read_into_cuda"]
+
 
 class ElementReader(Protocol):
     """What this needs of a reader: verified reads of a stored chunk's elements into host memory."""

@@ -22,6 +22,8 @@ from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.storage.local import tensor_pieces
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["ReuseMap", "chunk_name", "reuse_map", "write_rank_file"]
+
 
 def chunk_name(chunk: LocalChunk) -> str:
     """Name of a chunk inside its safetensors file: the key, plus its offsets when sharded."""

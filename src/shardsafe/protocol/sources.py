@@ -16,6 +16,8 @@ from shardsafe.errors import IntegrityError
 from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["LocalSource", "RemoteSource"]
+
 
 class LocalSource:
     """Shard files of a checkpoint folder on the local filesystem (or a shared mount)."""

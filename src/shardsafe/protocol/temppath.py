@@ -19,6 +19,21 @@ from pathlib import Path
 from shardsafe.core.faults import crash_point
 from shardsafe.storage.local import exchange_paths, fsync_dir, make_dirs, remove_tree
 
+__all__ = [
+    "DELETING_MARK",
+    "OLD_MARK",
+    "PUSH_MARK",
+    "TMP_MARK",
+    "TemporaryPath",
+    "exchange_paths",
+    "hidden_name",
+    "hidden_sibling",
+    "is_hidden_temp",
+    "original_name",
+    "publish",
+    "retire_folder",
+]
+
 TMP_MARK = ".shardsafe-tmp-"  # being written; published by rename
 OLD_MARK = ".shardsafe-old-"  # the previous copy, moved aside where no atomic swap exists
 DELETING_MARK = ".shardsafe-deleting-"  # on its way out (retention, overwrite)

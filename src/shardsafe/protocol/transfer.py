@@ -44,6 +44,8 @@ from shardsafe.protocol.sources import LocalSource, RemoteSource
 from shardsafe.storage.local import tensor_bytes
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["BlockRead", "ChunkReader", "HEAD_READ_BYTES", "REMOTE_CACHE_BYTES", "ReadRequest", "ReadTarget"]
+
 REMOTE_CACHE_BYTES = 64 << 20
 READ_THREADS = 4  # files read at once per reader on a local filesystem (each thread keeps up to one block of scratch)
 READ_SCRATCH_BYTES = 64 << 20  # scratch for all reading threads together: fewer threads when hash blocks are large

@@ -31,6 +31,36 @@ from shardsafe.core.values import encode_value
 from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.protocol.transfer import ReadTarget
 
+__all__ = [
+    "Bound",
+    "Described",
+    "KIND_DEEPSPEED_ENGINE",
+    "KIND_MODULE",
+    "KIND_OPTIMIZER",
+    "KIND_PER_RANK",
+    "KIND_STATEFUL",
+    "KIND_TENSOR",
+    "KIND_VALUE",
+    "LoadContext",
+    "LoadStep",
+    "Lookup",
+    "Piece",
+    "SaveContext",
+    "SavedLayout",
+    "StateAdapter",
+    "StoredTensor",
+    "bind_tensors",
+    "check_storable",
+    "encode_with_chunks",
+    "local_tensor",
+    "param_names",
+    "pieces",
+    "snapshot",
+    "tensor_summary",
+    "type_problems",
+    "unwrap_module",
+]
+
 log = logging.getLogger("shardsafe")
 
 KIND_MODULE = "module"

@@ -44,7 +44,16 @@ from shardsafe.state.base import (
 from shardsafe.state.engine_entry import engine_meta, flat_tensor_shapes, same_scalars, saved_meta, saved_params, saved_sections, scalars_by_param
 from shardsafe.state.zero3 import COUNTERS, SECTIONS, Zero3Layout, ZeroParam, refresh_16bit_partitions, tensor_key
 
-__all__ = ["KIND_DEEPSPEED_ENGINE", "SECTIONS", "DeepSpeedEngineAdapter", "engine_meta", "flat_tensor_shapes", "is_deepspeed_engine", "tensor_key"]
+__all__ = [
+    "DeepSpeedEngineAdapter",
+    "ENGINE_ADAPTER",
+    "KIND_DEEPSPEED_ENGINE",
+    "SECTIONS",
+    "engine_meta",
+    "flat_tensor_shapes",
+    "is_deepspeed_engine",
+    "tensor_key",
+]
 
 
 def is_deepspeed_engine(value: object) -> bool:

@@ -20,7 +20,19 @@ from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.state.base import KIND_DEEPSPEED_ENGINE
 from shardsafe.state.zero3 import SECTIONS, tensor_key
 
-__all__ = ["KIND_DEEPSPEED_ENGINE", "SECTIONS", "engine_meta", "engine_model_tensors", "flat_tensor_shapes", "tensor_key"]
+__all__ = [
+    "KIND_DEEPSPEED_ENGINE",
+    "SECTIONS",
+    "engine_meta",
+    "engine_model_tensors",
+    "flat_tensor_shapes",
+    "same_scalars",
+    "saved_meta",
+    "saved_params",
+    "saved_sections",
+    "scalars_by_param",
+    "tensor_key",
+]
 
 
 def no_tensors(where: str) -> Callable[[str, torch.Tensor], str]:

@@ -38,6 +38,8 @@ from shardsafe.state.base import (
     unwrap_module,
 )
 
+__all__ = ["OptimizerAdapter", "create_state_by_stepping"]
+
 
 def owner_module(state: dict[str, Any], optimizer: torch.optim.Optimizer, name: str) -> nn.Module:
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -26,6 +26,24 @@ from shardsafe.state.base import KIND_PER_RANK, Bound, LoadContext, LoadStep, Lo
 from shardsafe.state.deepspeed_engine import ENGINE_ADAPTER
 from shardsafe.state.optimizer import OptimizerAdapter
 
+__all__ = [
+    "ADAPTERS",
+    "LoadBinding",
+    "SaveView",
+    "adapter_for",
+    "adapter_for_kind",
+    "bind_for_load",
+    "check_binding",
+    "describe_for_save",
+    "describe_mismatch",
+    "display_shapes",
+    "fresh_optimizers",
+    "merge_trees",
+    "prepare_steps",
+    "summarize_entry",
+    "unclaimed",
+]
+
 ADAPTERS: tuple[StateAdapter, ...] = (
     ENGINE_ADAPTER,
     ModuleAdapter(),

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["RNGState"]
+
 
 class RNGState:
     """Captures and restores python, numpy (if installed), torch CPU and CUDA RNG state.

@@ -27,6 +27,8 @@ import torch
 
 from shardsafe.errors import ShardsafeError
 
+__all__ = ["COUNTERS", "SECTIONS", "Zero3Layout", "Zero3Targets", "ZeroParam", "is_zero3_param", "refresh_16bit_partitions", "tensor_key"]
+
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 SECTIONS = ("fp32", "optim", "frozen", "buffers")
 

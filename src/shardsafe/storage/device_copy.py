@@ -29,6 +29,8 @@ import torch
 
 from shardsafe.storage.pinned import PinnedPool, pinned_pool, split_range
 
+__all__ = ["HostToDevice", "device_pieces", "host_view", "side_stream"]
+
 DOUBLE = 2  # buffers per transfer: one being copied while the other is used on the host
 
 _streams: dict[int, Any] = {}

@@ -24,6 +24,28 @@ import torch
 from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.storage.device_copy import device_pieces
 
+__all__ = [
+    "FileWindow",
+    "MADV_DONTNEED",
+    "PAGE",
+    "WRITE_BEHIND_WINDOW",
+    "WriteBehind",
+    "exchange_paths",
+    "fsync_dir",
+    "fsync_file",
+    "madvise_pages",
+    "make_dirs",
+    "open_regular",
+    "pread_into",
+    "prefault_writable",
+    "read_small_file",
+    "remove_tree",
+    "safe_child",
+    "tensor_bytes",
+    "tensor_pieces",
+    "write_small_file",
+]
+
 WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for tensors on devices other than CUDA (CUDA: the pinned pool's buffers)
 
 

@@ -16,6 +16,8 @@ from shardsafe.core.format import check_component
 from shardsafe.storage.local import read_small_file, safe_child, write_small_file
 from shardsafe.storage.remote import RemoteDir
 
+__all__ = ["as_location", "public_path"]
+
 
 class LocalDir:
     """A folder on a local or shared filesystem, with the methods of :class:`RemoteDir`."""

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["DEFAULT_BUFFER_BYTES", "PinnedPool", "configure", "pinned_pool", "split_range"]
+
 DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
 DEFAULT_BUFFERS = 2
 log = logging.getLogger(__name__)

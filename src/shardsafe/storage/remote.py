@@ -17,6 +17,8 @@ from shardsafe.core.format import check_component
 from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.storage.safetensors import write_tensor_stream
 
+__all__ = ["RemoteDir", "is_url", "local_path_of"]
+
 
 def is_url(path: str | os.PathLike[str]) -> bool:
     """True for fsspec URLs other than plain local paths (``file://`` counts as local)."""

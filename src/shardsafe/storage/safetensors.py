@@ -22,6 +22,8 @@ from shardsafe.core.integrity import BlockHasher
 from shardsafe.core.safetensors_header import header_sizes
 from shardsafe.storage.local import WRITE_BEHIND_WINDOW, WriteBehind, tensor_pieces
 
+__all__ = ["LocalSink", "SafetensorsWriter", "write_tensor_file", "write_tensor_stream"]
+
 
 class Sink(Protocol):
     """Where a stream of bytes lands."""

@@ -23,3 +23,5 @@ The worker's rank 0 records everything the summary needs as JSON lines in
 ``<out>/logs/events.jsonl``, flushed line by line, so a SIGKILL loses nothing written before it.
 Nothing is imported here, so ``python -m shardsafe.cli.demo.worker`` runs its module only once.
 """
+
+__all__: list[str] = []

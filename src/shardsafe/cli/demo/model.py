@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["GPTConfig", "TinyGPT", "evaluate", "lm_loss", "sample_batch", "split_corpus"]
+
 # Byte-level text: learnable structure (words, spaces, punctuation) without a tokenizer or a
 # download. The last part is held out for the evaluation after training.
 CORPUS = """\

@@ -22,6 +22,8 @@ from shardsafe.cli.formatting import plural
 from shardsafe.errors import ShardsafeError
 from shardsafe.manager.catalog import list_checkpoints
 
+__all__ = ["DemoSettings", "run_demo"]
+
 WORKER_MODULE = "shardsafe.cli.demo.worker"
 
 

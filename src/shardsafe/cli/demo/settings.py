@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+__all__ = [
+    "BATCH_PER_RANK",
+    "BEST_METRIC",
+    "CKPT",
+    "DemoError",
+    "DemoSettings",
+    "EVENTS",
+    "KEEP_BEST",
+    "KEEP_LAST",
+    "LEARNING_RATE",
+    "MARKER",
+    "SYNC_REFERENCE",
+]
+
 DEFAULT_OUT = Path("demo-run")
 MARKER = ".shardsafe-demo"  # marks a folder this demo made, so only such a folder is ever wiped
 EVENTS = "events.jsonl"

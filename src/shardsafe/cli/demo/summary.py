@@ -12,6 +12,8 @@ from typing import Any
 from shardsafe.cli.demo.settings import BATCH_PER_RANK, BEST_METRIC, CKPT, KEEP_BEST, KEEP_LAST, DemoSettings
 from shardsafe.cli.formatting import format_bytes, plural
 
+__all__ = ["Launch", "collect", "events_of", "format_summary"]
+
 SUMMARY_WIDTH = 124
 
 

@@ -37,6 +37,8 @@ from shardsafe.cli.demo.settings import (
 from shardsafe.manager.manager import CheckpointManager
 from shardsafe.state.rng import RNGState
 
+__all__ = ["build_state", "train_step", "warm_imports"]
+
 
 class EventLog:
     """Rank 0's record of the run; a no-op on other ranks (pass ``path=None``)."""

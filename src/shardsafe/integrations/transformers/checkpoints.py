@@ -30,6 +30,26 @@ from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.temppath import hidden_sibling
 from shardsafe.storage.local import fsync_dir, safe_child, write_small_file
 
+__all__ = [
+    "DATA",
+    "ENGINE",
+    "FILES",
+    "META_KEY",
+    "MODEL",
+    "OPTIMIZER",
+    "RNG",
+    "SCALER",
+    "SCHEDULER",
+    "TRAINER_NAMING",
+    "TRAINER_STATE_NAME",
+    "TRAINING_ARGS_NAME",
+    "checkpoint_path",
+    "checkpoint_steps",
+    "latest_checkpoint",
+    "rotate_checkpoints",
+    "write_trainer_files",
+]
+
 TRAINER_NAMING = StepNaming(f"{PREFIX_CHECKPOINT_DIR}-")  # checkpoint-<step>, no padding
 TRAINER_STATE_NAME = "trainer_state.json"  # what transformers.Trainer reads on resume
 TRAINING_ARGS_NAME = "training_args.json"  # the arguments as JSON (the Trainer pickles them to training_args.bin)

@@ -38,6 +38,8 @@ from shardsafe.data.sampler import ReshardableSampler
 from shardsafe.errors import ShardsafeError, StateMismatchError
 from shardsafe.integrations.transformers.checkpoints import DATA
 
+__all__ = ["ReshardableDataTrainer"]
+
 log = logging.getLogger(__name__)
 
 

@@ -23,6 +23,8 @@ from shardsafe.hf.pretrained import NOTE_FILE
 from shardsafe.protocol.temppath import TMP_MARK, hidden_sibling, retire_folder
 from shardsafe.storage.local import fsync_dir, remove_tree
 
+__all__ = ["hub_token", "install_model_folder", "new_hidden", "stage_upload"]
+
 SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 

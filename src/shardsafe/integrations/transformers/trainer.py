@@ -55,6 +55,8 @@ from shardsafe.state.adapters import unwrap_module
 from shardsafe.state.rng import RNGState
 from shardsafe.storage.local import remove_tree, write_small_file
 
+__all__ = ["ShardsafeTrainer"]
+
 log = logging.getLogger(__name__)
 
 HF_MAX_SHARD_SIZE = "50GB"  # PreTrainedModel.save_pretrained's default in transformers 5

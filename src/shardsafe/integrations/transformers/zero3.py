@@ -24,6 +24,8 @@ from shardsafe.errors import ShardsafeError
 from shardsafe.hf.export import output_dtype
 from shardsafe.hf.pretrained import tied_aliases
 
+__all__ = ["is_zero3_model", "parameter_count", "zero3_gathered_tensors", "zero3_sharded_model"]
+
 
 def is_zero3_model(module: nn.Module) -> bool:
     """Whether ``module``'s parameters are DeepSpeed ZeRO-3 partitions (``ds_id`` set by ``deepspeed.zero.Init`` or the engine)."""
