@@ -437,3 +437,27 @@ def test_an_os_error_while_reading_names_the_file(tmp_path: Path) -> None:
             pread_into(fd, [memoryview(bytearray(8))], 0, "somewhere")
     finally:
         os.close(fd)
+
+
+def test_one_file_is_read_as_ordered_regions_through_their_own_open_files(saved: Path) -> None:
+    """One large file and several threads: its reads are cut into contiguous runs in file order
+    (so the first damaged block is still the one reported), each read through a second open file
+    of the same inode (its own readahead stream), all closed afterwards."""
+    from shardsafe.core.format import parse_manifest
+    from shardsafe.protocol.transfer import ChunkReader, _regions
+
+    manifest = parse_manifest((saved / "manifest.json").read_bytes(), "manifest.json")
+    with ChunkReader(saved, manifest) as reader:
+        entry = manifest.tensors["t/big"]
+        reads = reader.whole_chunk_checks("t/big", entry.chunks[0])
+        regions = _regions(reads, 4)
+        assert 2 <= len(regions) <= 4
+        assert [r for region in regions for r in region] == reads
+        sizes = [sum(r.hi - r.lo for r in region) for region in regions]
+        assert max(sizes) - min(sizes) <= 2 * BLOCK
+        assert _regions(reads[:5], 4) == [reads[:5]]  # too few reads to be worth several streams
+        handle = reader.open(entry.chunks[0])
+        stream = reader.source.stream(handle)
+        assert stream is not None and stream != handle
+        assert os.fstat(stream).st_ino == os.fstat(handle).st_ino
+        os.close(stream)

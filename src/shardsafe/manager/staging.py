@@ -22,7 +22,7 @@ import torch
 from shardsafe.state.registry import SaveView
 from shardsafe.storage.device_copy import side_stream
 
-__all__ = ["Staged", "StagingBuffers", "copy_all"]
+__all__ = ["SaveWorker", "Staged", "StagingBuffers", "copy_all"]
 
 Copy = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, source)
 
