@@ -17,6 +17,7 @@ from typing import Any
 
 from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.errors import FormatError
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["ForeignFormat", "foreign_format", "refuse_foreign", "register_format"]
@@ -42,7 +43,11 @@ def register_format(fmt: ForeignFormat) -> None:
 
 def foreign_format(folder: Path | RemoteDir) -> ForeignFormat | None:
     """The registered format of ``folder`` when it has no manifest and one recognises it, else None."""
-    if isinstance(folder, RemoteDir) or (folder / MANIFEST_NAME).exists():
+    return as_location(folder).choose(local=_detect, remote=lambda _: None)  # formats are detected in local folders only
+
+
+def _detect(folder: Path) -> ForeignFormat | None:
+    if (folder / MANIFEST_NAME).exists():
         return None
     return next((fmt for fmt in _FORMATS.values() if fmt.detect(folder)), None)
 

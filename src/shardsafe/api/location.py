@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir, is_url, local_path_of
 
 __all__ = ["location", "shown"]
@@ -12,8 +13,8 @@ __all__ = ["location", "shown"]
 
 def location(path: str | os.PathLike[str] | RemoteDir) -> Path | RemoteDir:
     """A local folder, or a prefix on an object store for fsspec URLs such as ``s3://bucket/ckpt``."""
-    if isinstance(path, RemoteDir):
-        return path
+    if not isinstance(path, (str, os.PathLike)):
+        return path  # already a folder
     if is_url(path):
         return RemoteDir(str(path))
     return Path(local_path_of(path)).absolute()
@@ -21,4 +22,4 @@ def location(path: str | os.PathLike[str] | RemoteDir) -> Path | RemoteDir:
 
 def shown(folder: Path | RemoteDir) -> str:
     """The folder as errors and summaries name it."""
-    return folder.url if isinstance(folder, RemoteDir) else str(folder)
+    return as_location(folder).url

@@ -12,7 +12,7 @@ from typing import Any
 
 from shardsafe._version import __version__
 from shardsafe.api.location import location
-from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.comm import Comm, Outcome, get_comm
 from shardsafe.core.dtypes import dtype_from_name
 from shardsafe.core.faults import crash_point
 from shardsafe.core.format import ChunkEntry, FileEntry, IndexRef, Manifest, TensorEntry, check_metadata, parse_manifest
@@ -28,8 +28,7 @@ from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_s
 from shardsafe.protocol.shard_write import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
 from shardsafe.state.registry import SaveView, describe_for_save, merge_trees
-from shardsafe.storage.local import safe_child
-from shardsafe.storage.location import public_path
+from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["HASH_BLOCK_SIZE", "RankResult", "describe_collectively", "new_manifest", "save", "tensor_entries", "write_checkpoint"]
@@ -90,8 +89,8 @@ def describe_collectively(
 
 @dataclass(frozen=True)
 class RankResult:
-    """What one rank reports to the coordinator after writing its file (sent as ``("ok", result)``,
-    or ``("error", message)``: the agreement step of protocol.commit reads that pair). Parts of
+    """What one rank reports to the coordinator after writing its file (the value of its
+    :class:`~shardsafe.core.comm.Outcome`, which protocol.commit's agreement step gathers). Parts of
     split tensors are in the rank's index, not here: what a rank sends does not grow with the
     world size (only its listed chunks: replicated, irregular and reused ones)."""
 
@@ -153,7 +152,7 @@ def write_checkpoint(
     rules = spread_writers(layout.rules()) if plan.rule else {}
     mine = _mine(comm, view, layout, plan, rules)
     split_keys = set(rules)
-    result: tuple[str, Any]
+    result: Outcome[RankResult]
     try:
         file_record, index_record = None, None
         entries: list[tuple[str, ChunkEntry]] = []
@@ -168,9 +167,9 @@ def write_checkpoint(
                 index_record = IndexRef(target.write_index(comm.rank, data), len(data), hash_bytes(data))
             file_record = (name, size) if name is not None else None
         specs = {c.key: c.spec() for c in mine}
-        result = ("ok", RankResult(file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank))
+        result = Outcome(value=RankResult(file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank))
     except Exception as exc:  # every rank must still reach the agreement step
-        result = ("error", f"rank {comm.rank}: {type(exc).__name__}: {exc}")
+        result = Outcome.failure(exc, comm.rank, SaveError)
 
     def build(results: list[RankResult]) -> tuple[Manifest, bytes]:
         """The files, checked with the parsers a load runs, before the commit (the last line behind
@@ -187,7 +186,7 @@ def write_checkpoint(
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
 
-    agree_and_publish(comm, target, result, lambda results: build([r[1] for r in results]), before_publish)
+    agree_and_publish(comm, target, result, build, before_publish)
     return final
 
 
@@ -270,7 +269,7 @@ def _mine(comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan, rules
 
 def _sibling(final: Path | RemoteDir, name: str) -> Path | RemoteDir:
     """The checkpoint ``name`` next to ``final`` (dedup reads its index)."""
-    return final.parent.child(name) if isinstance(final, RemoteDir) else safe_child(final.parent, name)
+    return as_location(final).sibling(name).native
 
 
 def tensor_entries(results: list[RankResult], layout: LocalLayout | None, rules: dict[str, LayoutRule]) -> dict[str, TensorEntry]:

@@ -41,8 +41,7 @@ from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
 from shardsafe.hf.weights_file import METADATA_KEY, show_name
 from shardsafe.protocol.commit import prepare
-from shardsafe.protocol.temppath import publish
-from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, safe_child, write_small_file
+from shardsafe.storage.local import read_small_file, safe_child, write_small_file
 from shardsafe.storage.safetensors import LocalSink, SafetensorsWriter
 
 __all__ = [
@@ -373,8 +372,8 @@ def export_hf(
         where = f"export {getattr(source, 'folder', None) or type(source).__name__} -> {final}"
         plan = plan_shards([TensorInfo(t.name, output_dtype(t.dtype, target), t.shape) for t in stored], max_shard_size, where=where)
         total_parameters = getattr(source, "total_parameters", None) or sum(numel(t.shape) for t in stored)
-        tmp = prepare(Comm(None, 0, 1), final, overwrite)
-        try:
+        with prepare(Comm(None, 0, 1), final, overwrite, fsync) as temp:  # removed unless published
+            tmp = temp.path
             from tqdm.auto import tqdm
 
             with tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress) as bar:
@@ -388,13 +387,8 @@ def export_hf(
                 write_small_file(tmp / "config.json", _with_dtype(config_json, target), fsync)
             if "generation_config.json" in files:
                 write_small_file(tmp / "generation_config.json", read_small_file(files["generation_config.json"], MAX_JSON_BYTES), fsync)
-            if fsync:
-                fsync_dir(tmp)
             check_model_folder(tmp)
-            publish(tmp, final, fsync)
-        except BaseException:
-            remove_tree(tmp)
-            raise
+            temp.publish()
     finally:
         if own:
             source.close()

@@ -27,16 +27,15 @@ from torch import nn
 
 from shardsafe.api.checkpoint import save
 from shardsafe.api.source import CHECKPOINT_DIR, EXPORT_META, TensorInfo
-from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.comm import Comm, Outcome, get_comm
 from shardsafe.core.format import dtype_name, dump_json
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import DistributedError, SaveError, ShardsafeError
 from shardsafe.hf.export import DEFAULT_MAX_SHARD_SIZE, SafetensorsStreamWriter, ShardPlan, output_dtype, plan_shards, write_index
 from shardsafe.hf.guard import check_model_folder
 from shardsafe.protocol.commit import prepare
-from shardsafe.protocol.temppath import publish
 from shardsafe.state.adapters import unwrap_module
-from shardsafe.storage.local import fsync_dir, remove_tree, write_small_file
+from shardsafe.storage.local import write_small_file
 
 __all__ = ["NOTE_FILE", "save_pretrained", "save_pretrained_sharded", "save_pretrained_stream", "tied_aliases"]
 
@@ -154,42 +153,47 @@ def save_pretrained_stream(
 def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple[str, torch.Tensor | None]], fsync: bool, bar: Any = None) -> None:
     """Every rank consumes ``stream`` in plan order; the coordinator writes each tensor into its file."""
     for file, infos in plan.files:
-        error: str | None = None
+        failure: Outcome[None] = Outcome()  # the coordinator's first failed write of this file, if any
         writer = None
         if comm.is_coordinator:
             try:
                 writer = SafetensorsStreamWriter(tmp / file, infos, write_behind=fsync)
             except Exception as exc:
-                error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+                failure = _file_failure(tmp / file, exc, comm.rank)
         try:
             for info in infos:
                 name, value = next(stream, (None, None))
                 if name != info.name or (value is None and writer is not None):
                     # the same on every rank (each iterates the same model), so raising here splits no one
                     raise ShardsafeError(f"save_pretrained_stream: expected tensor {info.name!r} next, the stream gave {name!r}")
-                if writer is not None and value is not None and error is None:
+                if writer is not None and value is not None and failure.ok:
                     try:
                         with torch.no_grad():
                             writer.write(value.detach().to(info.dtype))
                     except Exception as exc:
-                        error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+                        failure = _file_failure(tmp / file, exc, comm.rank)
                 del value
                 if bar is not None:
                     bar.update(info.nbytes)
-            if writer is not None and error is None:
+            if writer is not None and failure.ok:
                 try:
                     writer.close(fsync)
                 except Exception as exc:
-                    error = f"{tmp / file}: {type(exc).__name__}: {exc}"
+                    failure = _file_failure(tmp / file, exc, comm.rank)
         finally:
             if writer is not None:
                 writer.abort()
-        error = comm.broadcast(error)  # stop every rank at the first failed file
-        if error is not None:
-            raise SaveError(f"save_pretrained failed, nothing was published: {error}")
+        failure = comm.broadcast(failure)  # stop every rank at the first failed file
+        if not failure.ok:
+            raise SaveError(f"save_pretrained failed, nothing was published: {failure.message}")
     extra = next(stream, None)
     if extra is not None:
         raise ShardsafeError(f"save_pretrained_stream: the stream gave {extra[0]!r}, which the tensor list does not have")
+
+
+def _file_failure(path: Path, exc: Exception, rank: int) -> Outcome[None]:
+    """A failed write of the weights file ``path``, as every rank raises it (``SaveError``, naming the file)."""
+    return Outcome(error=SaveError.__name__, message=f"{path}: {type(exc).__name__}: {exc}", rank=rank)
 
 
 def save_pretrained_sharded(
@@ -235,22 +239,17 @@ def _build_model_folder(
 ) -> None:
     """The steps every model-folder writer shares: a hidden folder next to ``final``; ``write``
     (collective) fills it, ``complete`` (coordinator) adds the small files and runs the guard; then
-    it is fsynced and renamed into place. Any failure removes the hidden folder on every path."""
-    tmp = prepare(comm, final, overwrite)
-    try:
-        write(tmp)
-    except BaseException:
-        if comm.is_coordinator:
-            remove_tree(tmp)
-        raise
+    it is fsynced and renamed into place. Any failure removes the hidden folder on every path (the
+    coordinator's :class:`TemporaryPath` removes it; the other ranks' handles own nothing)."""
+    with prepare(comm, final, overwrite, fsync) as temp:
 
-    def finish() -> None:
-        complete(tmp)
-        if fsync:
-            fsync_dir(tmp)
-        publish(tmp, final, fsync)
+        def finish() -> None:
+            complete(temp.path)
+            temp.publish()
 
-    comm.on_coordinator(finish, default=SaveError, on_error=lambda: remove_tree(tmp))
+        write(temp.path)
+        # removed before the error reaches the other ranks: when they raise, nothing is left
+        comm.on_coordinator(finish, default=SaveError, on_error=temp.remove)
 
 
 def _export_meta(dtype: torch.dtype | None, aliases: dict[str, str], total_parameters: int) -> dict[str, Any]:

@@ -124,8 +124,6 @@ def export_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], *, over
 
     from shardsafe.api.source import CheckpointSource
     from shardsafe.protocol.commit import open_checkpoint, prepare
-    from shardsafe.protocol.temppath import publish
-    from shardsafe.storage.local import fsync_dir, remove_tree
 
     final = Path(out).absolute()
     source = CheckpointSource(src, key="")
@@ -142,12 +140,7 @@ def export_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], *, over
         source.close()
     from shardsafe.core.comm import Comm
 
-    tmp = prepare(Comm(None, 0, 1), final, overwrite)
-    try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
-        fsync_dir(tmp)  # DCP fsyncs its files but not the folder: their names are durable before the folder is published
-        publish(tmp, final)
-    except BaseException:
-        remove_tree(tmp)
-        raise
+    with prepare(Comm(None, 0, 1), final, overwrite) as temp:  # removed unless published
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(temp.path)), no_dist=True)
+        temp.publish()  # DCP fsyncs its files but not the folder: publish fsyncs it, so their names are durable first
     return final

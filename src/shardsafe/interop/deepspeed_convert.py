@@ -22,7 +22,7 @@ import torch
 
 from shardsafe._version import __version__
 from shardsafe.api.source import DTYPE_CHOICES
-from shardsafe.core.comm import Comm
+from shardsafe.core.comm import Comm, Outcome
 from shardsafe.core.format import (
     ChunkEntry,
     FileEntry,
@@ -259,4 +259,4 @@ def write_planned(
         }
         return manifest, state_bytes
 
-    agree_and_publish(comm, target, ("ok",), build)
+    agree_and_publish(comm, target, Outcome(), build)

@@ -93,7 +93,7 @@ def where(path: Root) -> str:
 
 
 def child(root: Root, name: str) -> Root:
-    return root.child(name) if isinstance(root, RemoteDir) else root / name
+    return as_location(root).child(name).native
 
 
 def has_manifest(folder: Root) -> bool:

@@ -27,6 +27,7 @@ from shardsafe.manager.retention import remove_unreferenced
 from shardsafe.protocol.commit import is_committed
 from shardsafe.protocol.temppath import OLD_MARK, is_hidden_temp, original_name
 from shardsafe.storage.local import fsync_dir, remove_tree
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["collect", "collect_garbage"]
@@ -59,10 +60,10 @@ def collect(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: flo
     where_ = location(root)
     catalog = scan(where_, warn=_warn_left)
     report = GarbageReport(damaged=list(catalog.damaged))
-    if isinstance(where_, RemoteDir):
-        _collect_remote(where_, catalog, report, dry_run, min_age)
-    else:
-        _collect_local(where_, catalog, report, dry_run, min_age)
+    as_location(where_).choose(
+        local=lambda path: _collect_local(path, catalog, report, dry_run, min_age),
+        remote=lambda folder: _collect_remote(folder, catalog, report, dry_run, min_age),
+    )
     if report.left:
         log.warning(
             "shardsafe gc: left %d step folder(s) without a manifest under %s: the damaged checkpoint(s) %s may reference "

@@ -46,6 +46,7 @@ from shardsafe.core.comm import Comm
 from shardsafe.errors import LeaseHeldError, LeaseLostError, ShardsafeError
 from shardsafe.protocol.temppath import hidden_name
 from shardsafe.storage.local import fsync_dir, make_dirs, read_small_file
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["DEFAULT_LEASE_TIMEOUT", "LEASE_DIR", "Lease", "LeaseRecord", "LocalRecords", "RemoteRecords", "RootLease"]
@@ -234,7 +235,7 @@ class RemoteRecords:
 
 
 def records_for(root: Path | RemoteDir) -> RecordStore:
-    return RemoteRecords(root) if isinstance(root, RemoteDir) else LocalRecords(root)
+    return as_location(root).choose(local=LocalRecords, remote=RemoteRecords)
 
 
 def _process_gone(record: LeaseRecord) -> bool:

@@ -19,6 +19,7 @@ from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFE
 from shardsafe.manager.catalog import CheckpointInfo, ranked
 from shardsafe.protocol.temppath import DELETING_MARK, hidden_sibling
 from shardsafe.storage.local import fsync_dir, remove_tree
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["choose_kept", "remove_unreferenced", "retire"]
@@ -75,14 +76,19 @@ def retire(folder: Path | RemoteDir, keep_files: set[str] | None = None) -> None
     object store (no rename) deleting the manifest, the commit marker, retires it at once.
     """
     crash_point("retention:before-rename", 0)
-    if isinstance(folder, RemoteDir):
-        if keep_files:  # readers check references into the kept files against the retained manifest
-            folder.write_bytes(RETAINED_MANIFEST_NAME, folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES))
-        folder.remove([MANIFEST_NAME])
-        crash_point("retention:after-rename", 0)
-        keep = keep_files or set()
-        folder.remove([name for name in folder.list() if name not in keep])
-        return
+    as_location(folder).choose(local=lambda path: _retire_local(path, keep_files), remote=lambda prefix: _retire_remote(prefix, keep_files))
+
+
+def _retire_remote(folder: RemoteDir, keep_files: set[str] | None) -> None:
+    if keep_files:  # readers check references into the kept files against the retained manifest
+        folder.write_bytes(RETAINED_MANIFEST_NAME, folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES))
+    folder.remove([MANIFEST_NAME])
+    crash_point("retention:after-rename", 0)
+    keep = keep_files or set()
+    folder.remove([name for name in folder.list() if name not in keep])
+
+
+def _retire_local(folder: Path, keep_files: set[str] | None) -> None:
     if keep_files:
         os.replace(folder / MANIFEST_NAME, folder / RETAINED_MANIFEST_NAME)  # kept: readers check references against it
         fsync_dir(folder)

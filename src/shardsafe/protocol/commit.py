@@ -1,13 +1,18 @@
 """How a checkpoint becomes visible: the two-phase commit protocol.
 
 1. The coordinator alone checks the destination and creates a hidden temporary folder
-   ``.<name>.shardsafe-tmp-<uuid>`` next to it, then tells every rank its name.
-2. Every rank writes only its own file into it and fsyncs it (transfer.py).
-3. Every rank reports success or its error to the coordinator (the agreement step).
+   ``.<name>.shardsafe-tmp-<uuid>`` next to it (protocol/temppath.py), then tells every rank its name.
+2. Every rank writes only its own file into it and fsyncs it (shard_write.py).
+3. Every rank reports its :class:`~shardsafe.core.comm.Outcome` (success or its error) to the
+   coordinator (the agreement step).
 4. Only if all succeeded, the coordinator writes ``state.json`` then ``manifest.json`` (the
    commit marker), fsyncs the folder, moves it into place and fsyncs the parent. Overwriting
    swaps the folders atomically (renameat2 RENAME_EXCHANGE) before removing the old one.
 5. The coordinator tells every rank the outcome; all ranks return or raise the same error.
+
+On object stores (no rename) step 1 picks a save id that every object name carries, and the
+single PUT of ``manifest.json`` is step 4's commit. Both are one interface, :class:`CommitTarget`,
+whose docstring numbers who calls what.
 
 No path is created by more than one rank, so concurrent ranks or nodes sharing a filesystem
 cannot collide, and a crash at any point leaves either the old checkpoint or the new one visible,
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,7 @@ from typing import Any
 import torch
 
 from shardsafe import errors
-from shardsafe.core.comm import Comm
+from shardsafe.core.comm import Comm, Outcome
 from shardsafe.core.faults import crash_point
 from shardsafe.core.format import (
     INDEX_PATTERN,
@@ -43,8 +49,9 @@ from shardsafe.core.format import (
 )
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError
-from shardsafe.protocol.temppath import TemporaryPath, publish
-from shardsafe.storage.local import fsync_dir, make_dirs, read_small_file, remove_tree, safe_child, write_small_file
+from shardsafe.protocol.temppath import TemporaryPath
+from shardsafe.storage.local import read_small_file, safe_child, write_small_file
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 from shardsafe.storage.safetensors import write_tensor_file
 
@@ -57,11 +64,73 @@ def is_committed(folder: Path) -> bool:
     return (folder / MANIFEST_NAME).is_file()
 
 
-class LocalCommit:
+class CommitTarget(ABC):
+    """How one save's files become one visible checkpoint: the interface of a commit protocol.
+
+    Two implementations: :class:`LocalCommit` (a hidden folder renamed into place) and
+    :class:`RemoteCommit` (object stores, no rename: the manifest PUT is the commit). The calls, in
+    this order (DCP's ``StorageWriter`` and Orbax's ``TemporaryPath`` number theirs the same way):
+
+    1. :func:`prepare_save` (every rank, collective): the coordinator alone checks the destination
+       and sets the save up (the hidden folder, or the save's id); every rank gets its target.
+    2. :meth:`shard_name`, :meth:`write_shard`, :meth:`write_index` (every rank, for its own file
+       only; no two ranks write one name). May raise: the rank reports it at step 3.
+    3. :func:`agree_and_publish` (every rank, collective): each rank's
+       :class:`~shardsafe.core.comm.Outcome` is gathered on the coordinator, which goes on to 4-5
+       only if every rank succeeded.
+    4. :meth:`state_name` (coordinator): the name the manifest gives ``state.json``.
+    5. :meth:`commit` (coordinator, once): the small files, then the atomic step that makes the
+       checkpoint visible. May raise; then step 6.
+    6. :meth:`abort` (coordinator, after a failure anywhere in 2-5): remove what the save wrote,
+       unless it may already be visible. Never raises.
+
+    A crash at any step leaves the previous checkpoint (or none) visible, or the new one complete.
+    """
+
+    @abstractmethod
+    def shard_name(self, rank: int) -> str:
+        """Every rank: the name of ``rank``'s shard file. Never raises."""
+
+    @abstractmethod
+    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+        """Every rank, once, for its own file: stream ``prefix`` (the safetensors header) and the
+        tensors' bytes, hashing each ``block_size`` block; returns (size, per-tensor block digests).
+        May raise (``OSError``, ...): the file is then garbage of this save, removed at step 6."""
+
+    @abstractmethod
+    def write_index(self, rank: int, data: bytes) -> str:
+        """Every rank with split parts (format version 2+): write its index next to its shard;
+        returns the index's name. May raise, as :meth:`write_shard`."""
+
+    @abstractmethod
+    def state_name(self) -> str:
+        """Coordinator: the name of this save's state file (the manifest records it). Never raises."""
+
+    @abstractmethod
+    def commit(self, state_bytes: bytes, manifest: Manifest, rank: int) -> None:
+        """Coordinator, once, after every rank wrote its files: write the state file and the
+        manifest, then make the checkpoint visible atomically (replacing what was there). May raise;
+        the caller then runs :meth:`abort`."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Coordinator, after any failure: remove this save's files unless the checkpoint is (or may
+        be) visible. Never raises (what it cannot remove is invisible garbage for ``gc``)."""
+
+
+class LocalCommit(CommitTarget):
     """Rename protocol: shards go into a hidden temporary folder that is moved into place."""
 
-    def __init__(self, tmp: Path, final: Path, fsync: bool = True) -> None:
-        self.tmp, self.final, self.fsync = tmp, final, fsync
+    def __init__(self, temp: TemporaryPath) -> None:
+        self.temp = temp
+
+    @property
+    def tmp(self) -> Path:
+        return self.temp.path
+
+    @property
+    def fsync(self) -> bool:
+        return self.temp.fsync
 
     def shard_name(self, rank: int) -> str:
         return SHARD_PATTERN.format(rank=rank)
@@ -70,7 +139,6 @@ class LocalCommit:
         return write_tensor_file(self.tmp / name, prefix, tensors, block_size, self.fsync, rank)
 
     def write_index(self, rank: int, data: bytes) -> str:
-        """Write this rank's index (format version 2) next to its shard; returns its name."""
         name = INDEX_PATTERN.format(rank=rank)
         write_small_file(self.tmp / name, data, self.fsync)
         return name
@@ -82,16 +150,13 @@ class LocalCommit:
         write_small_file(self.tmp / manifest.state_file, state_bytes, self.fsync)
         crash_point("save:before-manifest", rank)
         write_small_file(self.tmp / MANIFEST_NAME, manifest.to_bytes(), self.fsync)
-        if self.fsync:
-            fsync_dir(self.tmp)
-        crash_point("save:before-publish", rank)
-        publish(self.tmp, self.final, self.fsync)
+        self.temp.publish(before_rename=lambda: crash_point("save:before-publish", rank))
 
     def abort(self) -> None:
-        remove_tree(self.tmp)
+        self.temp.remove()
 
 
-class RemoteCommit:
+class RemoteCommit(CommitTarget):
     """Commit-file protocol for object stores (no rename): every object of a save carries the
     save's id in its name, and the single PUT of ``manifest.json`` is the commit. Overwriting
     replaces the manifest (atomic on S3), then deletes the previous save's objects."""
@@ -147,7 +212,6 @@ class RemoteCommit:
             return None
 
     def abort(self) -> None:
-        """Remove this save's objects, unless its manifest is (or may be) visible; never raises."""
         if self.committed:
             return
         try:
@@ -171,26 +235,27 @@ class RemoteCommit:
             return None
 
 
-CommitTarget = LocalCommit | RemoteCommit
-
-
-def prepare(comm: Comm, final: Path, overwrite: bool) -> Path:
-    """Coordinator: check a local destination and create the temporary folder; all ranks: learn it."""
-    target = prepare_save(comm, final, overwrite)
-    assert isinstance(target, LocalCommit)
-    return target.tmp
+def prepare(comm: Comm, final: Path, overwrite: bool, fsync: bool = True) -> TemporaryPath:
+    """Coordinator: check a local destination and create the temporary folder; every rank: a handle
+    on it (only the coordinator's publishes or removes it). For folders that are not checkpoints
+    but are published the same way (model folders, DCP exports)."""
+    token = comm.on_coordinator(lambda: str(_make_tmp(final, overwrite).path), default=SaveError)
+    return TemporaryPath.attach(Path(token), final, owner=comm.is_coordinator, fsync=fsync)
 
 
 def prepare_save(comm: Comm, final: Path | RemoteDir, overwrite: bool, fsync: bool = True) -> CommitTarget:
-    """Coordinator: check the destination and set up the save; every rank: learn where to write."""
+    """Step 1 of :class:`CommitTarget`. Coordinator: check the destination and set up the save;
+    every rank: learn where to write."""
+    where = as_location(final)
 
     def setup() -> str:
-        return _check_remote(final, overwrite) if isinstance(final, RemoteDir) else str(_make_tmp(final, overwrite))
+        return where.choose(local=lambda path: str(_make_tmp(path, overwrite).path), remote=lambda folder: _check_remote(folder, overwrite))
 
     token = comm.on_coordinator(setup, default=SaveError)
-    if isinstance(final, RemoteDir):
-        return RemoteCommit(final, token)
-    return LocalCommit(Path(token), final, fsync)
+    return where.choose(
+        local=lambda path: LocalCommit(TemporaryPath.attach(Path(token), path, owner=comm.is_coordinator, fsync=fsync)),
+        remote=lambda folder: RemoteCommit(folder, token),
+    )
 
 
 def _check_remote(final: RemoteDir, overwrite: bool) -> str:
@@ -199,30 +264,38 @@ def _check_remote(final: RemoteDir, overwrite: bool) -> str:
     return uuid.uuid4().hex[:12]
 
 
-def _make_tmp(final: Path, overwrite: bool) -> Path:
+def _make_tmp(final: Path, overwrite: bool) -> TemporaryPath:
     if is_committed(final) and not overwrite:
         raise CheckpointExistsError(f"{final}: a checkpoint already exists here; pass overwrite=True to replace it")
     if final.exists() and not final.is_dir():
         raise SaveError(f"{final}: exists and is not a folder")
     if final.is_dir() and not is_committed(final) and any(final.iterdir()) and not overwrite:
         raise CheckpointExistsError(f"{final}: folder exists, is not empty and holds no checkpoint; pass overwrite=True to replace it")
-    make_dirs(final.parent)  # a new root's name is durable before anything is published into it
-    return TemporaryPath(final).path
+    return TemporaryPath.create(final)  # a new root's name is durable before anything is published into it
 
 
 def agree_and_publish(
-    comm: Comm, target: CommitTarget, rank_result: tuple[Any, ...], build: Any, before_publish: Callable[[], None] | None = None
+    comm: Comm,
+    target: CommitTarget,
+    rank_result: Outcome[Any],
+    build: Callable[[list[Any]], tuple[Manifest, bytes]],
+    before_publish: Callable[[], None] | None = None,
 ) -> Manifest | None:
-    """Agreement + commit. ``build(results)`` runs on the coordinator and returns (manifest, state bytes);
+    """Steps 3-6 of :class:`CommitTarget` (every rank, collective): agreement, then the commit.
+
+    ``rank_result`` is this rank's :class:`~shardsafe.core.comm.Outcome` (its value, or its error
+    from :meth:`Outcome.failure <shardsafe.core.comm.Outcome.failure>`). If any rank failed, the
+    coordinator aborts and every rank raises one :class:`SaveError` naming each failure. Else
+    ``build(values)`` runs on the coordinator and returns (manifest, state bytes), and
     ``before_publish()`` runs there right before the checkpoint becomes visible (fencing)."""
-    results = comm.gather(rank_result)
+    results: list[Outcome[Any]] | None = comm.gather(rank_result)
 
     def commit() -> Manifest:
         assert results is not None
-        failures = [r[1] for r in results if r[0] != "ok"]
+        failures = [_failure_line(r) for r in results if not r.ok]
         if failures:
             raise SaveError("save failed, nothing was published:\n  " + "\n  ".join(failures))
-        manifest, state_bytes = build(results)
+        manifest, state_bytes = build([r.value for r in results])
         manifest.state_file = target.state_name()
         if before_publish is not None:
             before_publish()
@@ -231,6 +304,12 @@ def agree_and_publish(
 
     manifest = comm.on_coordinator(commit, default=SaveError, on_error=target.abort)
     return manifest if comm.is_coordinator else None
+
+
+def _failure_line(outcome: Outcome[Any]) -> str:
+    """``rank N: ErrorClass: message`` for a failed rank (a non-shardsafe error's message already starts so)."""
+    prefix = f"rank {outcome.rank}: "
+    return outcome.message if outcome.message.startswith(prefix) else f"{prefix}{outcome.error}: {outcome.message}"
 
 
 def new_manifest(world_size: int, files: dict[str, FileEntry], state_bytes: bytes, metadata: dict[str, Any] | None, version: str) -> Manifest:
@@ -248,9 +327,10 @@ def new_manifest(world_size: int, files: dict[str, FileEntry], state_bytes: byte
 
 def open_checkpoint(folder: Path | RemoteDir) -> tuple[Manifest, dict[str, Any]]:
     """Read and validate a committed checkpoint's manifest and state tree."""
-    if isinstance(folder, RemoteDir):
-        return _open_remote(folder)
-    folder = Path(folder)
+    return as_location(folder).choose(local=_open_local, remote=_open_remote)
+
+
+def _open_local(folder: Path) -> tuple[Manifest, dict[str, Any]]:
     manifest_path = folder / MANIFEST_NAME
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder}: no such checkpoint folder")

@@ -7,13 +7,16 @@ final path, then published with :func:`publish`. Folders on their way out are re
 ``collect_garbage`` recognises every mark here (:func:`is_hidden_temp`) and nothing else.
 
 This is Orbax's ``TemporaryPath`` idea, kept small: :class:`TemporaryPath` owns one hidden folder
-until it is published or removed.
+until it is published or removed. Every folder built by hand elsewhere was a copy of its three
+steps (make the hidden folder, publish it, remove it on error); checkpoints (``LocalCommit``),
+``export_hf``, ``export_dcp`` and ``save_pretrained`` all use this one object instead.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from shardsafe.core.faults import crash_point
@@ -100,28 +103,66 @@ def retire_folder(folder: Path, fsync: bool = True) -> None:
 
 
 class TemporaryPath:
-    """A hidden folder next to ``final``, created now, that becomes ``final`` on :meth:`publish`.
+    """A hidden folder next to ``final`` that becomes ``final`` only once complete.
 
-    Used as a context manager it removes the hidden folder if the block fails (or returns
-    without publishing), so nothing half-built is left under any name but a hidden one.
+    The life of one (who calls what, in this order):
+
+    1. :meth:`create` (the one process that owns it; in a collective, the coordinator): checks
+       nothing, makes ``final``'s parent durably, then the hidden sibling. May raise ``OSError``;
+       then nothing was made. The other ranks of a collective learn its name and build their handle
+       with :meth:`attach` (``owner=False``): it never creates, publishes or removes anything.
+    2. Whoever writes: files go into :attr:`path` (each file fsynced by its writer).
+    3. :meth:`publish` (owner only): fsync the folder (so the names in it are durable), then rename
+       it to ``final`` atomically (swapping it with what is there, where the filesystem can), fsync
+       the parent. May raise; if it does before the rename, ``final`` is untouched; after it, the
+       new folder is complete at ``final`` (whatever was there before is then only in a hidden
+       folder). A half folder never has the final name.
+    4. :meth:`remove` (owner only, on any failure): remove the hidden folder; never raises, does
+       nothing once published or removed.
+
+    As a context manager (``with TemporaryPath.create(final) as tmp: ...; tmp.publish()``) step 4
+    runs when the block raises or ends without publishing.
     """
 
-    def __init__(self, final: Path, *, mark: str = TMP_MARK, create: bool = True) -> None:
-        self.final = Path(final)
-        self.path = hidden_sibling(self.final, mark)
+    def __init__(self, path: Path, final: Path, *, owner: bool = True, fsync: bool = True) -> None:
+        self.path, self.final = Path(path), Path(final)
+        self.owner, self.fsync = owner, fsync
         self.published = False
-        if create:
-            make_dirs(self.final.parent)  # durably: what is published there must not vanish with a new parent
-            self.path.mkdir()
+        self.removed = False
 
-    def publish(self, fsync: bool = True) -> Path:
-        publish(self.path, self.final, fsync)
+    @classmethod
+    def create(cls, final: Path, *, mark: str = TMP_MARK, fsync: bool = True) -> TemporaryPath:
+        """Make the hidden folder now (its parent first, durably: what is published there must not
+        vanish with a new parent); the caller owns it."""
+        final = Path(final)
+        temp = cls(hidden_sibling(final, mark), final, fsync=fsync)
+        make_dirs(final.parent)
+        temp.path.mkdir()
+        return temp
+
+    @classmethod
+    def attach(cls, path: Path, final: Path, *, owner: bool, fsync: bool = True) -> TemporaryPath:
+        """A handle on a hidden folder another call created (every rank of a collective holds one;
+        only the ``owner``, the rank that created it, publishes or removes it)."""
+        return cls(path, final, owner=owner, fsync=fsync)
+
+    def publish(self, before_rename: Callable[[], None] | None = None) -> Path:
+        """Fsync the complete folder, run ``before_rename`` (a crash point), move it to :attr:`final`."""
+        if not self.owner:
+            raise RuntimeError(f"{self.path}: only the rank that created a temporary folder publishes it")
+        if self.fsync:
+            fsync_dir(self.path)
+        if before_rename is not None:
+            before_rename()
+        publish(self.path, self.final, self.fsync)
         self.published = True
         return self.final
 
     def remove(self) -> None:
-        if not self.published:
+        """Remove the hidden folder (owner only; nothing once published); never raises."""
+        if self.owner and not self.published and not self.removed:
             remove_tree(self.path)
+            self.removed = True
 
     def __enter__(self) -> TemporaryPath:
         return self

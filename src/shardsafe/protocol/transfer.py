@@ -42,6 +42,7 @@ from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.protocol.device_read import read_into_cuda
 from shardsafe.protocol.sources import LocalSource, RemoteSource
 from shardsafe.storage.local import tensor_bytes
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["BlockRead", "ChunkReader", "HEAD_READ_BYTES", "REMOTE_CACHE_BYTES", "ReadRequest", "ReadTarget"]
@@ -57,7 +58,7 @@ class ChunkReader:
     """Positional, verified reads from a committed checkpoint's files."""
 
     def __init__(self, folder: Path | RemoteDir, manifest: Manifest, verify: bool = True) -> None:
-        self.source: LocalSource | RemoteSource = RemoteSource(folder) if isinstance(folder, RemoteDir) else LocalSource(folder)
+        self.source: LocalSource | RemoteSource = as_location(folder).choose(local=LocalSource, remote=RemoteSource)
         self.manifest = manifest
         self.verify = verify
         self.block = manifest.hash_block_size

@@ -8,8 +8,9 @@ commit.py): every save writes its data under names unique to that save, and the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +19,9 @@ from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.storage.safetensors import write_tensor_stream
 
 __all__ = ["RemoteDir", "is_url", "local_path_of"]
+
+L = TypeVar("L")  # what the local implementation gives
+R = TypeVar("R")  # what the object-store implementation gives
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -32,7 +36,9 @@ def local_path_of(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
 
 
 class RemoteDir:
-    """A "folder" (key prefix) on an fsspec filesystem."""
+    """A "folder" (key prefix) on an fsspec filesystem: a :class:`~shardsafe.storage.location.Location`
+    (checked by mypy there: this module is below it), plus what only object stores have (keys, sizes,
+    ranged reads, listing, deletes)."""
 
     def __init__(self, url: str) -> None:
         import fsspec
@@ -52,6 +58,19 @@ class RemoteDir:
     @property
     def name(self) -> str:
         return self.url.rsplit("/", 1)[1]
+
+    @property
+    def native(self) -> RemoteDir:
+        return self
+
+    def public_path(self) -> str:
+        return self.url
+
+    def sibling(self, name: str) -> RemoteDir:
+        return self.parent.child(name)
+
+    def choose(self, *, local: Callable[[Path], L], remote: Callable[[RemoteDir], R]) -> L | R:
+        return remote(self)
 
     def key(self, name: str) -> str:
         check_component(name, self.url)
@@ -126,10 +145,7 @@ class RemoteDir:
             return None
 
     def remove(self, names: Iterable[str]) -> None:
+        """Delete the objects ``names`` (one request for all of them)."""
         keys = [self.key(n) for n in names]
         if keys:
             self.fs.rm(keys)
-
-    def remove_all(self) -> None:
-        if self.fs.exists(self.root):
-            self.fs.rm(self.root, recursive=True)
