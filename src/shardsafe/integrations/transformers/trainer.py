@@ -22,6 +22,7 @@ from torch import nn
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
+from shardsafe.compat.transformers import check_trainer, run_output_dir, save_total_limit_hidden
 from shardsafe.core.comm import get_comm
 from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import check_model_folder
@@ -102,6 +103,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         self._leases: dict[str, RootLease] = {}  # run dir -> this run's lease on it (one live run per output_dir)
         self._resumed: dict[str, int] = {}  # run dir -> the step this run resumed from there (it may save it again)
         self._resuming_from: str | None = None
+        check_trainer()  # every private Trainer method overridden here exists (else an override would silently not run)
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints: save
@@ -115,7 +117,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         """
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
+        run_dir = run_output_dir(self, trial)
         output_dir = str(checkpoint_path(run_dir, self.state.global_step))
         if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
             best = str(checkpoint_path(run_dir, self.state.best_global_step))
@@ -373,13 +375,9 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         checkpoint here, the newest included (on each saving process, with ``rmtree``); rotation
         already kept exactly the best and the newest, so the limit is hidden from it meanwhile.
         """
-        limit = self.args.save_total_limit
-        if limit == 1 and self.state.best_model_checkpoint is not None:
-            self.args.save_total_limit = None
-            try:
+        if self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None:
+            with save_total_limit_hidden(self.args):
                 return super()._finalize_training(trial, num_train_samples, start_time)
-            finally:
-                self.args.save_total_limit = limit
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     # ------------------------------------------------------------------ model folders
