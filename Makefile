@@ -28,7 +28,7 @@ demo: $(STAMP)
 # The framework seams (src/shardsafe/compat/) at the oldest and the newest versions pyproject allows:
 # one throwaway venv each under .venv-compat/, running the tests that use transformers, Accelerate and
 # huggingface_hub (~6 min each on 2 cores, plus the installs). Not run by .ci/run: see README, "Compatibility".
-COMPAT_MIN := transformers==5.3.0 accelerate==1.1.0 huggingface_hub==1.3.0
+COMPAT_MIN := transformers==5.3.0 accelerate==1.3.0 huggingface_hub==1.3.0
 COMPAT_LATEST := transformers accelerate huggingface_hub
 COMPAT_TESTS := tests/integrations/test_trainer.py tests/integrations/test_trainer_data_order.py tests/integrations/test_accelerate.py tests/hf/test_push.py
 test-compat:

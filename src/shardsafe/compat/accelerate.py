@@ -20,7 +20,7 @@ from shardsafe.compat import missing
 
 __all__ = ["CHECKED", "Registries", "is_deepspeed", "make_shard_passthrough", "registries"]
 
-CHECKED = ">=1.0, checked on 1.0.0 and 1.15.0"
+CHECKED = ">=1.3, checked on 1.3.0 and the latest (make test-compat)"
 
 
 class Registries(NamedTuple):

@@ -24,7 +24,7 @@ from shardsafe.compat import missing
 
 __all__ = ["CHECKED", "tracked_add_class", "xet_enabled"]
 
-CHECKED = ">=0.30, checked on 0.30.0 and 2.4.0"
+CHECKED = ">=1.3, checked on 1.3.0 and the latest (make test-compat)"
 
 
 def xet_enabled() -> bool:

@@ -16,11 +16,14 @@ touched                                            why
 ``Trainer._get_output_dir``                        where the Trainer puts ``checkpoint-<step>``
 ``TrainingArguments.save_total_limit`` (swapped)   hidden from ``_finalize_training`` (:func:`save_total_limit_hidden`)
 ``Trainer.hp_search_backend``, ``store_flos``      the Trainer's own bookkeeping in ``_save_checkpoint``
+``Trainer.init_hf_repo(private=)``                 the keyword is newer than 5.3: passed only where it exists
+                                                   (:func:`init_hf_repo`; older ones read ``args.hub_private_repo``)
 =================================================  ==========================================================
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,6 +38,7 @@ __all__ = [
     "OVERRIDDEN",
     "check_trainer",
     "get_dataloader",
+    "init_hf_repo",
     "run_output_dir",
     "save_total_limit_hidden",
     "skips_batches_by_function",
@@ -42,7 +46,7 @@ __all__ = [
     "trainer_skips_nothing",
 ]
 
-CHECKED = ">=5.0, checked on 5.0.0 and 5.24.0"
+CHECKED = ">=5.3, checked on 5.3.0 and the latest (make test-compat)"
 OVERRIDDEN = (
     "_save_checkpoint",
     "_load_from_checkpoint",
@@ -119,3 +123,11 @@ def save_total_limit_hidden(args: Any) -> Iterator[None]:
         yield
     finally:
         args.save_total_limit = limit
+
+
+def init_hf_repo(trainer: Any, token: str | None, private: bool | None) -> None:
+    """``trainer.init_hf_repo``, with ``private`` where this transformers takes it (else it reads ``args.hub_private_repo``)."""
+    if "private" in inspect.signature(trainer.init_hf_repo).parameters:
+        trainer.init_hf_repo(token=token, private=private)
+    else:
+        trainer.init_hf_repo(token=token)

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
-from shardsafe.compat.transformers import check_trainer, run_output_dir, save_total_limit_hidden
+from shardsafe.compat.transformers import check_trainer, init_hf_repo, run_output_dir, save_total_limit_hidden
 from shardsafe.core.comm import get_comm
 from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import check_model_folder
@@ -486,7 +486,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             model_name = self._output_dir().name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
         token = token if token is not None else self.args.hub_token
         if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
+            init_hf_repo(self, token, private)
         self.save_model(_internal_call=True)
         comm = get_comm()
         repo_id = comm.broadcast(getattr(self, "hub_model_id", None))
