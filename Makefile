@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-gpu stress clean
+.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,24 @@ $(STAMP): pyproject.toml requirements-dev.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/shardsafe demo
+
+# The framework seams (src/shardsafe/compat/) at the oldest and the newest versions pyproject allows:
+# one throwaway venv each under .venv-compat/, running the tests that use transformers, Accelerate and
+# huggingface_hub (~6 min each on 2 cores, plus the installs). Not run by .ci/run: see README, "Compatibility".
+COMPAT_MIN := transformers==5.3.0 accelerate==1.3.0 huggingface_hub==1.3.0
+COMPAT_LATEST := transformers accelerate huggingface_hub
+COMPAT_TESTS := tests/integrations/test_trainer.py tests/integrations/test_trainer_data_order.py tests/integrations/test_accelerate.py tests/hf/test_push.py
+test-compat:
+	@set -e; for which in min latest; do \
+		venv=.venv-compat/$$which; \
+		if [ $$which = min ]; then pins="$(COMPAT_MIN)"; else pins="$(COMPAT_LATEST)"; fi; \
+		test -x $$venv/bin/python || $(PYTHON) -m venv $$venv; \
+		$$venv/bin/python -m pip install -q "$$(grep '^torch==' requirements-dev.txt)" numpy pytest pytest-timeout hypothesis moto[server] fsspec s3fs; \
+		$$venv/bin/python -m pip install -q --upgrade $$pins; \
+		$$venv/bin/python -m pip install -q -e .; \
+		echo "== test-compat $$which: $$($$venv/bin/python -m pip list 2>/dev/null | grep -iE '^(transformers|accelerate|huggingface.hub) ' | tr -s ' ' | paste -sd ';')"; \
+		$$venv/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS); \
+	done
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks tools
@@ -78,4 +96,4 @@ bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py --md BENCHMARKS.md
 
 clean:
-	rm -rf $(VENV) demo-run bench-run
+	rm -rf $(VENV) .venv-compat demo-run bench-run

@@ -4,18 +4,17 @@ The Hub applies a commit atomically, so the whole folder goes up in **one** ``cr
 (LFS / Xet uploads happen before it and are invisible until it lands). The repo (and branch) is
 created if needed; a commit marker of another kind left by an earlier push is deleted in the same
 commit, so it cannot shadow the new model. ``huggingface_hub`` is imported only here, when a push
-needs it.
+needs it; its private parts only through :mod:`shardsafe.compat.huggingface_hub`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from shardsafe.errors import PushError
-from shardsafe.hf.push_plan import COMMIT_MARKERS, Destination, UploadFile, UploadPlan, where
+from shardsafe.hf.push_plan import COMMIT_MARKERS, Destination, UploadPlan, where
 from shardsafe.hf.push_retry import RETRY_STATUS, Progress, chain, describe, transport_error, with_retries
 
 __all__ = ["DEFAULT_MESSAGE", "push_hub"]
@@ -28,8 +27,10 @@ DEFAULT_MESSAGE = "Upload model with shardsafe"
 def push_hub(plan: UploadPlan, target: Destination, *, revision: str | None, private: bool, message: str | None, progress: bool) -> str:
     """Upload ``plan`` to the Hub repo ``target`` in one commit; returns the commit URL."""
     try:
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+        from huggingface_hub import CommitOperationDelete, HfApi
         from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+        from shardsafe.compat.huggingface_hub import tracked_add_class, xet_enabled
     except ImportError:
         raise PushError(f"{target.url}: pushing to the Hub needs huggingface_hub (pip install huggingface_hub)") from None
     at = where(plan, target)
@@ -46,10 +47,10 @@ def push_hub(plan: UploadPlan, target: Destination, *, revision: str | None, pri
     names = {f.name for f in plan.files}
     stale = sorted(m for m in COMMIT_MARKERS.values() if m in existing and m not in names)
 
-    tracked_add = _tracked_add_class(CommitOperationAdd)
+    tracked_add = tracked_add_class()
     # Our bar counts the bytes of LFS uploads; huggingface_hub's own bars (files done) would only
     # clutter it. Xet uploads bypass our counting, so there its byte bars stay on when progress is.
-    hide_hf_bars = not (progress and _xet_enabled())
+    hide_hf_bars = not (progress and xet_enabled())
     hf_bars_were_off = are_progress_bars_disabled()
     with Progress(plan.total_bytes, f"push {target.url}", progress) as bar:
         operations: list[Any] = []
@@ -58,7 +59,7 @@ def push_hub(plan: UploadPlan, target: Destination, *, revision: str | None, pri
                 op = tracked_add(path_in_repo=f.name, path_or_fileobj=str(f.path))
             except (OSError, ValueError) as exc:
                 raise PushError(f"{at}: cannot read {f.name}: {describe(exc)}") from exc
-            op.shardsafe_progress = (bar, f)
+            op.on_read = functools.partial(bar.reached, f)
             operations.append(op)
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
         if hide_hf_bars:
@@ -78,49 +79,6 @@ def push_hub(plan: UploadPlan, target: Destination, *, revision: str | None, pri
     url = str(getattr(info, "commit_url", None) or info)
     log.info("pushed %s to %s in one commit: %s", plan.folder, target.url, url)
     return url
-
-
-def _xet_enabled() -> bool:
-    try:
-        from huggingface_hub.utils._runtime import is_xet_available
-    except ImportError:
-        return False
-    return bool(is_xet_available())
-
-
-_TRACKED_ADD: Any = None
-
-
-def _tracked_add_class(base: Any) -> Any:
-    """``CommitOperationAdd`` whose uploads (the LFS PUT of the file) advance our bytes progress bar."""
-    global _TRACKED_ADD
-    if _TRACKED_ADD is not None and _TRACKED_ADD.__mro__[1] is base:
-        return _TRACKED_ADD
-
-    class TrackedAdd(base):  # type: ignore[misc, valid-type]
-        shardsafe_progress: tuple[Progress, UploadFile] | None = None
-
-        @contextmanager
-        def as_file(self, with_tqdm: bool = False) -> Iterator[Any]:
-            tracked = self.shardsafe_progress
-            if not with_tqdm or tracked is None or not isinstance(self.path_or_fileobj, str):
-                with super().as_file(with_tqdm=with_tqdm) as file:
-                    yield file
-                return
-            bar, f = tracked
-            with open(self.path_or_fileobj, "rb") as file:
-                read = file.read
-
-                def tracked_read(size: int | None = -1) -> bytes:
-                    data = read(size)
-                    bar.reached(f, file.tell())
-                    return data
-
-                file.read = tracked_read  # type: ignore[method-assign]
-                yield file
-
-    _TRACKED_ADD = TrackedAdd
-    return TrackedAdd
 
 
 def hub_transient(exc: BaseException) -> bool:

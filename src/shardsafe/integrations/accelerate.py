@@ -19,8 +19,8 @@ over publishes and deletes nothing). The run is this process: ``load_state`` tak
 it picks the newest checkpoint (so it loads what a previous run still saving there last committed),
 and ``save_state`` does not replace a ``checkpoint_<n>`` another run committed (CheckpointExistsError
 names the run; ``overwrite=True`` replaces it on purpose), while one this process saved or loaded it
-may save again. Like the Accelerator's own methods, these read Accelerate's registries
-(``_models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``, ``_custom_objects``).
+may save again. Like the Accelerator's own methods, these read Accelerate's private registries
+(``_models``, ``_optimizers``, ...), through :mod:`shardsafe.compat.accelerate`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
+from shardsafe.compat.accelerate import is_deepspeed, registries
 from shardsafe.core.comm import get_comm
 from shardsafe.data.sampler import ReshardableSampler
 from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError
@@ -60,12 +61,6 @@ _REPLACE_REMEDY = (
 
 def _name(kind: str, i: int) -> str:
     return kind if i == 0 else f"{kind}_{i}"
-
-
-def _is_deepspeed(accelerator: Any) -> bool:
-    from accelerate.utils import DistributedType
-
-    return bool(accelerator.distributed_type == DistributedType.DEEPSPEED)
 
 
 def _position_of(dataloader: Any) -> Any:
@@ -103,21 +98,22 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
     entries are not saved again; schedulers are saved as their own values (a DeepSpeed scheduler the
     engine steps as well as a torch one Accelerate steps), as the engine value does not cover them.
     """
-    deepspeed = _is_deepspeed(accelerator)
+    deepspeed = is_deepspeed(accelerator)
+    found = registries(accelerator)
     state: dict[str, Any] = {}
-    for i, model in enumerate(accelerator._models):
+    for i, model in enumerate(found.models):
         if deepspeed:
             _check_zero3(model, i)
         state[_name("model", i)] = model
     if not deepspeed:
-        for i, optimizer in enumerate(accelerator._optimizers):
+        for i, optimizer in enumerate(found.optimizers):
             inner = getattr(optimizer, "optimizer", optimizer)
             if not isinstance(inner, torch.optim.Optimizer):
                 raise ShardsafeError(f"optimizer {i} is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it")
             state[_name("optimizer", i)] = inner
-    for i, scheduler in enumerate(accelerator._schedulers):
+    for i, scheduler in enumerate(found.schedulers):
         state[_name("scheduler", i)] = getattr(scheduler, "scheduler", scheduler)
-    for i, dataloader in enumerate(accelerator._dataloaders):
+    for i, dataloader in enumerate(found.dataloaders):
         position = _position_of(dataloader)
         if position is not None:
             state[_name("dataloader", i)] = position
@@ -125,7 +121,7 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
             log.info("dataloader %d has no saveable position (use shardsafe.data.ReshardableSampler as its sampler)", i)
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler
-    for i, obj in enumerate(accelerator._custom_objects):
+    for i, obj in enumerate(found.custom_objects):
         state[f"custom_{i}"] = obj
     state["rng"] = RNGState()
     state[STEP_KEY] = int(accelerator.step)

@@ -15,7 +15,8 @@ Internals relied on (DeepSpeed 0.19.8, ``deepspeed/runtime/zero/stage3.py``): th
 ``grad_position[param_id] = (sub_group, offset, partition numel)`` and ``get_param_id``, the inner
 torch optimizer's ``state`` keyed by the fp32 flat tensors; per parameter ``ds_tensor``,
 ``ds_shape``, ``ds_numel``, ``partition_numel()`` and ``ds_process_group``. DeepSpeed itself is not
-imported here (only deepspeed_engine.py imports it).
+imported here (only deepspeed_engine.py imports it); its underscore names are reached through
+:mod:`shardsafe.compat.deepspeed`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from shardsafe.compat.deepspeed import unflatten_partitions, z3_optimizer
 from shardsafe.errors import ShardsafeError
 
 __all__ = ["COUNTERS", "SECTIONS", "Zero3Layout", "Zero3Targets", "ZeroParam", "is_zero3_param", "refresh_16bit_partitions", "tensor_key"]
@@ -123,7 +125,7 @@ def refresh_16bit_partitions(opt: Any, sub_groups: Any) -> None:
             flat32, flat16 = opt.fp32_partitioned_groups_flat[sub_group], opt.fp16_partitioned_groups_flat[sub_group]
             if flat32.numel() and flat32.data_ptr() != flat16.data_ptr():
                 flat16.data.copy_(flat32.data)
-            opt._unflatten_partitioned_parameters(sub_group)
+            unflatten_partitions(opt, sub_group)
     if hasattr(opt, "invalidate_secondary_tensor"):
         opt.invalidate_secondary_tensor()
 
@@ -164,7 +166,7 @@ class Zero3Targets:
         if status not in ("NOT_AVAILABLE", "AVAILABLE") or getattr(p, "ds_active_sub_modules", None):
             raise ShardsafeError(f"{self.where}: parameter {name!r} is being gathered or used by a running forward; load outside of it")
         self._params.append(p)
-        opt = getattr(p, "_z3_optimizer", None) or self.engine_optimizer
+        opt = z3_optimizer(p) or self.engine_optimizer
         position = self._master_position(opt, p)
         if position is None:
             return zp, partition_view(zp)

@@ -24,18 +24,19 @@ data starts from its beginning, as the Trainer documents that flag).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
-import transformers.trainer as hf_trainer
 from transformers import Trainer
 from transformers.trainer_utils import has_length
 
 from shardsafe.api.checkpoint import load
+from shardsafe.compat.accelerate import make_shard_passthrough
+from shardsafe.compat.transformers import get_dataloader, skips_batches_by_function, train_batch_size, trainer_skips_nothing
 from shardsafe.data.sampler import ReshardableSampler
-from shardsafe.errors import ShardsafeError, StateMismatchError
+from shardsafe.errors import StateMismatchError
 from shardsafe.integrations.transformers.checkpoints import DATA
 
 __all__ = ["ReshardableDataTrainer"]
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 def global_batch(trainer: Any) -> dict[str, int]:
     """Samples per optimizer step and its factors, as the Trainer runs now."""
     args = trainer.args
-    world, per_device, accumulation = max(1, int(args.world_size)), int(trainer._train_batch_size), int(args.gradient_accumulation_steps)
+    world, per_device, accumulation = max(1, int(args.world_size)), train_batch_size(trainer), int(args.gradient_accumulation_steps)
     return {"global_batch": world * per_device * accumulation, "world_size": world, "per_device": per_device, "accumulation": accumulation}
 
 
@@ -70,7 +71,7 @@ def fallback_reason(trainer: Any) -> str | None:
         return "accelerator_config split_batches / dispatch_batches deal the batches from one process"
     if getattr(trainer.accelerator, "torch_device_mesh", None) is not None or getattr(trainer.accelerator, "parallelism_config", None) is not None:
         return "a device mesh (tensor, context or sequence parallelism) decides which ranks share data"
-    if not callable(getattr(hf_trainer, "skip_first_batches", None)):
+    if not skips_batches_by_function():
         return "this transformers version skips resumed batches another way"
     return None
 
@@ -181,44 +182,11 @@ def reshardable_train_dataloader(trainer: Any) -> tuple[Any, DataOrder]:
                 shuffle=getattr(args, "train_sampling_strategy", "random") != "sequential",
                 seed=args.data_seed if args.data_seed is not None else args.seed,
                 drop_last=args.dataloader_drop_last,
-                block=trainer._train_batch_size,
+                block=train_batch_size(trainer),
             )
         )
         return made[-1]
 
-    loader = trainer._get_dataloader(
-        dataset=trainer.train_dataset, description="Training", batch_size=trainer._train_batch_size, sampler_fn=sampler_fn, is_training=True
-    )
-    _keep_sampler_sharding(loader, made[0])
+    loader = get_dataloader(trainer, sampler_fn)
+    make_shard_passthrough(loader, made[0])  # the sampler already shards
     return loader, DataOrder(made[0], global_batch(trainer), lambda: int(trainer.state.global_step))
-
-
-def _keep_sampler_sharding(loader: Any, sampler: ReshardableSampler) -> None:
-    """Make accelerate's ``BatchSamplerShard`` a passthrough: the sampler already gives each rank its share."""
-    from accelerate.data_loader import BatchSamplerShard
-
-    outer = getattr(loader, "batch_sampler", None)
-    inner = outer.batch_sampler if isinstance(outer, BatchSamplerShard) else outer
-    if getattr(inner, "sampler", None) is not sampler:
-        raise ShardsafeError(f"accelerate wrapped the train dataloader as {type(outer).__name__}; ShardsafeTrainer cannot find its sampler in it")
-    if isinstance(outer, BatchSamplerShard):
-        outer.num_processes, outer.process_index = 1, 0
-
-
-@contextmanager
-def trainer_skips_nothing() -> Iterator[None]:
-    """While the resumed epoch runs, the Trainer's ``skip_first_batches`` returns the dataloader as it is.
-
-    The Trainer keeps its bookkeeping (which micro-step it is at, when to restore the RNG); only
-    the data is not skipped twice, since the sampler itself continues at the saved position.
-    """
-    original = hf_trainer.skip_first_batches
-    hf_trainer.skip_first_batches = _passthrough
-    try:
-        yield
-    finally:
-        hf_trainer.skip_first_batches = original
-
-
-def _passthrough(dataloader: Any, num_batches: int = 0) -> Any:
-    return dataloader

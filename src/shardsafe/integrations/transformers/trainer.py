@@ -22,6 +22,7 @@ from torch import nn
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
+from shardsafe.compat.transformers import check_trainer, init_hf_repo, run_output_dir, save_total_limit_hidden
 from shardsafe.core.comm import get_comm
 from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import check_model_folder
@@ -104,6 +105,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         self._leases: dict[str, RootLease] = {}  # run dir -> this run's lease on it (one live run per output_dir)
         self._resumed: dict[str, int] = {}  # run dir -> the step this run resumed from there (it may save it again)
         self._resuming_from: str | None = None
+        check_trainer()  # every private Trainer method overridden here exists (else an override would silently not run)
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints: save
@@ -117,7 +119,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         """
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
+        run_dir = run_output_dir(self, trial)
         output_dir = str(checkpoint_path(run_dir, self.state.global_step))
         if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
             best = str(checkpoint_path(run_dir, self.state.best_global_step))
@@ -375,13 +377,9 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         checkpoint here, the newest included (on each saving process, with ``rmtree``); rotation
         already kept exactly the best and the newest, so the limit is hidden from it meanwhile.
         """
-        limit = self.args.save_total_limit
-        if limit == 1 and self.state.best_model_checkpoint is not None:
-            self.args.save_total_limit = None
-            try:
+        if self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None:
+            with save_total_limit_hidden(self.args):
                 return super()._finalize_training(trial, num_train_samples, start_time)
-            finally:
-                self.args.save_total_limit = limit
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     # ------------------------------------------------------------------ model folders
@@ -490,7 +488,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             model_name = self._output_dir().name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
         token = token if token is not None else self.args.hub_token
         if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
+            init_hf_repo(self, token, private)
         self.save_model(_internal_call=True)
         comm = get_comm()
         repo_id = comm.broadcast(getattr(self, "hub_model_id", None))

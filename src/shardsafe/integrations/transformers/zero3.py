@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shardsafe.api.source import TensorInfo
+from shardsafe.compat.deepspeed import z3_optimizer
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.errors import ShardsafeError
 from shardsafe.hf.export import output_dtype
@@ -124,7 +125,7 @@ def zero3_sharded_model(module: nn.Module, engine: Any = None) -> nn.Module:
                 continue
             if id(tensor) not in made:
                 _check_partition_group(tensor, comm, name)
-                full = safe_get_full_fp32_param(tensor) if tensor.requires_grad and hasattr(tensor, "_z3_optimizer") else None
+                full = safe_get_full_fp32_param(tensor) if tensor.requires_grad and z3_optimizer(tensor) is not None else None
                 if full is None:
                     with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                         full = tensor.detach().clone()
