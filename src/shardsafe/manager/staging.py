@@ -11,6 +11,7 @@ caller's stream at the save call, and are waited for by event, never by a device
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -159,6 +160,8 @@ class SaveWorker:
                 return
             try:
                 job()
+            except Exception:  # the manager's jobs keep their own errors; anything else must not end the thread
+                logging.getLogger("shardsafe").exception("shardsafe: a background save job failed")
             finally:
                 with self._lock:
                     self._pending -= 1
