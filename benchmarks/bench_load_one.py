@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -41,29 +42,61 @@ if stepped:
     model(torch.randn(2, width)).sum().backward(); optim.step(); optim.zero_grad(set_to_none=True)
 state = {"model": model, "optim": optim}
 """
+PHASES = [("preadv", "read syscalls"), ("xxh3", "hashing (xxh3)"), ("copy_", "copies"), ("bytearray", "scratch buffers")]
 SAVE = BUILD + "import shardsafe; shardsafe.save(sys.argv[4], state)\n"
 LOAD = (
     BUILD
+    + f"PHASES = {PHASES!r}\n"
     + r"""
-import json, time, shardsafe
+import cProfile, json, pstats, time, shardsafe
+from shardsafe.protocol import transfer
+profiles = []
+if sys.argv[6] == "1":  # every reading task under its own profiler (the reads run on the reader's threads)
+    unprofiled = transfer.ChunkReader._do_each
+    def profiled(self, *args, **kwargs):
+        profile = cProfile.Profile()
+        profiles.append(profile)
+        profile.enable()
+        try:
+            return unprofiled(self, *args, **kwargs)
+        finally:
+            profile.disable()
+    transfer.ChunkReader._do_each = profiled
 start = time.perf_counter()
 shardsafe.load(sys.argv[4], state, atomic=sys.argv[5] == "1")
 seconds = time.perf_counter() - start
+phases = {}
+for profile in profiles:
+    for (file, line, name), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():
+        phase = next((p for k, p in PHASES if k in name), "other reading work")
+        phases[phase] = phases.get(phase, 0.0) + tottime
 torch.manual_seed(0)
 ref = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
-print(json.dumps({"seconds": seconds, "correct": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))}))
+print(json.dumps({"seconds": seconds, "phases": phases, "correct": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))}))
 """
 )
 LOADS = {"resume": ("0", "1"), "rollback": ("1", "1"), "rollback atomic=False": ("1", "0")}  # (stepped, atomic)
 
 
-def run_load(folder: Path, layers: int, width: int, name: str) -> dict[str, float]:
+def run_load(folder: Path, layers: int, width: int, name: str, profile: bool = False) -> dict[str, Any]:
     stepped, atomic = LOADS[name]
     drop_file_cache(folder)
-    out = subprocess.run(
-        [sys.executable, "-c", LOAD, str(layers), str(width), stepped, str(folder), atomic], check=True, capture_output=True, text=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    argv = [sys.executable, "-c", LOAD, str(layers), str(width), stepped, str(folder), atomic, "1" if profile else "0"]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def phase_table(folder: Path, layers: int, width: int) -> list[str]:
+    """One more cold load of each kind, its reading tasks under cProfile: seconds per phase, summed
+    over the reading threads (own time of the functions doing it; read syscalls include the page
+    faults taken inside them). Not part of the medians."""
+    names = [phase for _, phase in PHASES] + ["other reading work"]
+    lines = ["| load (profiled, cold) | total | " + " | ".join(names) + " |", "|---|" + "---:|" * (len(names) + 1)]
+    for name in LOADS:
+        result = run_load(folder, layers, width, name, profile=True)
+        cells = [f"{result['phases'].get(n, 0.0):.3f} s" for n in names]
+        lines.append(f"| {name} | {result['seconds']:.3f} s | " + " | ".join(cells) + " |")
+    return lines
 
 
 def run_cat(folder: Path, hot: bool) -> float:
@@ -107,6 +140,7 @@ def main() -> int:
                 correct = correct and bool(result["correct"])
             else:
                 times[name].append(run_cat(folder, hot=name == "hot cat"))
+    phases = phase_table(folder, layers, width)
     shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     cold, hot = med["cold cat"], med["hot cat"]
@@ -133,6 +167,12 @@ def main() -> int:
         "| target | measured | |",
         "|---|---|---|",
         *[f"| {name} | {value:.2f}x | {'**met**' if ok else '**missed**'} |" for name, value, ok in verdicts],
+        "",
+        "Where the time goes (one more cold load of each kind; its reading tasks under cProfile, each phase's own time "
+        "summed over the reading threads, so a row can exceed the wall total; the rest of the wall time is checks, planning, "
+        "the agreement and the second pass's setup):",
+        "",
+        *phases,
         "",
     ]
     text = "\n".join(lines)
