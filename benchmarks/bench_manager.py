@@ -269,7 +269,7 @@ def measure_window(r: Rank, state: dict[str, Any], step: Callable[[], None], sav
             manager.save(step, state, force=True)
             steps()
             seconds = _now() - start
-            finished = manager._thread is None or not manager._thread.is_alive()
+            finished = not manager.save_in_flight
             manager.wait()
             r.barrier()
             r.on_rank0(lambda: remove(Path(str(manager.step_path(step)))))

@@ -194,6 +194,12 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether an async save is still being written (it is committed when this turns False, or at
+        the next :meth:`save` / :meth:`wait`, which also raise its error)."""
+        return self._worker.busy
+
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` of ``step`` writes without ``force``: always, unless ``save_every`` is set."""
         return self.save_every is None or step % self.save_every == 0
