@@ -49,8 +49,7 @@ class LocalSource:
                 raise IntegrityError(f"{path}: shard file is missing") from None
             except OSError as exc:
                 raise IntegrityError(f"{path}: cannot open shard file ({exc.strerror})") from None
-            if hasattr(os, "posix_fadvise"):  # reads go through each file in order: a larger readahead window (as cat asks)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            _read_sequentially(fd)
         fd = self._fds[ident]
         return fd, os.fstat(fd).st_size
 
@@ -67,11 +66,11 @@ class LocalSource:
             fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return None
-        if os.fstat(fd).st_ino != os.fstat(handle).st_ino:
+        opened, checked = os.fstat(fd), os.fstat(handle)
+        if (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
             os.close(fd)
             return None
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        _read_sequentially(fd)
         return fd
 
     def read_small(self, name: str, limit: int) -> bytes:
@@ -100,6 +99,12 @@ class LocalSource:
         self._fds.clear()
 
 
+def _read_sequentially(fd: int) -> None:
+    """Reads go through the file in order: ask for a larger readahead window (as ``cat`` does)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
 class RemoteSource:
     """Shard objects of a checkpoint under an fsspec URL; each read is one ranged GET."""
 
@@ -126,6 +131,10 @@ class RemoteSource:
     def read_into(self, handle: Any, views: list[memoryview], offset: int, where: object) -> None:
         folder, file = handle
         folder.read_into(file, views, offset, where)
+
+    def stream(self, handle: Any) -> int | None:
+        """None: every ranged GET is its own request already (see :meth:`LocalSource.stream`)."""
+        return None
 
     def read_small(self, name: str, limit: int) -> bytes:
         try:

@@ -270,11 +270,7 @@ class ChunkReader:
     def _do_each(self, reads: list[BlockRead], own_stream: bool = False) -> None:
         """Do ``reads`` in order; ``own_stream``: through an open file of this thread's own (a region
         of a file other threads read too), so the kernel reads ahead of each region separately."""
-        if not own_stream or not reads:
-            for read in reads:
-                self._do(read)
-            return
-        stream = self.source.stream(self.open(reads[0].chunk)) if isinstance(self.source, LocalSource) else None
+        stream = self.source.stream(self.open(reads[0].chunk)) if own_stream and reads else None
         self._local.stream = stream
         try:
             for read in reads:
