@@ -1,11 +1,13 @@
 """Bytes several ranks need are read from storage once per job (protocol/shared_read.py).
 
-An HSDP checkpoint (mesh ``(replicate=2, shard=2)``) restored on the same 4 ranks: with the
-default, the bytes the ranks read from the shard files (counted at the ``os.preadv`` system call
-every local read goes through, page cache or not: what ranks on separate nodes would each fetch
-from storage; ``/proc/self/io`` cannot tell files from gloo's sockets) add up to the checkpoint's
+An HSDP checkpoint (mesh ``(replicate=2, shard=2)``) restored on the same 4 ranks: with sharing,
+the bytes the ranks read from the shard files (counted at the ``os.preadv`` system call every
+local read goes through, page cache or not: what ranks on separate nodes would each fetch from
+storage; ``/proc/self/io`` cannot tell files from gloo's sockets) add up to the checkpoint's
 shard bytes once; with ``share_reads=False``, to twice that (one read per replica, what DCP
-does). Every parameter equals the saved one either way. A chunk damaged on disk is refused on
+does). The default shares when the ranks span nodes: the 4 ranks as 2 nodes (``SHARDSAFE_NODE``,
+replicas on different nodes) read 1x; as one node (local files, one page cache) each replica
+reads its own, 2x. Every parameter equals the saved one every way. A chunk damaged on disk is refused on
 every rank (atomic and not), with nothing left waiting, and an atomic load leaves the tensors as
 they were.
 """
@@ -61,12 +63,24 @@ class FileReads:
         os.preadv = self._real
 
 
+WAYS: dict[str, tuple[bool | None, str | None]] = {  # name: (share_reads, SHARDSAFE_NODE of rank r, "{half}" = r // 2)
+    "True": (True, None),
+    "False": (False, None),
+    "default, one node": (None, "same"),
+    "default, two nodes": (None, "node-{half}"),  # ranks 0, 1 (one replica) and 2, 3 (the other): HSDP across nodes
+}
+
+
 def restore_job(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """Save, then restore twice each way (the first of each a warm-up: imports and first-use reads)."""
+    import os
+
     saved = _state(seed=1)
     shardsafe.save(path, saved)
     out: dict[str, Any] = {}
-    for share in (True, False):
+    for way, (share, node) in WAYS.items():
+        if node is not None:
+            os.environ["SHARDSAFE_NODE"] = node.format(half=rank // 2)
         for _ in range(2):
             fresh = _state(seed=2)
             counter = FileReads(path)
@@ -74,8 +88,8 @@ def restore_job(rank: int, world_size: int, path: str) -> dict[str, Any]:
                 shardsafe.load(path, fresh, atomic=False, share_reads=share)
             finally:
                 counter.close()
-        out[f"read share={share}"] = counter.bytes
-        out[f"equal share={share}"] = all(torch.equal(fresh[k].to_local(), saved[k].to_local()) for k in saved)
+        out[f"read {way}"] = counter.bytes
+        out[f"equal {way}"] = all(torch.equal(fresh[k].to_local(), saved[k].to_local()) for k in saved)
     return out
 
 
@@ -86,9 +100,10 @@ def test_hsdp_restore_reads_each_byte_once(tmp_path: Path) -> None:
     for shard in path.glob("shard-*.safetensors"):
         with shard.open("rb") as f:
             shard_bytes += shard.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
-    for share, expected in ((True, 1.0), (False, 2.0)):  # once per job; once per replica (what DCP does)
-        assert all(r[f"equal share={share}"] for r in results)
-        assert sum(r[f"read share={share}"] for r in results) / shard_bytes == expected, (share, results)
+    expected = {"True": 1.0, "False": 2.0, "default, one node": 2.0, "default, two nodes": 1.0}  # 1: once per job; 2: per replica
+    for way in WAYS:
+        assert all(r[f"equal {way}"] for r in results)
+        assert sum(r[f"read {way}"] for r in results) / shard_bytes == expected[way], (way, results)
 
 
 def damaged_job(rank: int, world_size: int, path: str) -> list[str]:
@@ -107,7 +122,7 @@ def damaged_job(rank: int, world_size: int, path: str) -> list[str]:
         fresh = _state(seed=2)
         before = {k: v.to_local().clone() for k, v in fresh.items()}
         try:
-            shardsafe.load(path, fresh, atomic=atomic)
+            shardsafe.load(path, fresh, atomic=atomic, share_reads=True)
             outcomes.append("loaded")
         except ShardsafeError as exc:
             untouched = all(torch.equal(before[k], fresh[k].to_local()) for k in fresh)

@@ -51,7 +51,7 @@ def load(
     strict: bool = True,
     verify: bool = True,
     atomic: bool = True,
-    share_reads: bool = True,
+    share_reads: bool | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``state`` in place. Collective: every rank calls it.
 
@@ -80,10 +80,13 @@ def load(
     and re-verified. ``atomic=False`` reads once, straight into the destinations: faster, but a
     hash mismatch found midway leaves the tensors read before it overwritten.
 
-    ``share_reads`` (default, on gloo process groups): a stored chunk that several ranks need
-    (HSDP replicas, tensor-parallel ranks holding the same norm) is read from storage by one of
-    them, verified there, and sent to the others over the process group, so each byte is read
-    from storage once per job (protocol/shared_read.py). ``False``: every rank reads what it needs.
+    ``share_reads`` (gloo process groups): a stored chunk that several ranks need (HSDP replicas,
+    tensor-parallel ranks holding the same norm) is read from storage by one of them, verified
+    there, and sent to the others over the process group, so each byte is read from storage once
+    per job (protocol/shared_read.py). ``None`` (default): shared when the ranks run on more than
+    one node (host name, or ``SHARDSAFE_NODE``) or the checkpoint is in an object store; on one
+    node with local files the other ranks read it from the shared page cache, which is faster.
+    ``True``: always shared. ``False``: every rank reads what it needs.
     """
     with gc_paused():  # thousands of small entries: see core/gcpause.py
         return _load(path, state, process_group, strict, verify, atomic, share_reads)
@@ -96,7 +99,7 @@ def _load(
     strict: bool,
     verify: bool,
     atomic: bool,
-    share_reads: bool = True,
+    share_reads: bool | None = None,
 ) -> dict[str, Any]:
     folder = location(path)
     foreign = foreign_format(folder)  # a DCP folder, ...: read by the reader registered for it (see api/foreign.py)
@@ -123,7 +126,7 @@ def load_from(
     strict: bool,
     verify: bool,
     atomic: bool,
-    share_reads: bool = True,
+    share_reads: bool | None = None,
 ) -> dict[str, Any]:
     """:func:`load`'s phases over any checkpoint that can be described as a manifest, a state tree and a
     :class:`ChunkReader` of its bytes: shardsafe's own, or a foreign format's reader (a DCP folder,
@@ -161,7 +164,7 @@ def load_from(
             problem = exc
         # Collective, so run by a rank whose planning failed too (it shares nothing): chunks several
         # ranks need are read by one of them and sent to the others (protocol/shared_read.py).
-        shared = plan_shared(comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads)
+        shared = plan_shared(comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads, remote=reader.remote)
         fresh_reads, existing_reads = shared.local(fresh_reads), shared.local(existing_reads)
         try:
             if problem is not None:
