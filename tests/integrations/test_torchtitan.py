@@ -103,11 +103,11 @@ def tiny_config(fuse_qkv: bool = False) -> Llama3Model.Config:
     return config
 
 
-def build(layout: str, world_size: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def build(layout: str, world_size: int, seed: int, fuse_qkv: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """(model, AdamW, data-parallel mesh or None); every layout starts from the same whole values."""
     set_spmd_backend(BACKEND)
     torch.manual_seed(seed)
-    model = tiny_config().build()
+    model = tiny_config(fuse_qkv).build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     dp_mesh = None
@@ -154,8 +154,8 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, index: int, d
     return float(total.item())
 
 
-def job(rank: int, world_size: int, layout: str, path: str, load: bool, steps: list[int]) -> dict[str, Any]:
-    model, optimizer, dp_mesh = build(layout, world_size, seed=99 if load else 0)
+def job(rank: int, world_size: int, layout: str, path: str, load: bool, steps: list[int], fuse_qkv: bool = False) -> dict[str, Any]:
+    model, optimizer, dp_mesh = build(layout, world_size, seed=99 if load else 0, fuse_qkv=fuse_qkv)
     loaded = None
     if load:
         shardsafe.load(path, {"model": model, "optim": optimizer})
@@ -214,3 +214,20 @@ def test_torchtitan_fused_qkv_debugmodel(tmp_path: Path) -> None:
     shardsafe.load(str(tmp_path / "ck"), {"model": fresh})
     for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_torchtitan_fused_qkv_2d_to_fsdp(tmp_path: Path) -> None:
+    """The fused-QKV debugmodel parallelised by torchtitan at dp_shard=2 x tp=2 (``wqkv`` colwise,
+    under FSDP2), saved, and resumed at FSDP2@2: every parameter and moment equal, losses continue."""
+    path = str(tmp_path / "ck")
+    uninterrupted = job(0, 1, "one", str(tmp_path / "ref"), False, [0, 1, 2, 3], True)
+    first = run_ranks(job, 4, "2d", path, False, [0, 1], True, work_dir=tmp_path)
+    placements = first[0]["layout"]
+    fused = "layers.0.attention.qkv_linear.wqkv.weight"
+    assert placements.get(fused, "").startswith("(_StridedShard"), placements  # FSDP2 over a colwise fused weight
+    saved = first[0]["saved"]
+    assert fused in saved and f"optim/{fused}/exp_avg" in saved, sorted(saved)[:8]
+    second = run_ranks(job, 2, "fsdp", path, True, [2, 3], True, work_dir=tmp_path)
+    for rank, result in enumerate(second):
+        assert_tensors_equal(result["loaded"], saved, f"fused qkv 2d@4 -> fsdp@2 rank {rank}")
+    assert first[0]["losses"] + second[0]["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-4, abs=1e-4)
