@@ -62,6 +62,8 @@ if sys.argv[6] == "1":  # every reading task under its own profiler (the reads r
         finally:
             profile.disable()
     transfer.ChunkReader._do_each = profiled
+if stepped:  # one more step than the save: a rollback's target holds other values than the checkpoint
+    model(torch.randn(2, width)).sum().backward(); optim.step(); optim.zero_grad(set_to_none=True)
 start = time.perf_counter()
 shardsafe.load(sys.argv[4], state, atomic=sys.argv[5] == "1")
 seconds = time.perf_counter() - start
@@ -70,9 +72,16 @@ for profile in profiles:
     for (file, line, name), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():
         phase = next((p for k, p in PHASES if k in name), "other reading work")
         phases[phase] = phases.get(phase, 0.0) + tottime
+# What was saved: the same build, stepped (the save always steps); parameters and AdamW moments compared.
 torch.manual_seed(0)
 ref = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
-print(json.dumps({"seconds": seconds, "phases": phases, "correct": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))}))
+ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+ref(torch.randn(2, width)).sum().backward(); ref_optim.step()
+pairs = list(zip(model.parameters(), ref.parameters()))
+correct = all(torch.equal(a, b) for a, b in pairs) and all(
+    torch.equal(optim.state[a][k], ref_optim.state[b][k]) for a, b in pairs for k in ("exp_avg", "exp_avg_sq", "step")
+)
+print(json.dumps({"seconds": seconds, "phases": phases, "correct": correct}))
 """
 )
 LOADS = {"resume": ("0", "1"), "rollback": ("1", "1"), "rollback atomic=False": ("1", "0")}  # (stepped, atomic)
@@ -157,7 +166,7 @@ def main() -> int:
         f"`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({(time.perf_counter() - start) / 60:.1f} min; "
         f"load average {load_average()} after): {os.cpu_count()} CPU cores, one process, {layers} x Linear({width}, {width}, bias=False) "
         f"+ AdamW, one shard file of {gb:.2f} GB; every load in a fresh process after dropping the page cache, medians of {runs} "
-        "rounds in alternating order. Every load restored the saved parameters exactly: "
+        "rounds in alternating order. Every load restored the saved parameters and AdamW moments exactly: "
         f"**{correct}**.",
         "",
         "| load | median | all runs (s) |",
