@@ -7,7 +7,8 @@ torchtitan's ``parallelize_llama`` on meshes from its ``ParallelDims`` (CPU, glo
 * ``2d``: 4 ranks, dp_shard=2 x tp=2: torchtitan's tensor/sequence parallel plan, then its FSDP2
   wrapping (``apply_fsdp_to_decoder``) over ``fsdp``;
 * ``fsdp``: 2 ranks, dp_shard=2 only;
-* ``one``: one process, not parallelized.
+* ``one``: one process, not parallelized;
+* pipeline stages: torchtitan's ``pipeline_llm`` split over 2 ranks (1F1B), loaded into ``one``.
 
 Two AdamW steps on random token ids in ``2d``, ``shardsafe.save`` on every rank; then a load into
 ``fsdp`` (and into ``one``) built from another seed: every parameter and optimizer moment, whole,
@@ -231,3 +232,63 @@ def test_torchtitan_fused_qkv_2d_to_fsdp(tmp_path: Path) -> None:
     for rank, result in enumerate(second):
         assert_tensors_equal(result["loaded"], saved, f"fused qkv 2d@4 -> fsdp@2 rank {rank}")
     assert first[0]["losses"] + second[0]["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-4, abs=1e-4)
+
+
+def pp_job(rank: int, world_size: int, path: str, steps: list[int]) -> dict[str, Any]:
+    """torchtitan's own pipeline split (``pipeline_llm``, 1F1B, 2 microbatches) over 2 stages: each
+    rank's model part holds its stage's layers under their full names."""
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    set_spmd_backend(BACKEND)
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = config.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=world_size, spmd_backend=BACKEND)
+    dims.build_mesh()
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:  # torchtitan's (loss, extras)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (BATCH * SEQ), {}
+
+    parallelism = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=BATCH // 2, spmd_backend=BACKEND)
+    schedule, parts, first, last = pipeline_llm(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(local_batch_size=BATCH, mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+        device=torch.device("cpu"),
+        model_config=config,
+        parallelize_fn=parallelize_llama,
+        loss_fn=loss_fn,
+    )
+    (part,) = parts
+    optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for index in steps:
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 + index))
+        micro: list[torch.Tensor] = []
+        if first:
+            schedule.step(tokens[:, :-1], target=tokens[:, 1:] if last else None, losses=micro if last else None)
+        else:
+            schedule.step(target=tokens[:, 1:], losses=micro)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(sum(m.item() for m in micro)) if last else None)
+    shardsafe.save(path, {"model": part, "optim": optimizer})
+    return {"saved": nd_utils.whole_state(part, optimizer), "losses": losses, "names": sorted(n for n, _ in part.named_parameters())}
+
+
+def test_torchtitan_pipeline_stages_to_one(tmp_path: Path) -> None:
+    """PP2 (torchtitan's split) saved, loaded into one process: the merge of the stages' state, equal."""
+    path = str(tmp_path / "ck")
+    stages = run_ranks(pp_job, 2, path, [0, 1], work_dir=tmp_path)
+    assert not set(stages[0]["names"]) & set(stages[1]["names"]), "the stages hold different layers"
+    saved = stages[0]["saved"] | stages[1]["saved"]
+    one = job(0, 1, "one", path, True, [2, 3])
+    assert_tensors_equal(one["loaded"], saved, "pp2 -> one")
+    uninterrupted = job(0, 1, "one", str(tmp_path / "ref"), False, [0, 1, 2, 3])
+    assert stages[1]["losses"] + one["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-4, abs=1e-4)
