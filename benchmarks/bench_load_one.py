@@ -49,10 +49,10 @@ LOAD = (
     + f"PHASES = {PHASES!r}\n"
     + r"""
 import cProfile, json, pstats, time, shardsafe
-from shardsafe.protocol import transfer
+from shardsafe.protocol import block_io
 profiles = []
 if sys.argv[6] == "1":  # every reading task under its own profiler (the reads run on the reader's threads)
-    unprofiled = transfer.ChunkReader._do_each
+    unprofiled = block_io.BlockExecutor._do_each
     def profiled(self, *args, **kwargs):
         profile = cProfile.Profile()
         profiles.append(profile)
@@ -61,7 +61,7 @@ if sys.argv[6] == "1":  # every reading task under its own profiler (the reads r
             return unprofiled(self, *args, **kwargs)
         finally:
             profile.disable()
-    transfer.ChunkReader._do_each = profiled
+    block_io.BlockExecutor._do_each = profiled
 if stepped:  # one more step than the save: a rollback's target holds other values than the checkpoint
     model(torch.randn(2, width)).sum().backward(); optim.step(); optim.zero_grad(set_to_none=True)
 start = time.perf_counter()

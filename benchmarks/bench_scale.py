@@ -139,7 +139,7 @@ def shardsafe_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sa
     t0 = time.perf_counter()
     parsed = parse_manifest(data)
     reader = ChunkReader(Path("/nonexistent"), parsed)
-    reader.source = MemorySource({INDEX_PATTERN.format(rank=reader_rank): index_data})  # type: ignore[assignment]
+    reader.files.source = MemorySource({INDEX_PATTERN.format(rank=reader_rank): index_data})  # type: ignore[assignment]
     reads = 0
     for key, shape in tensors:
         offsets, local = local_box(shape, reader_rank, world)
@@ -262,7 +262,7 @@ def nd_once(tensors: list[tuple[str, tuple[int, ...], LayoutRule]], world: int) 
         parsed = parse_manifest(data)
         parse = time.perf_counter() - t0
         reader = ChunkReader(Path("/nonexistent"), parsed)
-        reader.source = MemorySource({INDEX_PATTERN.format(rank=w): indexes[w] for w in writers})  # type: ignore[assignment]
+        reader.files.source = MemorySource({INDEX_PATTERN.format(rank=w): indexes[w] for w in writers})  # type: ignore[assignment]
         reads = 0
         for key, shape, rule in tensors:
             for box in rule.boxes(shape, rule.part_of(reader_rank)):

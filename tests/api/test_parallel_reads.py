@@ -444,7 +444,8 @@ def test_one_file_is_read_as_ordered_regions_through_their_own_open_files(saved:
     (so the first damaged block is still the one reported), each read through a second open file
     of the same inode (its own readahead stream), all closed afterwards."""
     from shardsafe.core.format import parse_manifest
-    from shardsafe.protocol.transfer import ChunkReader, _regions
+    from shardsafe.protocol.block_io import _regions
+    from shardsafe.protocol.transfer import ChunkReader
 
     manifest = parse_manifest((saved / "manifest.json").read_bytes(), "manifest.json")
     with ChunkReader(saved, manifest) as reader:
@@ -456,7 +457,7 @@ def test_one_file_is_read_as_ordered_regions_through_their_own_open_files(saved:
         sizes = [sum(r.hi - r.lo for r in region) for region in regions]
         assert max(sizes) - min(sizes) <= 2 * BLOCK
         assert _regions(reads[:5], 4) == [reads[:5]]  # too few reads to be worth several streams
-        handle = reader.open(entry.chunks[0])
+        handle = reader.files.open(entry.chunks[0])
         stream = reader.source.stream(handle)
         assert stream is not None and stream != handle
         assert os.fstat(stream).st_ino == os.fstat(handle).st_ino

@@ -34,7 +34,8 @@ import pytest
 import torch
 
 import shardsafe
-import shardsafe.protocol.transfer as transfer
+import shardsafe.protocol.block_io as block_io
+import shardsafe.protocol.shard_files as shard_files
 from dist_utils import (
     assert_optimizer_equal,
     assert_tensors_equal,
@@ -167,14 +168,14 @@ def test_s3_loads_equal_local_loads_and_download_each_byte_once(saved: tuple[str
     model_bytes, state_bytes = _tensor_bytes(model, optimizer)
     # A shard's first read takes HEAD_READ_BYTES (its header, usually whole): the tensor bytes in
     # that read are fetched again by the block reads, at most that much per shard object.
-    slack = transfer.HEAD_READ_BYTES * sum(1 for key in _objects(url) if key.endswith(".safetensors"))
+    slack = shard_files.HEAD_READ_BYTES * sum(1 for key in _objects(url) if key.endswith(".safetensors"))
     with counting_gets() as counter:
         shardsafe.verify(url)
     assert total <= counter.bytes <= total + slack, "verify downloads each byte of the checkpoint once"
     assert counter.gets <= chunks + 6, f"{counter.gets} GETs for {chunks} chunks: one request per block, not per chunk"
     once = counter.bytes
-    for cache in (transfer.REMOTE_CACHE_BYTES, 0):
-        monkeypatch.setattr(transfer, "REMOTE_CACHE_BYTES", cache)
+    for cache in (block_io.REMOTE_CACHE_BYTES, 0):
+        monkeypatch.setattr(block_io, "REMOTE_CACHE_BYTES", cache)
         for atomic in (False, True):
             for fresh in (True, False):
                 what = f"cache={cache} atomic={atomic} fresh={fresh}"

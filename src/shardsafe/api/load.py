@@ -32,9 +32,10 @@ from shardsafe.core.format import Manifest
 from shardsafe.core.gcpause import gc_paused
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
+from shardsafe.protocol.block_io import BlockRead
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.shared_read import plan_shared
-from shardsafe.protocol.transfer import BlockRead, ChunkReader, ReadRequest
+from shardsafe.protocol.transfer import ChunkReader, ReadRequest
 from shardsafe.state.base import LoadStep
 from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps, unclaimed
 from shardsafe.storage.local import prefault_writable

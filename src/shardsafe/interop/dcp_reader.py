@@ -27,10 +27,13 @@ from shardsafe.core.plan import ReadOp
 from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.interop.dcp_metadata import DcpItem, DcpMetadata, read_metadata
 from shardsafe.interop.unpickler import TensorAt, load_bytes, locate_tensor
-from shardsafe.protocol.transfer import BlockRead, ChunkReader
+from shardsafe.protocol.block_io import BlockExecutor, BlockRead
+from shardsafe.protocol.shard_files import ShardFiles
+from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.storage.local import FileWindow, safe_child
+from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["DcpCheckpoint", "DcpChunkReader", "dcp_manifest", "format_dcp"]
+__all__ = ["DcpBlocks", "DcpCheckpoint", "DcpChunkReader", "DcpFiles", "dcp_manifest", "format_dcp"]
 
 CRC_PIECE = 8 << 20  # the scratch buffer a record's CRC-32 is computed through
 
@@ -47,27 +50,23 @@ def dcp_manifest(meta: DcpMetadata, keys: dict[str, str]) -> Manifest:
     return Manifest(world_size=1, tensors=tensors, files=files, state_size=0, state_hash="", metadata={"converted_from": info})
 
 
-class DcpChunkReader(ChunkReader):
-    """:class:`ChunkReader`'s reads over a DCP folder: a chunk is a ``.distcp`` item, located before any byte of it is used.
+class DcpFiles(ShardFiles):
+    """A DCP folder's files: a chunk is a ``.distcp`` item, located (and checked against the chunk)
+    before any byte of it is used, its record checked against its CRC-32 once."""
 
-    Overrides only where the bytes of a chunk are (:meth:`open`: the file sized as the metadata
-    found it, the item's archive located and checked against the chunk) and how a read is checked
-    (a CRC-32 per record instead of block hashes); the read planning and the direct or staged
-    copies into the destinations are the base class's.
-    """
-
-    def __init__(self, folder: Path, manifest: Manifest, verify: bool = True) -> None:
-        super().__init__(folder, manifest, verify)
+    def __init__(self, folder: Path | RemoteDir, manifest: Manifest) -> None:
+        super().__init__(folder, manifest)
         self._dtypes = {(c.file, c.begin): (key, entry.dtype) for key, entry in manifest.tensors.items() for c in entry.chunks}
         self._located: dict[tuple[str, int], TensorAt] = {}
         self._crc_checked: set[tuple[str, int]] = set()
 
     def open(self, chunk: ChunkEntry) -> Any:
         """The open file of ``chunk`` (sized as the metadata found it), its item located and checked."""
-        self._locate(chunk)
+        self.locate(chunk)
         return self.source.open(None, chunk.file)[0]
 
-    def _locate(self, chunk: ChunkEntry) -> TensorAt:
+    def locate(self, chunk: ChunkEntry) -> TensorAt:
+        """Where ``chunk``'s tensor bytes are inside its item (read and checked once)."""
         ident = (chunk.file, chunk.begin)
         found = self._located.get(ident)
         if found is not None:
@@ -84,7 +83,7 @@ class DcpChunkReader(ChunkReader):
         self._located[ident] = found
         return found
 
-    def _check_crc(self, chunk: ChunkEntry, found: TensorAt) -> None:
+    def check_crc(self, chunk: ChunkEntry, found: TensorAt) -> None:
         """The record holding ``chunk``'s tensor, read whole through a bounded scratch buffer, against its CRC-32 (once per reader)."""
         ident = (chunk.file, chunk.begin)
         if ident in self._crc_checked:
@@ -106,25 +105,40 @@ class DcpChunkReader(ChunkReader):
             )
         self._crc_checked.add(ident)
 
-    def check_reads(self, key: str, op: ReadOp, saved_dtype: torch.dtype) -> list[BlockRead]:
-        """What the reads for ``op`` will read, checked now, nothing written: the item located and, with
-        ``verify``, its record's CRC-32 (DCP stores no block hashes: there are no block checks to return)."""
-        found = self._locate(op.chunk)
-        if self.verify:
-            self._check_crc(op.chunk, found)
-        return []
+
+class DcpBlocks(BlockExecutor):
+    """Block reads over a DCP folder: no block hashes (DCP records none), so a read is one positional
+    read of its bytes inside the item, the record's CRC-32 checked first with ``verify``."""
+
+    files: DcpFiles
 
     def _do(self, read: BlockRead) -> None:
-        """Bytes [lo, hi) of ``read``'s chunk (its tensor's bytes inside the item), one positional read into
-        its destination (the record's CRC-32 checked first, with ``verify``)."""
         if read.dest is None or read.hi <= read.lo:
             return
         chunk = read.chunk
-        found = self._locate(chunk)
+        found = self.files.locate(chunk)
         if self.verify:
-            self._check_crc(chunk, found)
-        where = f"{self.source.describe(None, chunk.file)} (tensor {read.key!r:.200} at {list(chunk.offsets)})"
-        self.source.read_into(self.open(chunk), [read.dest], chunk.begin + found.start + read.lo, where)
+            self.files.check_crc(chunk, found)
+        where = f"{self.files.source.describe(None, chunk.file)} (tensor {read.key!r:.200} at {list(chunk.offsets)})"
+        self.files.source.read_into(self.files.open(chunk), [read.dest], chunk.begin + found.start + read.lo, where)
+
+
+class DcpChunkReader(ChunkReader):
+    """:class:`ChunkReader`'s reads over a DCP folder: its files are :class:`DcpFiles` and its reads
+    :class:`DcpBlocks`; the read planning and the direct or staged copies into the destinations
+    are the base class's, except what a check reads (:meth:`check_reads`)."""
+
+    files_type = DcpFiles
+    executor_type = DcpBlocks
+    files: DcpFiles
+
+    def check_reads(self, key: str, op: ReadOp, saved_dtype: torch.dtype) -> list[BlockRead]:
+        """What the reads for ``op`` will read, checked now, nothing written: the item located and, with
+        ``verify``, its record's CRC-32 (DCP stores no block hashes: there are no block checks to return)."""
+        found = self.files.locate(op.chunk)
+        if self.verify:
+            self.files.check_crc(op.chunk, found)
+        return []
 
 
 class DcpCheckpoint:

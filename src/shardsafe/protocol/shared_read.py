@@ -47,7 +47,8 @@ from shardsafe.core.fields import numel
 from shardsafe.core.format import ChunkEntry
 from shardsafe.core.nodes import node_id
 from shardsafe.errors import PeerFailedError
-from shardsafe.protocol.transfer import BlockRead, ChunkReader, ReadRequest
+from shardsafe.protocol.block_io import BlockRead
+from shardsafe.protocol.transfer import ChunkReader, ReadRequest
 from shardsafe.storage.local import tensor_bytes
 
 BATCH_BYTES = 64 << 20  # bytes of chunks sent as one message (one chunk may be larger)
