@@ -88,6 +88,17 @@ def _manifest_bytes(tmp_path: Path) -> bytes:
         (lambda m: m["tensors"].update({"model/copy": m["tensors"]["model/0.weight"]}), "claim the same bytes"),
         (lambda m: m["tensors"].update({"__metadata__": m["tensors"].pop("model/0.weight")}), "invalid tensor key"),
         (lambda m: m["tensors"].update({"": m["tensors"].pop("model/0.weight")}), "invalid tensor key"),
+        # the files section's one-pass checks (core/format._parse_files) refuse what the per-entry checks do
+        (lambda m: m["files"].update({"..": {"size": 1, "rank": 0}}), "unsafe"),
+        (lambda m: m["files"].update({"~x": {"size": 1, "rank": 0}}), "unsafe"),
+        (lambda m: m["files"].update({"a\nb/c": {"size": 1, "rank": 0}}), "unsafe"),
+        (lambda m: m["files"].update({"x": {"size": -1, "rank": 0}}), "negative size"),
+        (lambda m: m["files"].update({"x": {"size": True, "rank": 0}}), "wrong type"),
+        (lambda m: m["files"].update({"x": {"size": 1, "rank": 0, "index": {"file": "../x.index.json", "size": 1, "hash": "0"}}}), "unsafe"),
+        (lambda m: m["files"].update({"x": {"size": 1, "rank": 0, "index": {"file": "x.json", "size": 1, "hash": "0"}}}), "must be named"),
+        (lambda m: m["files"].update({"x": {"size": 1, "rank": 0, "index": {"file": "x.index.json", "size": -1, "hash": "0"}}}), "must be named"),
+        # depth: checked where the manifest keeps free-form values (metadata)
+        (lambda m: m.update(metadata={"deep": __import__("functools").reduce(lambda inner, _: [inner], range(80), [])}), "nested deeper"),
     ],
 )
 def test_hostile_manifests_are_refused(tmp_path: Path, edit, message: str) -> None:
@@ -169,3 +180,12 @@ def test_contiguous_span() -> None:
     assert contiguous_span((2, 1), (2, 2), (0, 0), (10, 4)) is None
     assert contiguous_span((0, 0), (10, 4), (0, 0), (10, 4)) == (0, 40)
     assert contiguous_span((), (), (), ()) == (0, 1)
+
+
+def test_a_newline_in_a_file_name_takes_the_per_name_check(tmp_path: Path) -> None:
+    """A name the one-pass check cannot judge (it joins names with newlines) is checked on its own,
+    and accepted as check_component accepts it; deep junk in an entry's unknown field is dropped."""
+    raw = json.loads(_manifest_bytes(tmp_path))
+    raw["files"]["odd\nname"] = {"size": 1, "rank": 0, "junk": __import__("functools").reduce(lambda inner, _: [inner], range(80), [])}
+    parsed = parse_manifest(json.dumps(raw).encode())
+    assert parsed.files["odd\nname"].size == 1 and parsed.files["odd\nname"].index is None

@@ -21,6 +21,7 @@ keys and bounded depth.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from shardsafe.core.fields import (
 from shardsafe.core.fields import expect_field as _expect
 from shardsafe.core.fields import int_list as _int_list
 from shardsafe.core.integrity import HASH_ALGORITHM, HASH_BLOCK_SIZE, num_blocks
-from shardsafe.core.jsonsafe import MAX_JSON_BYTES, check_plain_json, dump_json, parse_json
+from shardsafe.core.jsonsafe import MAX_JSON_BYTES, check_depth, check_plain_json, dump_json, parse_json
 from shardsafe.core.rule import LayoutRule
 from shardsafe.core.safetensors_header import HeaderEntry, build_safetensors_header, parse_safetensors_header
 
@@ -393,8 +394,58 @@ def _check_overrides(rule: LayoutRule, shape: tuple[int, ...], chunks: list[Chun
     return out
 
 
+def _parse_files(raw: dict[str, Any], version: int, where: str) -> dict[str, FileEntry]:
+    """The ``files`` section: one entry per shard (16,384 at 16,384 ranks), so the common shape is
+    checked in one pass (names in one regex match over all of them, the rest by exact types)
+    and only an entry that fails it goes through the checks that build the message."""
+    names_safe = _safe_names(raw)
+    files: dict[str, FileEntry] = {}
+    for name, entry in raw.items():
+        if not names_safe:
+            check_component(name, where)
+        index = entry.get("index") if type(entry) is dict else None
+        if (
+            type(entry) is dict
+            and type(entry.get("size")) is int
+            and type(entry.get("rank")) is int
+            and entry["size"] >= 0
+            and (index is None or (version >= 2 and _plain_index_ref(index)))
+        ):  # the common case
+            files[name] = FileEntry(entry["size"], entry["rank"], None if index is None else IndexRef(index["file"], index["size"], index["hash"]))
+            continue
+        size = _expect(entry, "size", int, f"{where} file {name!r}")  # the same checks, for their messages
+        rank = _expect(entry, "rank", int, f"{where} file {name!r}")
+        if size < 0:
+            raise FormatError(f"{where}: file {name!r} has a negative size")
+        files[name] = FileEntry(size, rank, _parse_index_ref(entry, name, version, where))
+    return files
+
+
+_SAFE_NAMES = re.compile(r"(?:(?!\.\.?\n)(?!~)[^/\\\x00\n]{1,255}\n)*\Z")  # check_component's rule, names joined by newlines
+
+
+def _safe_names(names: dict[str, Any]) -> bool:
+    """Whether every name passes :func:`check_component` (one regex pass; a name with a newline, or
+    any that fails, sends the caller to the per-name check)."""
+    return all(type(n) is str for n in names) and _SAFE_NAMES.match("".join(n + "\n" for n in names)) is not None
+
+
+def _plain_index_ref(raw: Any) -> bool:
+    """An index reference that :func:`_parse_index_ref` accepts as it is (checked without building messages)."""
+    return (
+        type(raw) is dict
+        and type(raw.get("file")) is str
+        and type(raw.get("size")) is int
+        and type(raw.get("hash")) is str
+        and _SAFE_NAMES.match(raw["file"] + "\n") is not None
+        and raw["file"].endswith(INDEX_SUFFIX)
+        and 0 <= raw["size"] <= MAX_JSON_BYTES
+        and len(raw["hash"]) <= 64
+    )
+
+
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
-    raw = parse_json(data, where)
+    raw = parse_json(data, where, depth=False)  # every part kept is checked field by field; metadata's depth below
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not a shardsafe manifest")
     version = _expect(raw, "format_version", int, where)
@@ -411,18 +462,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     world_size = _expect(raw, "world_size", int, where)
     if world_size < 1:
         raise FormatError(f"{where}: world size {world_size} is invalid")
-    files: dict[str, FileEntry] = {}
-    for name, entry in _expect(raw, "files", dict, where).items():
-        check_component(name, where)
-        if type(entry) is dict and type(entry.get("size")) is int and type(entry.get("rank")) is int:  # the common case, checked fast
-            size, rank = entry["size"], entry["rank"]
-        else:  # the same checks, for their messages
-            size = _expect(entry, "size", int, f"{where} file {name!r}")
-            rank = _expect(entry, "rank", int, f"{where} file {name!r}")
-        if size < 0:
-            raise FormatError(f"{where}: file {name!r} has a negative size")
-        index = _parse_index_ref(entry, name, version, where)
-        files[name] = FileEntry(size, rank, index)
+    files = _parse_files(_expect(raw, "files", dict, where), version, where)
     _check_file_names(files, world_size, where)
     state = _expect(raw, "state", dict, where)
     state_file = check_component(state.get("file"), where)
@@ -451,6 +491,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: metadata must be an object")
+    check_depth(metadata, f"{where} metadata")  # the one free-form part kept (given back to the user as it is)
     created = raw.get("created", 0.0)
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise FormatError(f"{where}: field 'created' has the wrong type ({type(created).__name__})")

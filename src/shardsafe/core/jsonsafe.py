@@ -13,7 +13,7 @@ from typing import Any
 
 from shardsafe.errors import FormatError
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "check_json_string", "check_plain_json", "dump_json", "parse_json"]
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "check_depth", "check_json_string", "check_plain_json", "dump_json", "parse_json"]
 
 MAX_JSON_BYTES = 1 << 30
 MAX_JSON_DEPTH = 64
@@ -31,7 +31,7 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _check_depth(value: Any, where: str) -> None:
+def check_depth(value: Any, where: str) -> None:
     """No value deeper than :data:`MAX_JSON_DEPTH` (the root is at depth 0): one level at a time,
     only containers visited, so a wide document costs one pass over its containers."""
     level = [value] if type(value) in (dict, list) else []
@@ -45,8 +45,13 @@ def _check_depth(value: Any, where: str) -> None:
         level, depth = below, depth + 1
 
 
-def parse_json(data: bytes, where: str) -> Any:
-    """Parse untrusted JSON: bounded size and depth, no duplicate keys."""
+def parse_json(data: bytes, where: str, *, depth: bool = True) -> Any:
+    """Parse untrusted JSON: bounded size and depth, no duplicate keys.
+
+    ``depth=False``: the caller checks the depth of the parts it keeps (:func:`check_depth`), for
+    a document whose shape it validates field by field and whose other parts it drops (the
+    manifest: 16,384 file entries would cost a tenth of a second to walk). json itself stops at
+    Python's recursion limit either way."""
     if len(data) > MAX_JSON_BYTES:
         raise FormatError(f"{where}: {len(data)} bytes of JSON is more than the {MAX_JSON_BYTES} allowed")
     try:
@@ -57,7 +62,8 @@ def parse_json(data: bytes, where: str) -> Any:
         raise FormatError(f"{where}: JSON nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{where}: not valid JSON ({exc})") from None
-    _check_depth(value, where)
+    if depth:
+        check_depth(value, where)
     return value
 
 
