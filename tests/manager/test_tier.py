@@ -7,13 +7,29 @@ node with its own folder (``local_dir`` holds ``{node}``), all on this machine.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from dist_utils import run_ranks
+import shardsafe
+from dist_utils import (
+    assert_optimizer_equal,
+    assert_tensors_equal,
+    full_model_state,
+    full_optimizer_state,
+    make_model,
+    make_optimizer,
+    rank_batch,
+    run_ranks,
+    shard,
+    train_step,
+)
 from shardsafe.core.comm import get_comm
+from shardsafe.manager.catalog import committed_steps
+from shardsafe.manager.naming import step_name
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NODE_ENV, NodeMap, gather_nodes, node_dir, node_id
 
 
@@ -68,3 +84,124 @@ def test_node_id_and_folder_template(monkeypatch: pytest.MonkeyPatch) -> None:
     assert node_id() and "/" not in node_id()
     single = NodeMap.from_ids(["h"], 0)
     assert single.is_leader and single.leaders == (0,) and single.nodes == ("h",)
+
+
+# ----------------------------------------------------------------------------- the local tier
+
+SHARDS = {node: [f"shard-{r:05d}.{kind}" for r in ranks for kind in ("index.json", "safetensors")] for node, ranks in (("a", (0, 1)), ("b", (2, 3)))}
+SHARED = ["manifest.json", "state.json"]
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model, "optim": optimizer, "rng": shardsafe.RNGState(), "step": 0}
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """Collective: the whole model and optimizer state, the step and this rank's RNG draw."""
+    return {"model": full_model_state(model), "optim": full_optimizer_state(model, optimizer), "step": state["step"]}
+
+
+def _train_job(
+    rank: int, world_size: int, root: str, local: str, steps: int, options: dict[str, Any], record: list[int], short_on: str | None
+) -> dict[str, Any]:
+    """Train ``steps`` steps under a manager with a local tier, then stop without close() (a crash:
+    the tier is left as it was). Returns the state at each step of ``record``."""
+    os.environ[NODE_ENV] = _node_of(rank)
+    if short_on == _node_of(rank):  # this node's local folder reports (almost) no free space
+        shardsafe.manager.tier.shutil.disk_usage = lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000)  # type: ignore[attr-defined]
+    model = shard(make_model(0), world_size)
+    optimizer = make_optimizer(model)
+    state = _state(model, optimizer)
+    torch.manual_seed(100 + rank)
+    manager = shardsafe.CheckpointManager(root, local_dir=local, **options)
+    recorded = {}
+    for step in range(1, steps + 1):
+        train_step(model, optimizer, *rank_batch(rank, step))
+        state["step"] = step
+        manager.save(step, state)
+        if step in record:
+            recorded[step] = _snapshot(model, optimizer, state)
+    manager.wait()
+    assert manager._tier is not None
+    return {"recorded": recorded, "errors": list(manager._tier.errors), "saved": manager._tier.saved, "rng": torch.rand(3)}
+
+
+def _restore_job(rank: int, world_size: int, root: str, local: str, options: dict[str, Any], close: bool) -> dict[str, Any]:
+    os.environ[NODE_ENV] = _node_of(rank)
+    model = shard(make_model(7), world_size)
+    optimizer = make_optimizer(model)
+    state = _state(model, optimizer)
+    manager = shardsafe.CheckpointManager(root, local_dir=local, **options)
+    step = manager.restore(state)
+    out = {"step": step, "from": manager.restored_from, "state": _snapshot(model, optimizer, state), "rng": torch.rand(3)}
+    if close:
+        manager.close()
+    return out
+
+
+def _tier_folder(local: Path, node: str) -> Path:
+    (folder,) = (local / node).iterdir()  # one root's tier folder per node
+    return folder
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _assert_same_state(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    assert got["step"] == expected["step"], what
+    assert_tensors_equal(got["model"], expected["model"], f"{what} model")
+    assert_optimizer_equal(got["optim"], expected["optim"], f"{what} optim")
+
+
+def test_local_steps_are_written_per_node_and_restored_after_a_crash(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    assert committed_steps(root) == [4]
+    assert all(r["errors"] == [] and r["saved"] == 6 for r in first)
+    for node in ("a", "b"):  # the newest step only; each node its own ranks' shards and its copy of the shared files
+        folder = _tier_folder(local, node)
+        assert _files(folder) == [step_name(6)]
+        assert _files(folder / step_name(6)) == sorted(SHARDS[node] + SHARED)
+    manifest_a = (_tier_folder(local, "a") / step_name(6) / "manifest.json").read_bytes()
+    assert manifest_a == (_tier_folder(local, "b") / step_name(6) / "manifest.json").read_bytes()
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, True, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local")
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
+        assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
+    assert not (local / "a").exists() and not (local / "b").exists()  # close() removed the tier
+
+
+def test_root_newer_than_every_local_step_is_restored_from_the_root(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 3, "local_every": 4}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    assert committed_steps(root) == [3, 6] and _files(_tier_folder(local, "a")) == [step_name(4)]
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "root")
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
+
+
+def test_a_wiped_node_without_replicas_falls_back_to_the_root(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 5, options, [4], None, work_dir=tmp_path)
+    shutil.rmtree(local / "b")
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (4, "root")
+        _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
+
+
+def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 2, "local_every": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 2, options, [], "b", work_dir=tmp_path)
+    for got in first:
+        assert got["saved"] is None and len(got["errors"]) == 2
+        assert "too little space" in got["errors"][0] and "node b: 1000 bytes free" in got["errors"][0]
+    assert committed_steps(root) == [2]
+    assert not (local / "a").exists() or not any((local / "a").rglob("manifest.json"))
