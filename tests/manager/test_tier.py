@@ -6,6 +6,7 @@ node with its own folder (``local_dir`` holds ``{node}``), all on this machine.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -132,8 +133,13 @@ def _restore_job(rank: int, world_size: int, root: str, local: str, options: dic
     optimizer = make_optimizer(model)
     state = _state(model, optimizer)
     manager = shardsafe.CheckpointManager(root, local_dir=local, **options)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardsafe").addHandler(handler)
     step = manager.restore(state)
-    out = {"step": step, "from": manager.restored_from, "state": _snapshot(model, optimizer, state), "rng": torch.rand(3)}
+    logging.getLogger("shardsafe").removeHandler(handler)
+    out = {"step": step, "from": manager.restored_from, "state": _snapshot(model, optimizer, state), "rng": torch.rand(3), "log": messages}
     if close:
         manager.close()
     return out
@@ -156,7 +162,7 @@ def _assert_same_state(got: dict[str, Any], expected: dict[str, Any], what: str)
 
 def test_local_steps_are_written_per_node_and_restored_after_a_crash(tmp_path: Path) -> None:
     root, local = tmp_path / "ckpt", tmp_path / "shm"
-    options = {"save_every": 4, "local_every": 1}
+    options = {"save_every": 4, "local_every": 1, "async_save": True}
     first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
     assert committed_steps(root) == [4]
     assert all(r["errors"] == [] and r["saved"] == 6 for r in first)
@@ -194,6 +200,7 @@ def test_a_wiped_node_without_replicas_falls_back_to_the_root(tmp_path: Path) ->
     for rank, got in enumerate(second):
         assert (got["step"], got["from"]) == (4, "root")
         _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
+    assert any("passed over step 5: no node holds shard-00002.index.json, shard-00002.safetensors" in m for m in second[0]["log"]), second[0]["log"]
 
 
 def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path) -> None:
@@ -205,3 +212,34 @@ def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path
         assert "too little space" in got["errors"][0] and "node b: 1000 bytes free" in got["errors"][0]
     assert committed_steps(root) == [2]
     assert not (local / "a").exists() or not any((local / "a").rglob("manifest.json"))
+
+
+def test_replicas_restore_a_wiped_node_from_its_peer(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1, "replicas": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    for node in ("a", "b"):  # its own files and its peer's: each node's folder holds the whole step
+        assert _files(_tier_folder(local, node) / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)
+    shutil.rmtree(local / "b")  # node b lost, its folder with it
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local")
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
+        assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
+    assert _files(_tier_folder(local, "b") / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)  # sent back to b
+
+
+def test_a_damaged_replica_is_detected_and_the_root_used(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1, "replicas": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 5, options, [4], None, work_dir=tmp_path)
+    shutil.rmtree(local / "b")
+    replica = _tier_folder(local, "a") / step_name(5) / "shard-00002.safetensors"
+    data = bytearray(replica.read_bytes())
+    data[-1] ^= 0x01  # one flipped bit in the last tensor's bytes
+    replica.write_bytes(bytes(data))
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (4, "root")
+        _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
+    assert any("step 5 does not load" in m and "the file is corrupted" in m for m in second[0]["log"]), second[0]["log"]
