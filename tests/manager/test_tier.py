@@ -243,3 +243,14 @@ def test_a_damaged_replica_is_detected_and_the_root_used(tmp_path: Path) -> None
         assert (got["step"], got["from"]) == (4, "root")
         _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
     assert any("step 5 does not load" in m and "the file is corrupted" in m for m in second[0]["log"]), second[0]["log"]
+
+
+def test_fewer_ranks_restore_from_the_tier_with_resharding(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1, "replicas": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    shutil.rmtree(local / "b")  # node b is gone; the job comes back as 2 ranks on node a
+    second = run_ranks(_restore_job, 2, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local")
+        _assert_same_state(got["state"], first[0]["recorded"][6], f"rank {rank}")

@@ -25,6 +25,9 @@ restores what the root holds at the moment it becomes the writer, never replaces
 run committed unless told to (``overwrite=True``), and a save returns on every rank only once the
 retention it triggered is done. ``read_only=True`` makes a reader for evaluation jobs: no lease,
 no writes, and a step retired under it is passed over for the next newest.
+
+``local_every=K`` adds a local tier (:mod:`.tier`): every K steps a checkpoint in each node's own
+folder (host memory by default), which ``restore`` loads when it is newer than the root's newest.
 """
 
 from __future__ import annotations
