@@ -21,6 +21,7 @@ from dist_utils import (
     assert_tensors_equal,
     full_model_state,
     full_optimizer_state,
+    launch,
     make_model,
     make_optimizer,
     rank_batch,
@@ -103,10 +104,20 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: d
 
 
 def _train_job(
-    rank: int, world_size: int, root: str, local: str, steps: int, options: dict[str, Any], record: list[int], short_on: str | None
+    rank: int,
+    world_size: int,
+    root: str,
+    local: str,
+    steps: int,
+    options: dict[str, Any],
+    record: list[int],
+    short_on: str | None,
+    crash: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps under a manager with a local tier, then stop without close() (a crash:
-    the tier is left as it was). Returns the state at each step of ``record``."""
+    the tier is left as it was). Returns the state at each step of ``record`` (also written to
+    ``rank<r>-step<s>.pt`` next to ``root``, for a job that is killed). ``crash``: (step, point):
+    arm ``SHARDSAFE_CRASH_AT`` before saving that step."""
     os.environ[NODE_ENV] = _node_of(rank)
     if short_on == _node_of(rank):  # this node's local folder reports (almost) no free space
         shardsafe.manager.tier.shutil.disk_usage = lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000)  # type: ignore[attr-defined]
@@ -119,9 +130,12 @@ def _train_job(
     for step in range(1, steps + 1):
         train_step(model, optimizer, *rank_batch(rank, step))
         state["step"] = step
+        if crash is not None and crash[0] == step:
+            os.environ["SHARDSAFE_CRASH_AT"] = crash[1]
         manager.save(step, state)
         if step in record:
             recorded[step] = _snapshot(model, optimizer, state)
+            torch.save(recorded[step], Path(root).parent / f"rank{rank}-step{step}.pt")
     manager.wait()
     assert manager._tier is not None
     return {"recorded": recorded, "errors": list(manager._tier.errors), "saved": manager._tier.saved, "rng": torch.rand(3)}
@@ -254,3 +268,17 @@ def test_fewer_ranks_restore_from_the_tier_with_resharding(tmp_path: Path) -> No
     for rank, got in enumerate(second):
         assert (got["step"], got["from"]) == (6, "local")
         _assert_same_state(got["state"], first[0]["recorded"][6], f"rank {rank}")
+
+
+def test_a_node_killed_before_its_copy_leaves_the_older_complete_step(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1}
+    crashed = launch(_train_job, 4, str(root), str(local / "{node}"), 6, options, [5], None, (6, "tier:before-copy"), work_dir=tmp_path)
+    assert not crashed.ok and crashed.exitcodes[2] == -9  # node b's leader, before its copy of step 6
+    assert _files(_tier_folder(local, "a")) == [step_name(5), step_name(6)]  # a committed step 6; b did not
+    assert [p.name for p in _tier_folder(local, "b").iterdir() if not p.name.startswith(".")] == [step_name(5)]
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (5, "local")
+        _assert_same_state(got["state"], torch.load(tmp_path / f"rank{rank}-step5.pt", weights_only=False), f"rank {rank}")
+    assert any("passed over step 6: no node holds shard-00002.index.json" in m for m in second[0]["log"]), second[0]["log"]

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from shardsafe.api.checkpoint import describe_collectively, write_checkpoint
 from shardsafe.core.comm import Comm
+from shardsafe.core.faults import crash_point
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
@@ -281,6 +282,7 @@ class LocalTier:
         problem = None
         if self.nodes.is_leader and not self.comm.is_coordinator:
             try:
+                crash_point("tier:before-copy", self.comm.rank)
                 target.commit_copy(*shared)
             except Exception as exc:
                 problem = exc
