@@ -560,7 +560,10 @@ class CheckpointManager:
         finally:
             self._worker.close()
             if self._tier is not None:
-                self._tier.close(self.latest_step() if self._tier.nodes.is_leader else None)
+                try:
+                    self._tier.close(self.latest_step() if self._tier.nodes.is_leader else None)
+                except Exception as exc:  # what is left is this node's host memory, not the root: never a failed close
+                    log.warning("shardsafe: could not remove the local tier %s: %s", self._tier.folder, exc)
             self.lease.release()
             if self._at_exit:
                 atexit.unregister(self._finish_at_exit)

@@ -211,7 +211,11 @@ class LocalTier:
         need = sum(c.tensor.numel() * c.tensor.element_size() for c in view.chunks)  # an upper bound of this rank's file
         free = None
         if self.nodes.is_leader:
-            free = self._free_bytes()
+            try:
+                free = self._free_bytes()
+            except OSError as exc:  # cannot tell: treated as no room (every rank must still reach the gather)
+                log.warning("shardsafe: local tier %s: free space unknown: %s", self.folder, exc)
+                free = 0
         reports = self.comm.all_gather((need, free))
         short = []
         for node, ranks in self.nodes.ranks_of.items():
@@ -449,7 +453,13 @@ class LocalTier:
         None, with the reason logged, when there is none or it does not load: the caller then
         restores from the root. What ``load`` raises for a state that does not fit the step (not
         the tier's fault) is raised."""
-        report = (self._held(), self._free_bytes()) if self.nodes.is_leader else None
+        report = None
+        if self.nodes.is_leader:
+            try:
+                report = (self._held(), self._free_bytes())
+            except OSError as exc:  # this node's folder cannot be read: it holds nothing (every rank must reach the gather)
+                log.warning("shardsafe: local tier %s cannot be read: %s", self.folder, exc)
+                report = ({}, 0)
         reports = self.comm.all_gather(report)
         step, digest, passed = self._choose(reports, newer_than)
         root = "the root's newest (none)" if newer_than is None else f"the root's newest (step {newer_than})"
