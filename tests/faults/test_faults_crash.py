@@ -103,8 +103,9 @@ def case_id(case: tuple[Any, bool, str, int | None]) -> str:
 def test_cases_cover_every_manager_point() -> None:
     used = {point for _, _, point, _ in DEFAULT}
     assert used == set(PER_RANK + COORDINATOR)
-    # save:between-renames is armed below (no RENAME_EXCHANGE), push:before-marker in tests/hf/test_push.py
-    assert set(POINTS) - used - {"save:between-renames", "push:before-marker"} == set(), "a fault point no test arms"
+    # save:between-renames is armed below (no RENAME_EXCHANGE), push:before-marker in tests/hf/test_push.py,
+    # tier:before-copy in tests/manager/test_tier.py
+    assert set(POINTS) - used - {"save:between-renames", "push:before-marker", "tier:before-copy"} == set(), "a fault point no test arms"
     assert {rank for _, _, _, rank in DEFAULT} == {0, 1, None}
 
 

@@ -24,7 +24,7 @@ from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers
 from shardsafe.core.rule import LayoutRule, spread_writers
 from shardsafe.core.values import encode_state
 from shardsafe.errors import SaveError, ShardsafeError
-from shardsafe.protocol.commit import agree_and_publish, new_manifest, prepare_save
+from shardsafe.protocol.commit import CommitTarget, agree_and_publish, new_manifest, prepare_save
 from shardsafe.protocol.shard_write import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
 from shardsafe.state.registry import SaveView, describe_for_save, merge_trees
@@ -126,13 +126,16 @@ def write_checkpoint(
     fsync: bool = True,
     reuse: ReuseMap | None = None,
     before_publish: Callable[[], None] | None = None,
+    target: CommitTarget | None = None,
 ) -> Path | RemoteDir:
     """Write and commit an already described state (the part an async save runs in the background).
 
     ``metadata`` is checked first, on every rank, as a load's manifest parser would check it.
     ``before_publish`` runs on the coordinator right before the commit makes the checkpoint
     visible (the lease fencing check of the manager, the Trainer and Accelerate saving); if it
-    raises, nothing is published."""
+    raises, nothing is published. ``target``: a commit target the caller has already prepared (every
+    rank its own; the manager's local tier, whose ranks write into their own node's folder);
+    default: :func:`~shardsafe.protocol.commit.prepare_save` of ``final``."""
     problem: Exception | None = None
     try:
         if metadata is not None:
@@ -140,7 +143,7 @@ def write_checkpoint(
     except Exception as exc:
         problem = exc
     comm.agree(problem)
-    target = prepare_save(comm, final, overwrite, fsync)
+    target = prepare_save(comm, final, overwrite, fsync) if target is None else target
     crash_point("save:after-prepare", comm.rank)
     layout = describe_layout(view.chunks, comm.rank, comm.world_size)
     try:

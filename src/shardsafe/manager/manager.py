@@ -25,6 +25,9 @@ restores what the root holds at the moment it becomes the writer, never replaces
 run committed unless told to (``overwrite=True``), and a save returns on every rank only once the
 retention it triggered is done. ``read_only=True`` makes a reader for evaluation jobs: no lease,
 no writes, and a step retired under it is passed over for the next newest.
+
+``local_every=K`` adds a local tier (:mod:`.tier`): every K steps a checkpoint in each node's own
+folder (host memory by default), which ``restore`` loads when it is newer than the root's newest.
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ from shardsafe.manager.catalog import (
 )
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.manager.naming import step_name
+from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR
 from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.manager.staging import SaveWorker, Staged, StagingBuffers, copy_all
+from shardsafe.manager.tier import LocalTier
 from shardsafe.protocol.shard_write import ReuseMap, reuse_map
 from shardsafe.state.registry import SaveView
 from shardsafe.storage.remote import RemoteDir
@@ -125,6 +130,9 @@ class CheckpointManager:
         dedup: bool = False,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         read_only: bool = False,
+        local_every: int | None = None,
+        local_dir: str | os.PathLike[str] = DEFAULT_LOCAL_DIR,
+        replicas: int = 0,
     ) -> None:
         """``dedup``: a chunk whose bytes equal its counterpart in the newest earlier checkpoint is
         referenced rather than written (frozen weights of a fine-tune are stored once); costs one
@@ -138,7 +146,13 @@ class CheckpointManager:
 
         ``read_only``: never take the lease, never write or delete (``restore`` and the queries
         only), so it can run while another job writes the root; not with ``handle_preemption``
-        (whose point is a final save)."""
+        (whose point is a final save).
+
+        ``local_every``: every K steps also a checkpoint in each node's own folder ``local_dir``
+        (``{node}`` in it is replaced by the rank's node id, ``$SHARDSAFE_NODE`` or the hostname;
+        default ``/dev/shm/shardsafe-{node}``, host memory), which :meth:`restore` loads when it is
+        newer than the root's newest; ``replicas``: how many other nodes keep a copy of each
+        node's files there (docs/MANAGER.md, *Local tier*; :mod:`.tier`)."""
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         if keep_best is not None and best_metric is None:
@@ -148,6 +162,12 @@ class CheckpointManager:
         _optional_count("save_every", save_every, 1)
         _optional_count("keep_last", keep_last, 0)
         _optional_count("keep_best", keep_best, 0)
+        _optional_count("local_every", local_every, 1)
+        _optional_count("replicas", replicas, 0)
+        if read_only and local_every is not None:
+            raise ValueError("read_only=True saves nothing, so it has no local tier (local_every)")
+        if replicas and local_every is None:
+            raise ValueError("replicas copies the local tier's steps to other nodes: it needs local_every")
         if read_only and handle_preemption:
             raise ValueError("read_only=True saves nothing, so handle_preemption (a final save on SIGTERM) cannot be honoured")
         self.root = location(root)
@@ -161,6 +181,8 @@ class CheckpointManager:
         self.comm = get_comm(process_group)
         self.lease = RootLease(self.root, self.comm, timeout=lease_timeout)
         self._background_comm = self._make_background_comm() if async_save and not read_only else self.comm
+        self._tier = LocalTier(where(self.root), self._make_background_comm(), local_every, local_dir, replicas, fsync) if local_every else None
+        self.restored_from: str | None = None  # "local" or "root": where the last restore() loaded from
         self._staging = StagingBuffers()
         self._manifests = ManifestCache()
         self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already warned about
@@ -222,6 +244,9 @@ class CheckpointManager:
         self._check_writable(f"save step {step}")
         self._raise_background_error()
         preempted = self._agree_on_preemption()
+        if self._tier is not None and not preempted and self._tier.due(step):
+            self.lease.ensure()
+            self._tier.save(step, state, self._metadata(step, metrics))
         if not (force or preempted or self.should_save(step)):
             return False
         self.wait()
@@ -229,10 +254,7 @@ class CheckpointManager:
         self._check_best_metric(step, metrics)
         if self.dedup:
             self._check_not_referenced(step)
-        written_by = self.lease.metadata()
-        metadata = {
-            META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode, **written_by}
-        }
+        metadata = self._metadata(step, metrics)
         view = self._describe_and_check(step, state, overwrite)
         if not self.async_save or preempted:
             self._write(step, view, metadata)
@@ -251,6 +273,10 @@ class CheckpointManager:
             self.stop_requested = True
             log.warning("shardsafe: signal %s received; saved step %d, stop training now", self._preempt_signal, step)
         return True
+
+    def _metadata(self, step: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
+        written_by = self.lease.metadata()
+        return {META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode, **written_by}}
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
@@ -419,15 +445,28 @@ class CheckpointManager:
         self.wait()
         if not self.read_only:
             self.lease.ensure()
+        self.restored_from = None
+        tier = "root"
         if step is not None:
             self._load(step, state, strict)
         else:
-            found = self._restore_newest(state, strict)
+            found = self._restore_local(state, strict)
+            if found is not None:
+                tier = "local"
+            else:
+                found = self._restore_newest(state, strict)
             if found is None:
                 return None
             step = found
+        self.restored_from = tier
         self._restored.add(step)
         return step
+
+    def _restore_local(self, state: dict[str, Any], strict: bool) -> int | None:
+        """The local tier's newest complete step, if it is newer than the root's newest committed one."""
+        if self._tier is None:
+            return None
+        return self._tier.restore(self._newest_except({}), lambda folder: load(folder, state, process_group=self.comm.group, strict=strict))
 
     def _restore_newest(self, state: dict[str, Any], strict: bool) -> int | None:
         """The newest step that loads, listing again after each failure (a reader's root can change meanwhile)."""
@@ -520,6 +559,11 @@ class CheckpointManager:
             self.wait()
         finally:
             self._worker.close()
+            if self._tier is not None:
+                try:
+                    self._tier.close(self.latest_step() if self._tier.nodes.is_leader else None)
+                except Exception as exc:  # what is left is this node's host memory, not the root: never a failed close
+                    log.warning("shardsafe: could not remove the local tier %s: %s", self._tier.folder, exc)
             self.lease.release()
             if self._at_exit:
                 atexit.unregister(self._finish_at_exit)

@@ -1,0 +1,573 @@
+"""The local tier: every ``local_every`` steps a checkpoint in each node's own folder, restored when newer than the root's.
+
+One local step is one ordinary shardsafe checkpoint (same format, block hashes, ``state.json``
+with the data position, RNG and schedulers), written by the same collective write path as a
+persistent one (:func:`~shardsafe.api.save.write_checkpoint`), but spread over the nodes: each
+node has its own folder ``node_dir(local_dir, node) / <root name>-<root digest>`` (a tmpfs by
+default, :data:`~shardsafe.manager.nodes.DEFAULT_LOCAL_DIR`), and holds
+
+* the shard files (and indexes) of its own ranks, each written by its rank, and
+* its own copy of the shared files, ``state.json`` and ``manifest.json``.
+
+Who writes what (:class:`NodeCommit`): each node's leader (its lowest rank) creates the hidden
+temporary step folder in its node's folder, every rank writes its own files into its node's; the
+coordinator (rank 0, the leader of its node) builds and checks the manifest as always, commits its
+own node's folder, and then sends the two shared files' bytes to the other leaders (one
+broadcast), which write their copies and publish their folders by the same rename. Each node's
+folder is committed atomically; the *step* exists in the tier when the union of the node folders
+holding the same manifest (equal bytes: the same save) has every file that manifest names.
+
+With ``replicas=R`` each node's files are then also sent (over the tier's own gloo group, point to
+point) to the next ``R`` nodes (in the order of their lowest ranks, a ring) and written into their
+step folders next to their own files, so a node whose folder is lost can be restored from its
+peers' copies.
+
+Restore (:meth:`LocalTier.restore`): every leader reports the steps its folder holds and which of
+their files are present (whole: received files are renamed into place), the ranks pick the newest
+step newer than the persistent root's newest whose files the nodes hold between them, each node's
+missing files are sent to it by a node holding them (so every node's folder then holds the whole
+step), and every rank loads from its own node's folder, verifying block hashes as any load does.
+Damage found there (a missing file, a hash mismatch) means the persistent root is used instead.
+
+Retention: a node's folder holds the newest step saved everywhere and the one being written; the
+older ones are removed once a new step is complete (replicas included). Before each save the
+ranks check (``shutil.disk_usage``) that every node's folder has room for its share; if one has
+not, the local save is skipped with a warning. :meth:`LocalTier.close` removes the folders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardsafe.api.checkpoint import describe_collectively, write_checkpoint
+from shardsafe.core.comm import Comm
+from shardsafe.core.faults import crash_point
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
+from shardsafe.core.integrity import hash_bytes
+from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, SaveError, ShardsafeError
+from shardsafe.manager.naming import STEP_NAMING, step_name
+from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NodeMap, gather_nodes, node_dir
+from shardsafe.protocol.commit import LocalCommit
+from shardsafe.protocol.temppath import TemporaryPath, hidden_sibling, is_hidden_temp, retire_folder
+from shardsafe.state.registry import SaveView
+from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, tensor_bytes, write_small_file
+
+__all__ = ["DEFAULT_LOCAL_DIR", "LocalTier", "NodeCommit", "tier_folder_name"]
+
+log = logging.getLogger("shardsafe")
+
+PIECE_BYTES = 64 << 20  # one point-to-point message of a file being sent
+MARGIN_BYTES = 16 << 20  # headroom a node's folder keeps beyond what a save or restore writes there
+_DAMAGE = (IntegrityError, FormatError, CheckpointNotFoundError)  # a tier step that does not load: use the root
+
+
+def tier_folder_name(root: str) -> str:
+    """The folder of one root's local steps inside a node's ``local_dir``: ``<last part>-<digest>``,
+    so two jobs on one host with different roots never share one (one root has one writer: the lease)."""
+    tail = root.rstrip("/").rsplit("/", 1)[-1] or "root"
+    tail = "".join(c if c.isalnum() or c in "._-" else "_" for c in tail).lstrip(".")[:64] or "root"
+    return f"{tail}-{hashlib.blake2b(root.encode(), digest_size=6).hexdigest()}"
+
+
+class NodeCommit(LocalCommit):
+    """A :class:`LocalCommit` into this rank's own node's hidden step folder (its leader owns it).
+
+    The coordinator commits its node's folder as any checkpoint and keeps the shared files' bytes
+    (:attr:`shared`); every other leader then commits its copy with :meth:`commit_copy`."""
+
+    shared: tuple[str, bytes, bytes] | None = None  # (state file name, state bytes, manifest bytes), coordinator
+
+    def commit(self, state_bytes: bytes, manifest: Manifest, rank: int) -> None:
+        data = manifest.to_bytes()
+        super().commit(state_bytes, manifest, rank)
+        self.shared = (manifest.state_file, state_bytes, data)
+
+    def commit_copy(self, state_name: str, state_bytes: bytes, manifest_bytes: bytes) -> None:
+        """A non-coordinator leader: the shared files into this node's folder, then its publish."""
+        write_small_file(self.tmp / state_name, state_bytes, self.fsync)
+        write_small_file(self.tmp / MANIFEST_NAME, manifest_bytes, self.fsync)
+        self.temp.publish()
+
+
+@dataclass(frozen=True)
+class Move:
+    """One file sent whole from one rank to another (group ranks of the tier's comm)."""
+
+    name: str
+    size: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one node's folder holds of one step (its leader's report)."""
+
+    digest: str  # of the manifest's bytes: equal digests, same save
+    needed: dict[str, int]  # every file the manifest names (with manifest.json), and its size
+    present: frozenset[str]  # those of them in the folder, whole
+
+
+def _raise_if_any(comm: Comm, problem: BaseException | None, what: str) -> None:
+    """Collective: if any rank reports a problem, every rank raises the same SaveError."""
+    mine = None if problem is None else f"rank {comm.rank}: {type(problem).__name__}: {problem}"
+    bad = [m for m in comm.all_gather(mine) if m is not None]
+    if bad:
+        raise SaveError(f"{what}: " + "; ".join(bad)) from problem
+
+
+def _needed(manifest: Manifest, manifest_bytes: bytes) -> dict[str, int]:
+    out = {name: entry.size for name, entry in manifest.files.items()}
+    out.update({e.index.file: e.index.size for e in manifest.files.values() if e.index is not None})
+    out[manifest.state_file] = manifest.state_size
+    out[MANIFEST_NAME] = len(manifest_bytes)
+    return out
+
+
+def _written_by(manifest: Manifest, rank: int) -> list[str]:
+    """The files rank ``rank`` wrote (its shard and its index)."""
+    out = []
+    for name, entry in sorted(manifest.files.items()):
+        if entry.rank == rank:
+            out.append(name)
+            if entry.index is not None:
+                out.append(entry.index.file)
+    return out
+
+
+class LocalTier:
+    """The local tier of one :class:`~shardsafe.CheckpointManager` (see the module docstring).
+
+    ``comm``: the tier's own gloo communicator (a side group: its collectives and file transfers
+    never queue behind the training's). Collective methods: :meth:`save`, :meth:`restore`."""
+
+    def __init__(
+        self, root: str, comm: Comm, every: int, local_dir: str | os.PathLike[str] = DEFAULT_LOCAL_DIR, replicas: int = 0, fsync: bool = True
+    ) -> None:
+        self.comm = comm
+        self.every = every
+        self.replicas = replicas
+        self.fsync = fsync
+        self.nodes: NodeMap = gather_nodes(comm)
+        self.folder = node_dir(local_dir, self.nodes.node) / tier_folder_name(root)
+        self.errors: list[str] = []  # local saves that failed or were skipped (logged, never raised)
+        self.saved: int | None = None  # the newest step this run saved into the tier everywhere
+        if replicas and len(self.nodes.nodes) <= replicas and comm.is_coordinator:
+            log.warning(
+                "shardsafe: local tier: replicas=%d needs more than %d node(s); each node keeps only its own files",
+                replicas,
+                len(self.nodes.nodes),
+            )
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def step_folder(self, step: int) -> Path:
+        return self.folder / step_name(step)
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> bool:
+        """Collective: ``state`` as ``step`` in every node's folder (and its replicas). Returns True
+        when the step is complete in the tier. A state no load would accept raises, as a save does;
+        a failure to write (or too little space) is logged and kept in :attr:`errors`, not raised."""
+        view = describe_collectively(state, self.comm, default=SaveError)
+        if not self._room_for(step, view):
+            return False
+        try:
+            target = self._prepare(step)
+            try:
+                write_checkpoint(self.step_folder(step), view, self.comm, overwrite=True, metadata=metadata, fsync=self.fsync, target=target)
+                manifest_bytes = self._publish_copies(target)
+            except BaseException:
+                target.abort()
+                raise
+            if self.replicas:
+                self._replicate(step, manifest_bytes)
+            self._prune(keep=step)
+        except ShardsafeError as exc:  # every rank raised the same error (each step is agreed)
+            self._failed(f"step {step}: local save failed: {exc}")
+            return False
+        self.saved = step
+        return True
+
+    def _failed(self, message: str) -> None:
+        self.errors.append(message)
+        if self.comm.is_coordinator:
+            log.warning("shardsafe: local tier %s: %s (the persistent root is unaffected)", self.folder, message)
+
+    def _room_for(self, step: int, view: SaveView) -> bool:
+        """Collective: whether every node's folder has room for its ranks' files (and the replicas it keeps)."""
+        need = sum(c.tensor.numel() * c.tensor.element_size() for c in view.chunks)  # an upper bound of this rank's file
+        free = None
+        if self.nodes.is_leader:
+            try:
+                free = self._free_bytes()
+            except OSError as exc:  # cannot tell: treated as no room (every rank must still reach the gather)
+                log.warning("shardsafe: local tier %s: free space unknown: %s", self.folder, exc)
+                free = 0
+        reports = self.comm.all_gather((need, free))
+        short = []
+        for node, ranks in self.nodes.ranks_of.items():
+            share = sum(reports[r][0] for r in ranks)
+            held = share + sum(self._peer_share(node, reports)) + MARGIN_BYTES
+            free_there = reports[ranks[0]][1]
+            if free_there is not None and free_there < held:
+                short.append(f"node {node}: {free_there} bytes free, {held} needed")
+        if short:
+            self._failed(f"step {step}: local save skipped, too little space: " + "; ".join(short))
+            return False
+        return True
+
+    def _peer_share(self, node: str, reports: list[tuple[int, int | None]]) -> Iterable[int]:
+        """The bytes of the nodes whose replicas ``node`` keeps."""
+        for peer in self._replica_sources(node):
+            yield sum(reports[r][0] for r in self.nodes.ranks_of[peer])
+
+    def _replica_sources(self, node: str) -> list[str]:
+        """The nodes whose files ``node`` keeps a copy of (the ``replicas`` nodes before it in the ring)."""
+        order = list(self.nodes.nodes)
+        i, n = order.index(node), len(order)
+        return [order[(i - j) % n] for j in range(1, min(self.replicas, n - 1) + 1)]
+
+    def _replica_targets(self, node: str) -> list[str]:
+        order = list(self.nodes.nodes)
+        i, n = order.index(node), len(order)
+        return [order[(i + j) % n] for j in range(1, min(self.replicas, n - 1) + 1)]
+
+    def _free_bytes(self) -> int:
+        probe = self.folder
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        return shutil.disk_usage(probe).free
+
+    def _prepare(self, step: int) -> NodeCommit:
+        """Collective: each leader creates its node's hidden step folder; every rank gets a handle on its node's."""
+        final = self.step_folder(step)
+        temp: TemporaryPath | None = None
+        problem: BaseException | None = None
+        if self.nodes.is_leader:
+            try:
+                self._remove_leftovers()
+                temp = TemporaryPath.create(final, fsync=self.fsync)
+            except Exception as exc:  # shared below
+                problem = exc
+        names = self.comm.all_gather(str(temp.path) if temp is not None else None)
+        try:
+            _raise_if_any(self.comm, problem, "local tier: cannot create the step folder")
+        except SaveError:
+            if temp is not None:
+                temp.remove()
+            raise
+        mine = names[self.nodes.leader()]
+        return NodeCommit(temp if temp is not None else TemporaryPath.attach(Path(mine), final, owner=False, fsync=self.fsync))
+
+    def _remove_leftovers(self) -> None:
+        """Leader, before a save: hidden folders an interrupted save or restore of this tier left."""
+        if self.folder.is_dir():
+            for entry in self.folder.iterdir():
+                if is_hidden_temp(entry.name):
+                    remove_tree(entry)
+
+    def _publish_copies(self, target: NodeCommit) -> bytes:
+        """Collective, after the coordinator's commit: the other leaders write and publish their copies.
+        Returns the manifest's bytes (every rank)."""
+        shared = self.comm.broadcast(target.shared)
+        problem = None
+        if self.nodes.is_leader and not self.comm.is_coordinator:
+            try:
+                crash_point("tier:before-copy", self.comm.rank)
+                target.commit_copy(*shared)
+            except Exception as exc:
+                problem = exc
+        _raise_if_any(self.comm, problem, "local tier: a node could not commit its copy")
+        return bytes(shared[2])
+
+    def _replicate(self, step: int, manifest_bytes: bytes) -> None:
+        """Collective: each rank's files to the leaders of the next ``replicas`` nodes."""
+        manifest = parse_manifest(manifest_bytes, "the local step's manifest")
+        sizes = _needed(manifest, manifest_bytes)
+        moves = []
+        for node, ranks in self.nodes.ranks_of.items():
+            for peer in self._replica_targets(node):
+                for r in ranks:
+                    moves += [Move(name, sizes[name], r, self.nodes.leader(peer)) for name in _written_by(manifest, r)]
+        folder = self.step_folder(step)
+        problem = self._transfer(moves, lambda name: folder / name, lambda name: folder / name)
+        _raise_if_any(self.comm, problem, f"local tier: replicas of step {step}")
+
+    def _prune(self, keep: int) -> None:
+        """Collective: every leader removes its other steps (``keep`` is complete everywhere now)."""
+        problem = None
+        if self.nodes.is_leader:
+            try:
+                for step in self._steps():
+                    if step != keep:
+                        retire_folder(self.step_folder(step), self.fsync)
+            except Exception as exc:
+                problem = exc
+        _raise_if_any(self.comm, problem, "local tier: removing older steps")
+
+    def _steps(self) -> list[int]:
+        """Steps with a folder in this node's tier folder (committed or not), ascending."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(s for s in (STEP_NAMING.parse(p.name) for p in self.folder.iterdir()) if s is not None)
+
+    # ------------------------------------------------------------------ transfer
+
+    def _global(self, rank: int) -> int:
+        return rank if self.comm.group is dist.GroupMember.WORLD else dist.get_global_rank(self.comm.group, rank)
+
+    def _transfer(self, moves: list[Move], source: Callable[[str], Path], dest: Callable[[str], Path]) -> BaseException | None:
+        """Every rank, in the same order: send the moves it is the source of, receive those it is the
+        destination of (blocking point-to-point; in one global order no pair waits on a third).
+        A received file lands under a hidden name and is renamed into place only when whole and
+        its sender read it without error; a sender that fails still sends its bytes' worth (and
+        the flag), so no receiver waits forever. Returns this rank's first problem."""
+        problem: BaseException | None = None
+        for move in moves:
+            if move.src == move.dst:
+                continue
+            if self.comm.rank == move.src:
+                problem = self._send(move, source(move.name)) or problem
+            elif self.comm.rank == move.dst:
+                problem = self._receive(move, dest(move.name)) or problem
+        return problem
+
+    def _send(self, move: Move, path: Path) -> BaseException | None:
+        problem: BaseException | None = None
+        fd = None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            if os.fstat(fd).st_size != move.size:
+                raise IntegrityError(f"{path}: {os.fstat(fd).st_size} bytes, the manifest says {move.size}")
+        except Exception as exc:
+            problem = exc
+        try:
+            offset = 0
+            while offset < move.size:
+                piece = torch.zeros(min(PIECE_BYTES, move.size - offset), dtype=torch.uint8)
+                if problem is None and fd is not None:
+                    try:
+                        _read_exactly(fd, tensor_bytes(piece), offset, path)
+                    except Exception as exc:
+                        problem = exc
+                dist.send(piece, group=self.comm.group, group_dst=move.dst)
+                offset += piece.numel()
+            dist.send(torch.tensor([0 if problem is None else 1], dtype=torch.uint8), group=self.comm.group, group_dst=move.dst)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        return problem
+
+    def _receive(self, move: Move, path: Path) -> BaseException | None:
+        problem: BaseException | None = None
+        tmp = hidden_sibling(path)
+        fd = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except Exception as exc:
+            problem = exc
+        try:
+            offset = 0
+            while offset < move.size:
+                piece = torch.empty(min(PIECE_BYTES, move.size - offset), dtype=torch.uint8)
+                dist.recv(piece, group=self.comm.group, group_src=move.src)
+                if problem is None and fd is not None:
+                    try:
+                        _write_all(fd, tensor_bytes(piece))
+                    except Exception as exc:
+                        problem = exc
+                offset += piece.numel()
+            flag = torch.zeros(1, dtype=torch.uint8)
+            dist.recv(flag, group=self.comm.group, group_src=move.src)
+            if flag.item() and problem is None:
+                problem = SaveError(f"rank {move.src} could not read {move.name} to send it")
+            if fd is not None:
+                if problem is None and self.fsync:
+                    os.fsync(fd)
+                os.close(fd)
+                fd = None
+            if problem is None:
+                os.replace(tmp, path)
+                if self.fsync:
+                    fsync_dir(path.parent)
+        except Exception as exc:
+            problem = problem or exc
+        finally:
+            if fd is not None:
+                os.close(fd)
+            if problem is not None:
+                tmp.unlink(missing_ok=True)
+        return problem
+
+    # ------------------------------------------------------------------ restore
+
+    def _held(self) -> dict[int, Held]:
+        """Leader: what this node's folder holds of each committed step."""
+        out: dict[int, Held] = {}
+        for step in self._steps():
+            folder = self.step_folder(step)
+            try:
+                data = read_small_file(folder / MANIFEST_NAME, MAX_JSON_BYTES)
+                needed = _needed(parse_manifest(data, str(folder / MANIFEST_NAME)), data)
+            except (OSError, ShardsafeError):  # no manifest (not committed here) or a damaged one
+                continue
+            present = frozenset(name for name, size in needed.items() if _size_of(folder / name) == size)
+            out[step] = Held(hash_bytes(data), needed, present)
+        return out
+
+    def _choose(self, reports: list[tuple[dict[int, Held], int] | None], newer_than: int | None) -> tuple[int | None, str, list[str]]:
+        """The newest step newer than ``newer_than`` whose files the nodes hold between them (every
+        rank decides alike from the leaders' reports): (step or None, its manifest digest, why
+        newer steps were passed over)."""
+        held = {self.nodes.node_of[r]: rep[0] for r, rep in enumerate(reports) if rep is not None}
+        steps = sorted({s for h in held.values() for s in h if newer_than is None or s > newer_than}, reverse=True)
+        passed: list[str] = []
+        for step in steps:
+            for digest in sorted({h[step].digest for h in held.values() if step in h}):
+                copies = [h[step] for h in held.values() if step in h and h[step].digest == digest]
+                have = frozenset().union(*(c.present for c in copies))
+                missing = sorted(set(copies[0].needed) - have)
+                if not missing:
+                    return step, digest, passed
+                more = " ..." if len(missing) > 3 else ""
+                passed.append(f"step {step}: no node holds {', '.join(missing[:3])}{more}")
+        return None, "", passed
+
+    def restore(self, newer_than: int | None, load: Callable[[Path], object]) -> int | None:
+        """Collective: load the newest complete step of the tier newer than ``newer_than`` (the
+        root's newest committed step) with ``load(folder)`` (this rank's node's folder of it).
+        None, with the reason logged, when there is none or it does not load: the caller then
+        restores from the root. What ``load`` raises for a state that does not fit the step (not
+        the tier's fault) is raised."""
+        report = None
+        if self.nodes.is_leader:
+            try:
+                report = (self._held(), self._free_bytes())
+            except OSError as exc:  # this node's folder cannot be read: it holds nothing (every rank must reach the gather)
+                log.warning("shardsafe: local tier %s cannot be read: %s", self.folder, exc)
+                report = ({}, 0)
+        reports = self.comm.all_gather(report)
+        step, digest, passed = self._choose(reports, newer_than)
+        root = "the root's newest (none)" if newer_than is None else f"the root's newest (step {newer_than})"
+        if passed and self.comm.is_coordinator:
+            log.warning("shardsafe: local tier: passed over %s", "; ".join(passed))
+        if step is None:
+            if self.comm.is_coordinator:
+                log.info("shardsafe: local tier holds no complete step newer than %s; restoring from the root", root)
+            return None
+        try:
+            self._complete(step, digest, reports)
+        except SaveError as exc:
+            if self.comm.is_coordinator:
+                log.warning("shardsafe: local tier: step %d could not be gathered onto every node (%s); restoring from the root", step, exc)
+            return None
+        try:
+            load(self.step_folder(step))
+        except _DAMAGE as exc:
+            if self.comm.is_coordinator:
+                log.warning("shardsafe: local tier: step %d does not load (%s); restoring from the root", step, exc)
+            return None
+        if self.comm.is_coordinator:
+            log.info("shardsafe: restored step %d from the local tier (newer than %s)", step, root)
+        return step
+
+    def _complete(self, step: int, digest: str, reports: list[tuple[dict[int, Held], int] | None]) -> None:
+        """Collective: every node's folder gets the files of ``step`` it lacks, from nodes holding them."""
+        held: dict[str, Held | None] = {}
+        free: dict[str, int] = {}
+        for r, rep in enumerate(reports):
+            if rep is not None:
+                h = rep[0].get(step)
+                held[self.nodes.node_of[r]] = h if h is not None and h.digest == digest else None
+                free[self.nodes.node_of[r]] = rep[1]
+        needed = next(h.needed for h in held.values() if h is not None)
+        holders = {name: [n for n, h in held.items() if h is not None and name in h.present] for name in needed}
+        moves: list[Move] = []
+        short = []
+        order = sorted(needed, key=lambda name: (name == MANIFEST_NAME, name))  # the manifest last: it commits a new folder
+        for i, node in enumerate(self.nodes.nodes):
+            h = held[node]
+            lacking = [name for name in order if h is None or name not in h.present]
+            if sum(needed[name] for name in lacking) + MARGIN_BYTES > free[node] and lacking:
+                short.append(f"node {node}: {free[node]} bytes free")
+            for j, name in enumerate(lacking):
+                source = holders[name][(i + j) % len(holders[name])]
+                moves.append(Move(name, needed[name], self.nodes.leader(source), self.nodes.leader(node)))
+        if short:
+            raise SaveError("too little space: " + "; ".join(short))
+        mine = held[self.nodes.node]
+        temp: TemporaryPath | None = None
+        problem: BaseException | None = None
+        if self.nodes.is_leader and mine is None and any(m.dst == self.comm.rank for m in moves):
+            try:  # no copy of this save here (none, or another save of the step): a new folder, published whole
+                temp = TemporaryPath.create(self.step_folder(step), fsync=self.fsync)
+            except Exception as exc:
+                problem = exc
+        _raise_if_any(self.comm, problem, f"local tier: preparing step {step}")
+        here = self.step_folder(step)
+        into = temp.path if temp is not None else here
+        problem = self._transfer(moves, lambda name: here / name, lambda name: into / name)
+        if temp is not None:
+            try:
+                if problem is None:
+                    temp.publish()
+            except Exception as exc:
+                problem = exc
+            finally:
+                temp.remove()
+        _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
+
+    # ------------------------------------------------------------------ close
+
+    def close(self, root_newest: int | None) -> None:
+        """Leaders: remove this node's tier folder (warning when it held a step newer than the root's newest)."""
+        if not self.nodes.is_leader or not self.folder.exists():
+            return
+        newer = [s for s in self._steps() if root_newest is None or s > root_newest]
+        if newer and self.comm.is_coordinator:
+            log.warning(
+                "shardsafe: closing: local step %d is discarded; the persistent root's newest is %s (save(..., force=True) before closing keeps it)",
+                newer[-1],
+                root_newest,
+            )
+        remove_tree(self.folder)
+        try:
+            self.folder.parent.rmdir()  # the node's folder, when no other root's tier is in it
+        except OSError:
+            pass
+
+
+def _size_of(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, where: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise IntegrityError(f"{where}: shorter than the manifest says")
+        done += n
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.write(fd, view)
+        view = view[n:]

@@ -1,0 +1,284 @@
+"""The local tier of CheckpointManager: node ids, per-node folders, restore from the fastest complete tier.
+
+Four gloo ranks play two "nodes" (``SHARDSAFE_NODE`` = a for ranks 0-1, b for ranks 2-3), each
+node with its own folder (``local_dir`` holds ``{node}``), all on this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from dist_utils import (
+    assert_optimizer_equal,
+    assert_tensors_equal,
+    full_model_state,
+    full_optimizer_state,
+    launch,
+    make_model,
+    make_optimizer,
+    rank_batch,
+    run_ranks,
+    shard,
+    train_step,
+)
+from shardsafe.core.comm import get_comm
+from shardsafe.manager.catalog import committed_steps
+from shardsafe.manager.naming import step_name
+from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NODE_ENV, NodeMap, gather_nodes, node_dir, node_id
+
+
+def _node_of(rank: int) -> str:
+    return "a" if rank < 2 else "b"
+
+
+def _nodes_job(rank: int, world_size: int) -> dict[str, Any]:
+    os.environ[NODE_ENV] = _node_of(rank)
+    nodes = gather_nodes(get_comm())
+    return {
+        "node_of": nodes.node_of,
+        "ranks_of": dict(nodes.ranks_of),
+        "node": nodes.node,
+        "leader": nodes.leader(),
+        "is_leader": nodes.is_leader,
+        "leaders": nodes.leaders,
+    }
+
+
+def test_node_map_of_four_ranks_as_two_simulated_nodes(tmp_path: Path) -> None:
+    results = run_ranks(_nodes_job, 4, work_dir=tmp_path)
+    for rank, got in enumerate(results):
+        assert got["node_of"] == ("a", "a", "b", "b")
+        assert got["ranks_of"] == {"a": (0, 1), "b": (2, 3)}
+        assert got["node"] == _node_of(rank)
+        assert got["leader"] == (0 if rank < 2 else 2)
+        assert got["is_leader"] == (rank in (0, 2))
+        assert got["leaders"] == (0, 2)
+
+
+def _bad_node_job(rank: int, world_size: int) -> str:
+    os.environ[NODE_ENV] = "../escape" if rank == 1 else "ok"
+    try:
+        gather_nodes(get_comm())
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_unusable_node_id_fails_every_rank_alike(tmp_path: Path) -> None:
+    results = run_ranks(_bad_node_job, 2, work_dir=tmp_path)
+    assert results[0] == results[1] and results[0].startswith("rank 1: SHARDSAFE_NODE='../escape'")
+
+
+def test_node_id_and_folder_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NODE_ENV, "node-7")
+    assert node_id() == "node-7"
+    assert node_dir(DEFAULT_LOCAL_DIR, node_id()) == Path("/dev/shm/shardsafe-node-7")
+    assert node_dir("/tmp/fixed", "x") == Path("/tmp/fixed")
+    monkeypatch.delenv(NODE_ENV)
+    assert node_id() and "/" not in node_id()
+    single = NodeMap.from_ids(["h"], 0)
+    assert single.is_leader and single.leaders == (0,) and single.nodes == ("h",)
+
+
+# ----------------------------------------------------------------------------- the local tier
+
+SHARDS = {node: [f"shard-{r:05d}.{kind}" for r in ranks for kind in ("index.json", "safetensors")] for node, ranks in (("a", (0, 1)), ("b", (2, 3)))}
+SHARED = ["manifest.json", "state.json"]
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model, "optim": optimizer, "rng": shardsafe.RNGState(), "step": 0}
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """Collective: the whole model and optimizer state, the step and this rank's RNG draw."""
+    return {"model": full_model_state(model), "optim": full_optimizer_state(model, optimizer), "step": state["step"]}
+
+
+def _train_job(
+    rank: int,
+    world_size: int,
+    root: str,
+    local: str,
+    steps: int,
+    options: dict[str, Any],
+    record: list[int],
+    short_on: str | None,
+    crash: tuple[int, str] | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` steps under a manager with a local tier, then stop without close() (a crash:
+    the tier is left as it was). Returns the state at each step of ``record`` (also written to
+    ``rank<r>-step<s>.pt`` next to ``root``, for a job that is killed). ``crash``: (step, point):
+    arm ``SHARDSAFE_CRASH_AT`` before saving that step."""
+    os.environ[NODE_ENV] = _node_of(rank)
+    if short_on == _node_of(rank):  # this node's local folder reports (almost) no free space
+        shardsafe.manager.tier.shutil.disk_usage = lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000)  # type: ignore[attr-defined]
+    model = shard(make_model(0), world_size)
+    optimizer = make_optimizer(model)
+    state = _state(model, optimizer)
+    torch.manual_seed(100 + rank)
+    manager = shardsafe.CheckpointManager(root, local_dir=local, **options)
+    recorded = {}
+    for step in range(1, steps + 1):
+        train_step(model, optimizer, *rank_batch(rank, step))
+        state["step"] = step
+        if crash is not None and crash[0] == step:
+            os.environ["SHARDSAFE_CRASH_AT"] = crash[1]
+        manager.save(step, state)
+        if step in record:
+            recorded[step] = _snapshot(model, optimizer, state)
+            torch.save(recorded[step], Path(root).parent / f"rank{rank}-step{step}.pt")
+    manager.wait()
+    assert manager._tier is not None
+    return {"recorded": recorded, "errors": list(manager._tier.errors), "saved": manager._tier.saved, "rng": torch.rand(3)}
+
+
+def _restore_job(rank: int, world_size: int, root: str, local: str, options: dict[str, Any], close: bool) -> dict[str, Any]:
+    os.environ[NODE_ENV] = _node_of(rank)
+    model = shard(make_model(7), world_size)
+    optimizer = make_optimizer(model)
+    state = _state(model, optimizer)
+    manager = shardsafe.CheckpointManager(root, local_dir=local, **options)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardsafe").addHandler(handler)
+    step = manager.restore(state)
+    logging.getLogger("shardsafe").removeHandler(handler)
+    out = {"step": step, "from": manager.restored_from, "state": _snapshot(model, optimizer, state), "rng": torch.rand(3), "log": messages}
+    if close:
+        manager.close()
+    return out
+
+
+def _tier_folder(local: Path, node: str) -> Path:
+    (folder,) = (local / node).iterdir()  # one root's tier folder per node
+    return folder
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _assert_same_state(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    assert got["step"] == expected["step"], what
+    assert_tensors_equal(got["model"], expected["model"], f"{what} model")
+    assert_optimizer_equal(got["optim"], expected["optim"], f"{what} optim")
+
+
+def test_local_steps_are_written_per_node_and_restored_after_a_crash(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1, "async_save": True}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    assert committed_steps(root) == [4]
+    assert all(r["errors"] == [] and r["saved"] == 6 for r in first)
+    for node in ("a", "b"):  # the newest step only; each node its own ranks' shards and its copy of the shared files
+        folder = _tier_folder(local, node)
+        assert _files(folder) == [step_name(6)]
+        assert _files(folder / step_name(6)) == sorted(SHARDS[node] + SHARED)
+    manifest_a = (_tier_folder(local, "a") / step_name(6) / "manifest.json").read_bytes()
+    assert manifest_a == (_tier_folder(local, "b") / step_name(6) / "manifest.json").read_bytes()
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, True, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local")
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
+        assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
+    assert not (local / "a").exists() and not (local / "b").exists()  # close() removed the tier
+
+
+def test_root_newer_than_every_local_step_is_restored_from_the_root(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 3, "local_every": 4}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    assert committed_steps(root) == [3, 6] and _files(_tier_folder(local, "a")) == [step_name(4)]
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "root")
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
+
+
+def test_a_wiped_node_without_replicas_falls_back_to_the_root(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 5, options, [4], None, work_dir=tmp_path)
+    shutil.rmtree(local / "b")
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (4, "root")
+        _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
+    assert any("passed over step 5: no node holds shard-00002.index.json, shard-00002.safetensors" in m for m in second[0]["log"]), second[0]["log"]
+
+
+def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 2, "local_every": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 2, options, [], "b", work_dir=tmp_path)
+    for got in first:
+        assert got["saved"] is None and len(got["errors"]) == 2
+        assert "too little space" in got["errors"][0] and "node b: 1000 bytes free" in got["errors"][0]
+    assert committed_steps(root) == [2]
+    assert not (local / "a").exists() or not any((local / "a").rglob("manifest.json"))
+
+
+def test_replicas_restore_a_wiped_node_from_its_peer(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1, "replicas": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    for node in ("a", "b"):  # its own files and its peer's: each node's folder holds the whole step
+        assert _files(_tier_folder(local, node) / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)
+    shutil.rmtree(local / "b")  # node b lost, its folder with it
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local")
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
+        assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
+    assert _files(_tier_folder(local, "b") / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)  # sent back to b
+
+
+def test_a_damaged_replica_is_detected_and_the_root_used(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1, "replicas": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 5, options, [4], None, work_dir=tmp_path)
+    shutil.rmtree(local / "b")
+    replica = _tier_folder(local, "a") / step_name(5) / "shard-00002.safetensors"
+    data = bytearray(replica.read_bytes())
+    data[-1] ^= 0x01  # one flipped bit in the last tensor's bytes
+    replica.write_bytes(bytes(data))
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (4, "root")
+        _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
+    assert any("step 5 does not load" in m and "the file is corrupted" in m for m in second[0]["log"]), second[0]["log"]
+
+
+def test_fewer_ranks_restore_from_the_tier_with_resharding(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1, "replicas": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    shutil.rmtree(local / "b")  # node b is gone; the job comes back as 2 ranks on node a
+    second = run_ranks(_restore_job, 2, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local")
+        _assert_same_state(got["state"], first[0]["recorded"][6], f"rank {rank}")
+
+
+def test_a_node_killed_before_its_copy_leaves_the_older_complete_step(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1}
+    crashed = launch(_train_job, 4, str(root), str(local / "{node}"), 6, options, [5], None, (6, "tier:before-copy"), work_dir=tmp_path)
+    assert not crashed.ok and crashed.exitcodes[2] == -9  # node b's leader, before its copy of step 6
+    assert _files(_tier_folder(local, "a")) == [step_name(5), step_name(6)]  # a committed step 6; b did not
+    assert [p.name for p in _tier_folder(local, "b").iterdir() if not p.name.startswith(".")] == [step_name(5)]
+    second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (5, "local")
+        _assert_same_state(got["state"], torch.load(tmp_path / f"rank{rank}-step5.pt", weights_only=False), f"rank {rank}")
+    assert any("passed over step 6: no node holds shard-00002.index.json" in m for m in second[0]["log"]), second[0]["log"]
