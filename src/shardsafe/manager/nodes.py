@@ -13,38 +13,18 @@ returns a :class:`NodeMap`, the same on every rank.
 from __future__ import annotations
 
 import os
-import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
 from shardsafe.core.comm import Comm
+from shardsafe.core.nodes import NODE_ENV
+from shardsafe.core.nodes import folder_node_id as node_id
 
 __all__ = ["DEFAULT_LOCAL_DIR", "NODE_ENV", "NodeMap", "gather_nodes", "node_dir", "node_id"]
 
-NODE_ENV = "SHARDSAFE_NODE"
 DEFAULT_LOCAL_DIR = "/dev/shm/shardsafe-{node}"  # host memory on Linux: survives the process, not the machine
-_SAFE_NODE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-
-
-def node_id() -> str:
-    """This rank's node id: ``$SHARDSAFE_NODE`` if set (and not empty), else the hostname.
-
-    The id becomes part of a path (``{node}`` in ``local_dir``), so it must be a plain name:
-    letters, digits, ``.``, ``_``, ``-``, not starting with ``.``; a hostname outside that is
-    reduced to it (each other character becomes ``_``), an override outside it is a ValueError."""
-    override = os.environ.get(NODE_ENV, "")
-    if override:
-        if not _SAFE_NODE.fullmatch(override):
-            raise ValueError(
-                f"{NODE_ENV}={override!r} is not a usable node id: it names a folder, so use 1-128 letters, digits, "
-                "'.', '_' or '-', not starting with '.'"
-            )
-        return override
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:128].lstrip(".") or "localhost"
-    return host
 
 
 def node_dir(template: str | os.PathLike[str], node: str) -> Path:

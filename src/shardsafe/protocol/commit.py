@@ -55,7 +55,7 @@ from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 from shardsafe.storage.safetensors import write_tensor_file
 
-__all__ = ["agree_and_publish", "is_committed", "new_manifest", "open_checkpoint", "prepare", "prepare_save"]
+__all__ = ["CommitTarget", "LocalCommit", "agree_and_publish", "is_committed", "new_manifest", "open_checkpoint", "prepare", "prepare_save"]
 
 log = logging.getLogger("shardsafe")
 
