@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -180,9 +181,9 @@ def write_checkpoint(
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
-        manifest = CheckedManifest(**vars(new_manifest(comm.world_size, files, state_bytes, metadata, __version__)))
-        manifest.tensors = tensor_entries(results, layout if plan.rule else None, rules)
-        manifest.state_file = target.state_name()
+        tensors = tensor_entries(results, layout if plan.rule else None, rules)
+        made = new_manifest(comm.world_size, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name())
+        manifest = CheckedManifest.of(made)
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
 
@@ -190,16 +191,21 @@ def write_checkpoint(
     return final
 
 
+@dataclass(frozen=True)
 class CheckedManifest(Manifest):
     """A manifest whose bytes are made once: the bytes the reader's parser checked before the
     commit are the bytes the commit writes (indented JSON is slow to make for many tensors)."""
 
-    _made: tuple[str, bytes] | None = None
+    @classmethod
+    def of(cls, manifest: Manifest) -> CheckedManifest:
+        return cls(**{f.name: getattr(manifest, f.name) for f in fields(manifest)})
+
+    @cached_property
+    def _bytes(self) -> bytes:
+        return super().to_bytes()
 
     def to_bytes(self) -> bytes:
-        if self._made is None or self._made[0] != self.state_file:
-            self._made = (self.state_file, super().to_bytes())
-        return self._made[1]
+        return self._bytes
 
 
 def _plan(comm: Comm, view: SaveView, layout: LocalLayout) -> SavePlan:

@@ -252,11 +252,11 @@ def write_planned(
     state_bytes = dump_json(tree)
 
     def build(results: list[Any]) -> tuple[Any, bytes]:
-        manifest = new_manifest(1, {name: FileEntry(size, 0)}, state_bytes, metadata, __version__)
-        manifest.tensors = {
+        tensors = {
             p.key: TensorEntry(p.dtype, p.shape, (ChunkEntry((0,) * len(p.shape), p.shape, name, begin, end, tuple(d)),))
             for p, (begin, end), d in zip(planned, ranges, digests)
         }
-        return manifest, state_bytes
+        files = {name: FileEntry(size, 0)}
+        return new_manifest(1, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name()), state_bytes
 
     agree_and_publish(comm, target, Outcome(), build)
