@@ -58,7 +58,7 @@ class StoredTensor:
     end: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Target:
     """One destination: the local data of a parameter or buffer, and which global rows it holds."""
 

@@ -44,7 +44,7 @@ __all__ = ["Planned", "convert_deepspeed", "write_planned"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Planned:
     key: str
     dtype: torch.dtype

@@ -74,7 +74,7 @@ def write_rank_file(
     return name, size, entries
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReuseMap:
     """The chunks of an earlier committed checkpoint of the same root, for dedup: each a save can
     point at instead of writing it again. Listed chunks come from its manifest; the parts of its

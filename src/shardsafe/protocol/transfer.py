@@ -567,7 +567,7 @@ class ReadRequest:
     dest_offsets: tuple[int, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannedRead:
     """The block reads that fill one box, and the copy out of a staging slab to run after them."""
 
