@@ -159,14 +159,14 @@ def write_checkpoint(
         entries: list[tuple[str, ChunkEntry]] = []
         if mine:
             earlier = reuse.for_rank(_sibling(final, reuse.checkpoint), comm.rank) if reuse is not None else None
-            name, size, written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier)
+            written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier)
             crash_point("save:after-write", comm.rank)
-            indexed = [(c.key, e) for c, e in written if c.key in split_keys and e.checkpoint is None]
-            entries = [(c.key, e) for c, e in written if not (c.key in split_keys and e.checkpoint is None)]
-            if indexed and name is not None:
-                data = build_index(comm.rank, name, indexed)
+            indexed = [(c.key, e) for c, e in written.entries if c.key in split_keys and e.checkpoint is None]
+            entries = [(c.key, e) for c, e in written.entries if not (c.key in split_keys and e.checkpoint is None)]
+            if indexed and written.name is not None:
+                data = build_index(comm.rank, written.name, indexed)
                 index_record = IndexRef(target.write_index(comm.rank, data), len(data), hash_bytes(data))
-            file_record = (name, size) if name is not None else None
+            file_record = (written.name, written.size) if written.name is not None else None
         specs = {c.key: c.spec() for c in mine}
         result = Outcome(value=RankResult(file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank))
     except Exception as exc:  # every rank must still reach the agreement step

@@ -202,7 +202,7 @@ def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[Planned], d
         else:  # frozen: as stored (the 16-bit partitions a ZeRO-3 engine keeps)
             plan("frozen", pname, ckpt.dtype(pname), functools.partial(_read_flat, ckpt.read, pname))
             params[pname] = (ckpt.shape(pname), ckpt.dtype(pname), None)
-    scaler, dynamic, overflow = ckpt.loss_scaling()
+    scaling = ckpt.loss_scaling()
     info = ckpt.describe()
     meta = engine_meta(
         name,
@@ -212,9 +212,9 @@ def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[Planned], d
         aliases={a: s for a, s in ckpt.aliases.items() if s in params},
         param_groups=[(group.pop("params"), group) for group in groups],
         optimizer_scalars=scalars,
-        loss_scaler=scaler,
-        dynamic_loss_scale=dynamic,
-        overflow=overflow,
+        loss_scaler=scaling.scaler,
+        dynamic_loss_scale=scaling.dynamic,
+        overflow=scaling.overflow,
         counters={c: info[c] for c in ("global_steps", "global_samples", "skipped_steps") if isinstance(info[c], int)},
     )
     return planned, {name: {"kind": KIND_DEEPSPEED_ENGINE, "state": state, "meta": meta}}

@@ -29,6 +29,7 @@ from shardsafe.api.checkpoint import location
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
 from shardsafe.errors import CheckpointExistsError, ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
+from shardsafe.storage.local import FileStamp
 from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
 
@@ -310,7 +311,7 @@ class ManifestCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+        self._entries: dict[str, tuple[FileStamp, Manifest]] = {}
 
     def __call__(self, folder: Root) -> Manifest:
         key = as_location(folder).stamp(MANIFEST_NAME)

@@ -17,7 +17,7 @@ import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,6 +25,7 @@ from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.storage.device_copy import device_pieces
 
 __all__ = [
+    "FileStamp",
     "FileWindow",
     "MADV_DONTNEED",
     "PAGE",
@@ -45,6 +46,15 @@ __all__ = [
     "tensor_pieces",
     "write_small_file",
 ]
+
+
+class FileStamp(NamedTuple):
+    """What tells a rewritten file from the same one (a replaced file has a new inode)."""
+
+    inode: int
+    mtime_ns: int
+    size: int
+
 
 WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for tensors on devices other than CUDA (CUDA: the pinned pool's buffers)
 
