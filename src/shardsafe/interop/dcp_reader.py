@@ -27,6 +27,7 @@ from shardsafe.core.plan import ReadOp
 from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.interop.dcp_metadata import DcpItem, DcpMetadata, read_metadata
 from shardsafe.interop.unpickler import TensorAt, load_bytes, locate_tensor
+from shardsafe.protocol.sources import FileHandle, LocalSource
 from shardsafe.protocol.transfer import BlockRead, ChunkReader
 from shardsafe.storage.local import FileWindow, safe_child
 
@@ -56,13 +57,15 @@ class DcpChunkReader(ChunkReader):
     copies into the destinations are the base class's.
     """
 
+    source: LocalSource  # a DCP folder is a local Path
+
     def __init__(self, folder: Path, manifest: Manifest, verify: bool = True) -> None:
         super().__init__(folder, manifest, verify)
         self._dtypes = {(c.file, c.begin): (key, entry.dtype) for key, entry in manifest.tensors.items() for c in entry.chunks}
         self._located: dict[tuple[str, int], TensorAt] = {}
         self._crc_checked: set[tuple[str, int]] = set()
 
-    def open(self, chunk: ChunkEntry) -> Any:
+    def open(self, chunk: ChunkEntry) -> FileHandle:
         """The open file of ``chunk`` (sized as the metadata found it), its item located and checked."""
         self._locate(chunk)
         return self.source.open(None, chunk.file)[0]

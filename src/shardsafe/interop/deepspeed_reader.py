@@ -486,7 +486,7 @@ class DeepSpeedCheckpoint:
         }
 
 
-def open_source(path: str | os.PathLike[str], key: str = "model", *, verify: bool = True) -> Any:
+def open_source(path: str | os.PathLike[str], key: str = "model", *, verify: bool = True) -> DeepSpeedCheckpoint | CheckpointSource:
     """The export source for ``path``: a :class:`DeepSpeedCheckpoint` for a DeepSpeed folder, else a shardsafe :class:`CheckpointSource`."""
     if is_deepspeed_checkpoint(path):
         if key not in ("model", ""):
