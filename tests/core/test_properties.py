@@ -16,6 +16,7 @@ The normal run tries ``EXAMPLES`` examples per property; ``-m stress`` runs each
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import json
 import math
@@ -303,8 +304,7 @@ def prop_header_round_trip(entries: list[tuple[str, torch.dtype, list[int]]]) ->
 
 
 def prop_manifest_round_trip(metadata: dict[str, Any], created: float, world_size: int) -> None:
-    manifest = _valid_manifest()
-    manifest.metadata, manifest.created, manifest.world_size = metadata, created, world_size
+    manifest = dataclasses.replace(_valid_manifest(), metadata=metadata, created=created, world_size=world_size)
     again = parse_manifest(manifest.to_bytes(), "rt")
     assert again.to_json() == manifest.to_json()
 

@@ -11,6 +11,7 @@ builds a small op with g++ on its first start, cached in ~/.cache/torch_extensio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -483,15 +484,15 @@ def test_convert_reassembles_each_tensor_once(ds_runs: dict[str, Run], tmp_path:
     original = convert_module.write_planned
 
     def counting(final: Any, planned: list[Any], *args: Any, **kwargs: Any) -> Any:
+        counted = []
         for item in planned:
-            produce = item.produce
 
-            def counted(produce: Any = produce, key: str = item.key) -> Any:
+            def produce(produce: Any = item.produce, key: str = item.key) -> Any:
                 calls[key] = calls.get(key, 0) + 1
                 return produce()
 
-            item.produce = counted
-        return original(final, planned, *args, **kwargs)
+            counted.append(dataclasses.replace(item, produce=produce))
+        return original(final, counted, *args, **kwargs)
 
     monkeypatch.setattr(convert_module, "write_planned", counting)
     out = convert_deepspeed(ds_runs[TINY_RUNS[0]].folder, tmp_path / "converted")

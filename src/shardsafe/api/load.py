@@ -36,7 +36,7 @@ from shardsafe.protocol.block_io import BlockRead
 from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.shared_read import plan_shared
 from shardsafe.protocol.transfer import ChunkReader, ReadRequest
-from shardsafe.state.base import LoadStep
+from shardsafe.state.base import LoadStep, SavedLayout
 from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps, unclaimed
 from shardsafe.storage.local import prefault_writable
 from shardsafe.storage.remote import RemoteDir
@@ -236,7 +236,7 @@ class SharedLookup:
         return tensor
 
 
-def _layout_of(manifest: Manifest) -> Any:
+def _layout_of(manifest: Manifest) -> SavedLayout:
     def layout(key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         entry = manifest.tensors.get(key)
         return None if entry is None else (tuple(entry.shape), entry.dtype)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -161,14 +162,14 @@ def write_checkpoint(
         entries: list[tuple[str, ChunkEntry]] = []
         if mine:
             earlier = reuse.for_rank(_sibling(final, reuse.checkpoint), comm.rank) if reuse is not None else None
-            name, size, written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier)
+            written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier)
             crash_point("save:after-write", comm.rank)
-            indexed = [(c.key, e) for c, e in written if c.key in split_keys and e.checkpoint is None]
-            entries = [(c.key, e) for c, e in written if not (c.key in split_keys and e.checkpoint is None)]
-            if indexed and name is not None:
-                data = build_index(comm.rank, name, indexed)
+            indexed = [(c.key, e) for c, e in written.entries if c.key in split_keys and e.checkpoint is None]
+            entries = [(c.key, e) for c, e in written.entries if not (c.key in split_keys and e.checkpoint is None)]
+            if indexed and written.name is not None:
+                data = build_index(comm.rank, written.name, indexed)
                 index_record = IndexRef(target.write_index(comm.rank, data), len(data), hash_bytes(data))
-            file_record = (name, size) if name is not None else None
+            file_record = (written.name, written.size) if written.name is not None else None
         specs = {c.key: c.spec() for c in mine}
         result = Outcome(value=RankResult(file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank))
     except Exception as exc:  # every rank must still reach the agreement step
@@ -183,9 +184,9 @@ def write_checkpoint(
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
-        manifest = CheckedManifest(**vars(new_manifest(comm.world_size, files, state_bytes, metadata, __version__)))
-        manifest.tensors = tensor_entries(results, layout if plan.rule else None, rules)
-        manifest.state_file = target.state_name()
+        tensors = tensor_entries(results, layout if plan.rule else None, rules)
+        made = new_manifest(comm.world_size, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name())
+        manifest = CheckedManifest.of(made)
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
 
@@ -193,16 +194,21 @@ def write_checkpoint(
     return final
 
 
+@dataclass(frozen=True)
 class CheckedManifest(Manifest):
     """A manifest whose bytes are made once: the bytes the reader's parser checked before the
     commit are the bytes the commit writes (indented JSON is slow to make for many tensors)."""
 
-    _made: tuple[str, bytes] | None = None
+    @classmethod
+    def of(cls, manifest: Manifest) -> CheckedManifest:
+        return cls(**{f.name: getattr(manifest, f.name) for f in fields(manifest)})
+
+    @cached_property
+    def _bytes(self) -> bytes:
+        return super().to_bytes()
 
     def to_bytes(self) -> bytes:
-        if self._made is None or self._made[0] != self.state_file:
-            self._made = (self.state_file, super().to_bytes())
-        return self._made[1]
+        return self._bytes
 
 
 def _plan(comm: Comm, view: SaveView, layout: LocalLayout) -> SavePlan:

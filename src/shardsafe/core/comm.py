@@ -87,11 +87,11 @@ class Comm:
     def _coordinator_global(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not dist.GroupMember.WORLD else 0
 
-    def broadcast(self, value: Any) -> Any:
+    def broadcast(self, value: T) -> T:
         """The coordinator's ``value``, on every rank."""
         if not self.distributed:
             return value
-        box = [value if self.is_coordinator else None]
+        box: list[Any] = [value if self.is_coordinator else None]  # the coordinator's value arrives in it
         dist.broadcast_object_list(box, src=self._coordinator_global(), group=self.group, device=self._device())
         return box[0]
 

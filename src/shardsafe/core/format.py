@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -195,8 +196,11 @@ class FileEntry:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Manifest:
+    """A checkpoint's manifest, built once with every field (derive a changed one with
+    :func:`dataclasses.replace`). Its lookups are computed on first use and kept (``cached_property``)."""
+
     world_size: int
     tensors: dict[str, TensorEntry]
     files: dict[str, FileEntry]
@@ -214,13 +218,24 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size + (f.index.size if f.index is not None else 0) for f in self.files.values())
 
+    @cached_property
+    def _index_by_rank(self) -> dict[int, tuple[str, FileEntry]]:
+        return {f.rank: (name, f) for name, f in self.files.items() if f.index is not None}
+
     def index_of_rank(self, rank: int) -> tuple[str, FileEntry] | None:
         """(shard file, entry) of the file rank ``rank`` wrote with an index, if any (O(1) after the first call)."""
-        by_rank = self.__dict__.get("_index_by_rank")
-        if by_rank is None:
-            by_rank = {f.rank: (name, f) for name, f in self.files.items() if f.index is not None}
-            self.__dict__["_index_by_rank"] = by_rank
-        return by_rank.get(rank)
+        return self._index_by_rank.get(rank)
+
+    @cached_property
+    def explicit_ranges(self) -> dict[str, list[tuple[int, int, str]]]:
+        """File -> (begin, end, key) of the chunks the manifest lists in this checkpoint's files
+        (not those in a sibling checkpoint; computed once)."""
+        out: dict[str, list[tuple[int, int, str]]] = {}
+        for key, t in self.tensors.items():
+            for c in t.chunks:
+                if c.checkpoint is None:
+                    out.setdefault(c.file, []).append((c.begin, c.end, key))
+        return out
 
     def stored_names(self) -> set[str]:
         """Every file of the checkpoint the manifest names (shards, their indexes, the state file)."""

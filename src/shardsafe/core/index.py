@@ -68,7 +68,7 @@ def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> Index
                 raise FormatError(f"{where} tensor {key!r:.200}: box at {list(chunk.offsets)} is listed twice")
             boxes[chunk.offsets] = chunk
             ranges.append((chunk.begin, chunk.end, key))
-    ranges += explicit_ranges(manifest).get(file, [])  # chunks the manifest lists in the same file
+    ranges += manifest.explicit_ranges.get(file, [])  # chunks the manifest lists in the same file
     ranges = sorted(r for r in ranges if r[1] > r[0])
     for (_, end, key), (begin, _, other) in zip(ranges, ranges[1:]):
         if begin < end:
@@ -117,16 +117,3 @@ def _parse_box(
     if len(hashes) != blocks or not all(isinstance(h, str) and len(h) <= 64 for h in hashes):
         raise FormatError(f"{kwhere}: expected {blocks} block hashes")
     return ChunkEntry(offsets, shape, file, begin, end, tuple(hashes))
-
-
-def explicit_ranges(manifest: Manifest) -> dict[str, list[tuple[int, int, str]]]:
-    """File -> (begin, end, key) of the chunks the manifest lists in this checkpoint's files (computed once)."""
-    cached = manifest.__dict__.get("_explicit_ranges")
-    if cached is None:
-        cached = {}
-        for key, t in manifest.tensors.items():
-            for c in t.chunks:
-                if c.checkpoint is None:
-                    cached.setdefault(c.file, []).append((c.begin, c.end, key))
-        manifest.__dict__["_explicit_ranges"] = cached
-    return cached

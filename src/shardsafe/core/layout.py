@@ -120,7 +120,7 @@ def is_stored(chunk: LocalChunk) -> bool:
     return bool(numel(chunk.shape)) or not any(chunk.global_shape) or (chunk.shape == chunk.global_shape and not any(chunk.offsets))
 
 
-@dataclass
+@dataclass(frozen=True)
 class LocalLayout:
     """This rank's chunks, classified without talking to any other rank."""
 

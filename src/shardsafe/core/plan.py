@@ -20,7 +20,7 @@ from shardsafe.errors import FormatError, SaveError
 __all__ = ["ChunkSpec", "LocalChunk", "ReadOp", "assign_writers", "candidate_chunks", "contiguous_span", "plan_reads"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LocalChunk:
     """A piece of a (possibly sharded) tensor held by this rank."""
 

@@ -66,7 +66,7 @@ class ExpectedWeights:
         return sum(numel(s) for n, s in self.shapes.items() if n not in aliases)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Mismatch:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)

@@ -97,7 +97,7 @@ def parse_size(size: int | str) -> int:
 # ----------------------------------------------------------------------------- planning
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShardPlan:
     """Which tensors go into which file, in write order."""
 

@@ -43,7 +43,7 @@ PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 __all__ = ["INDEX_FILE", "NO_TENSORS", "SINGLE_FILE", "ModelFolderSummary", "check_model_folder"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelFolderSummary:
     kind: str  # "safetensors", "sharded-safetensors" or "shardsafe-checkpoint"
     files: list[str] = field(default_factory=list)
@@ -93,8 +93,8 @@ def _check_safetensors(folder: Path, weights: list[WeightsFile], kind: str) -> M
         tensors=len(found),
         parameters=sum(w.parameters for w in weights),
         tensor_bytes=sum(w.tensor_bytes for w in weights),
+        architecture=_check_architecture(folder, found),
     )
-    summary.architecture = _check_architecture(folder, found)
     for w in weights:
         open_with_safetensors(w.path)
     return summary
@@ -188,16 +188,19 @@ def _check_checkpoint(folder: Path) -> ModelFolderSummary:
     from shardsafe.protocol.commit import open_checkpoint
 
     manifest, _ = open_checkpoint(folder)
-    summary = ModelFolderSummary("shardsafe-checkpoint", architecture="skipped: a shardsafe checkpoint (verified against its manifest)")
     for name, entry in manifest.files.items():
         path = _child(folder, name)
         size = path.stat().st_size if path.is_file() else -1
         if size != entry.size:
             raise ModelFolderError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the manifest says {entry.size}")
-        summary.files.append(name)
-    summary.tensors = len(manifest.tensors)
-    summary.parameters = sum(numel(t.shape) for t in manifest.tensors.values())
-    summary.tensor_bytes = sum(t.nbytes for t in manifest.tensors.values())
-    if summary.tensor_bytes == 0:
+    tensor_bytes = sum(t.nbytes for t in manifest.tensors.values())
+    if tensor_bytes == 0:
         raise ModelFolderError(f"{folder}: checkpoint holds no tensor data")
-    return summary
+    return ModelFolderSummary(
+        "shardsafe-checkpoint",
+        files=list(manifest.files),
+        tensors=len(manifest.tensors),
+        parameters=sum(numel(t.shape) for t in manifest.tensors.values()),
+        tensor_bytes=tensor_bytes,
+        architecture="skipped: a shardsafe checkpoint (verified against its manifest)",
+    )

@@ -58,7 +58,7 @@ class StoredTensor:
     end: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Target:
     """One destination: the local data of a parameter or buffer, and which global rows it holds."""
 
@@ -148,7 +148,16 @@ def _match_names(wanted: list[str], stored: dict[str, StoredTensor], prefix: str
     return out
 
 
-def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero3: Zero3Targets) -> tuple[list[_Target], list[str], list[str]]:
+@dataclass(frozen=True)
+class _Plan:
+    """Every destination to fill, and the names only the model (``missing``) or only the folder (``unexpected``) holds."""
+
+    targets: list[_Target]
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero3: Zero3Targets) -> _Plan:
     tensors, aliases = _destinations(module)
     prefix = str(getattr(module, "base_model_prefix", "") or "")
     matched = _match_names(list(tensors), layout, prefix)
@@ -184,7 +193,7 @@ def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise StateMismatchError("the model folder does not fit the model:\n  " + "\n  ".join(shown))
-    return targets, missing, unexpected
+    return _Plan(targets, missing, unexpected)
 
 
 def _read_elements(fd: int, stored: StoredTensor, first: int, count: int, where: str) -> torch.Tensor:
@@ -275,7 +284,7 @@ def load_pretrained(
     module, zero3 = _unwrap(model)
     folder = _resolve(source, revision, comm)
     comm.on_coordinator(lambda: check_model_folder(folder))
-    plan: tuple[list[_Target], list[str], list[str]] | None = None
+    plan: _Plan | None = None
     problem: Exception | None = None
     try:
         plan = _plan(module, read_layout(folder), strict, zero3)
@@ -283,7 +292,7 @@ def load_pretrained(
         problem = exc
     comm.agree(problem)
     assert plan is not None
-    targets, missing, unexpected = plan
+    targets = plan.targets
     fds: dict[str, int] = {}
     read = 0
     try:
@@ -296,4 +305,4 @@ def load_pretrained(
         for fd in fds.values():
             os.close(fd)
         zero3.finish()  # even after a failed read: the 16-bit partitions match the master, no stale gathered copy
-    return {"missing_keys": missing, "unexpected_keys": unexpected, "tensors": len({t.name for t in targets}), "bytes_read": read}
+    return {"missing_keys": plan.missing, "unexpected_keys": plan.unexpected, "tensors": len({t.name for t in targets}), "bytes_read": read}

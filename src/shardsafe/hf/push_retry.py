@@ -12,10 +12,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shardsafe.errors import PushError, ShardsafeError
 from shardsafe.hf.push_plan import UploadFile
+
+if TYPE_CHECKING:
+    from fsspec.callbacks import Callback
 
 __all__ = ["MAX_ATTEMPTS", "Progress", "RETRY_STATUS", "chain", "describe", "transport_error", "with_retries"]
 
@@ -124,7 +127,7 @@ class Progress:
     def finished(self, f: UploadFile) -> None:
         self.reached(f, f.size)
 
-    def fsspec_callback(self, f: UploadFile) -> Any:
+    def fsspec_callback(self, f: UploadFile) -> Callback:
         from fsspec.callbacks import Callback
 
         progress = self

@@ -199,7 +199,7 @@ class DcpTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-@dataclass
+@dataclass(frozen=True)
 class DcpMetadata:
     """A checked ``.metadata``: tensors and non-tensor values by flattened key, their state-dict paths, the files' sizes."""
 

@@ -29,6 +29,7 @@ from shardsafe.interop.dcp_metadata import DcpItem, DcpMetadata, read_metadata
 from shardsafe.interop.unpickler import TensorAt, load_bytes, locate_tensor
 from shardsafe.protocol.block_io import BlockExecutor, BlockRead
 from shardsafe.protocol.shard_files import ShardFiles
+from shardsafe.protocol.sources import FileHandle, LocalSource
 from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.storage.local import FileWindow, safe_child
 from shardsafe.storage.remote import RemoteDir
@@ -54,13 +55,15 @@ class DcpFiles(ShardFiles):
     """A DCP folder's files: a chunk is a ``.distcp`` item, located (and checked against the chunk)
     before any byte of it is used, its record checked against its CRC-32 once."""
 
+    source: LocalSource  # a DCP folder is a local Path
+
     def __init__(self, folder: Path | RemoteDir, manifest: Manifest) -> None:
         super().__init__(folder, manifest)
         self._dtypes = {(c.file, c.begin): (key, entry.dtype) for key, entry in manifest.tensors.items() for c in entry.chunks}
         self._located: dict[tuple[str, int], TensorAt] = {}
         self._crc_checked: set[tuple[str, int]] = set()
 
-    def open(self, chunk: ChunkEntry) -> Any:
+    def open(self, chunk: ChunkEntry) -> FileHandle:
         """The open file of ``chunk`` (sized as the metadata found it), its item located and checked."""
         self.locate(chunk)
         return self.source.open(None, chunk.file)[0]

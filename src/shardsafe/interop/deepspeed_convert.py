@@ -44,7 +44,7 @@ __all__ = ["Planned", "convert_deepspeed", "write_planned"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Planned:
     key: str
     dtype: torch.dtype
@@ -202,7 +202,7 @@ def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[Planned], d
         else:  # frozen: as stored (the 16-bit partitions a ZeRO-3 engine keeps)
             plan("frozen", pname, ckpt.dtype(pname), functools.partial(_read_flat, ckpt.read, pname))
             params[pname] = (ckpt.shape(pname), ckpt.dtype(pname), None)
-    scaler, dynamic, overflow = ckpt.loss_scaling()
+    scaling = ckpt.loss_scaling()
     info = ckpt.describe()
     meta = engine_meta(
         name,
@@ -212,9 +212,9 @@ def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[Planned], d
         aliases={a: s for a, s in ckpt.aliases.items() if s in params},
         param_groups=[(group.pop("params"), group) for group in groups],
         optimizer_scalars=scalars,
-        loss_scaler=scaler,
-        dynamic_loss_scale=dynamic,
-        overflow=overflow,
+        loss_scaler=scaling.scaler,
+        dynamic_loss_scale=scaling.dynamic,
+        overflow=scaling.overflow,
         counters={c: info[c] for c in ("global_steps", "global_samples", "skipped_steps") if isinstance(info[c], int)},
     )
     return planned, {name: {"kind": KIND_DEEPSPEED_ENGINE, "state": state, "meta": meta}}
@@ -252,11 +252,11 @@ def write_planned(
     state_bytes = dump_json(tree)
 
     def build(results: list[Any]) -> tuple[Any, bytes]:
-        manifest = new_manifest(1, {name: FileEntry(size, 0)}, state_bytes, metadata, __version__)
-        manifest.tensors = {
+        tensors = {
             p.key: TensorEntry(p.dtype, p.shape, (ChunkEntry((0,) * len(p.shape), p.shape, name, begin, end, tuple(d)),))
             for p, (begin, end), d in zip(planned, ranges, digests)
         }
-        return manifest, state_bytes
+        files = {name: FileEntry(size, 0)}
+        return new_manifest(1, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name()), state_bytes
 
     agree_and_publish(comm, target, Outcome(), build)

@@ -34,7 +34,7 @@ class Param:
     offset: int  # ZeRO-3: offset in every rank's flat sub-group; ZeRO-1/2: offset in the group's concatenation over ranks
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layout:
     """The trained parameters by name, the param group of each flat group, and (ZeRO-1/2) each rank's (start, length) per group."""
 
@@ -65,18 +65,19 @@ def zero3_layout(
     world = len(lengths)
     if len(lengths[0]) != len(param_shapes) or any(len(x) != len(lengths[0]) for x in lengths):
         raise FormatError(f"{where}: {len(param_shapes)} sub-groups in param_shapes, but the ranks hold {[len(x) for x in lengths][:8]} flat groups")
-    layout = Layout(owner=_group_of_flat(len(param_shapes), groups, rank_file(0)))
+    owner = _group_of_flat(len(param_shapes), groups, rank_file(0))
+    params: dict[str, Param] = {}
     for k, shapes in enumerate(param_shapes):
         offset = 0
         for name, shape in shapes_of(shapes, f"{where}: param_shapes[{k}]").items():
-            if name in layout.params:
+            if name in params:
                 raise FormatError(f"{where}: parameter {short(name)} listed twice in param_shapes")
-            layout.params[name] = Param(name, shape, layout.owner[k], k, offset)
+            params[name] = Param(name, shape, owner[k], k, offset)
             offset += math.ceil(numel(shape) / world)
         for r in range(world):
             if lengths[r][k] != offset:
                 raise FormatError(f"{rank_file(r)}: flat sub-group {k} holds {lengths[r][k]} elements, but its parameters need {offset} on each rank")
-    return layout
+    return Layout(params, owner)
 
 
 def zero12_layout(param_shapes: list[Any], lengths: list[list[int]], first: dict[str, Any], where: str, rank_file: Callable[[int], str]) -> Layout:
@@ -91,7 +92,8 @@ def zero12_layout(param_shapes: list[Any], lengths: list[list[int]], first: dict
             f"{where}: {len(param_shapes)} param groups in param_shapes, but the ranks hold {[len(x) for x in lengths][:8]} flat groups"
         )
     paddings = first.get("param_alignment_paddings")
-    layout = Layout(owner=list(range(len(param_shapes))))
+    params: dict[str, Param] = {}
+    partitions: list[list[tuple[int, int]]] = []
     align = 2 * world
     for g, shapes in enumerate(param_shapes):
         parsed = shapes_of(shapes, f"{where}: param_shapes[{g}]")
@@ -100,9 +102,9 @@ def zero12_layout(param_shapes: list[Any], lengths: list[list[int]], first: dict
             raise FormatError(f"{rank_file(0)}: param_alignment_paddings[{g}] does not match the group's {len(parsed)} parameters")
         offset = end = 0
         for (name, shape), pad in zip(parsed.items(), pads):
-            if name in layout.params:
+            if name in params:
                 raise FormatError(f"{where}: parameter {short(name)} listed twice in param_shapes")
-            layout.params[name] = Param(name, shape, g, g, offset)
+            params[name] = Param(name, shape, g, g, offset)
             end = offset + numel(shape)
             offset = end + pad
         start, parts = 0, []
@@ -111,5 +113,5 @@ def zero12_layout(param_shapes: list[Any], lengths: list[list[int]], first: dict
             start += lengths[r][g]
         if math.ceil(offset / align) != math.ceil(start / align) or end > start:  # zero_to_fp32's check, and every element covered
             raise FormatError(f"{where}: param group {g} needs {offset} elements, the ranks hold {start}")
-        layout.partitions.append(parts)
-    return layout
+        partitions.append(parts)
+    return Layout(params, list(range(len(param_shapes))), partitions)

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,21 @@ from shardsafe.interop.deepspeed_values import (
 from shardsafe.interop.mapped_copy import copy_out
 from shardsafe.interop.unpickler import STAND_INS, LossScalerState
 
-__all__ = ["DeepSpeedCheckpoint", "open_source"]
+__all__ = ["DeepSpeedCheckpoint", "LossScaling", "open_source"]
 
 log = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """The fp16 loss scaling DeepSpeed saved: the loss scaler as (DeepSpeed class name,
+    attributes), or None, and the optimizer's ``dynamic_loss_scale`` and ``overflow`` flags."""
+
+    scaler: tuple[str, dict[str, Any]] | None
+    dynamic: bool
+    overflow: bool
 
 
 class DeepSpeedCheckpoint:
@@ -441,14 +452,14 @@ class DeepSpeedCheckpoint:
             out.append((names, scalars, elementwise))
         return out
 
-    def loss_scaling(self) -> tuple[tuple[str, dict[str, Any]] | None, bool, bool]:
-        """(loss scaler as (DeepSpeed class name, attributes) or None, ``dynamic_loss_scale``, ``overflow``) as saved."""
+    def loss_scaling(self) -> LossScaling:
+        """The loss scaler and the ``dynamic_loss_scale`` and ``overflow`` flags, as saved."""
         opt = self._optim_state(0)
         scaler = opt.get("loss_scaler")
         names = {stand_in: qualified.rsplit(".", 1)[1] for stand_in, qualified in STAND_INS}
         saved = (names[type(scaler)], dict(vars(scaler))) if isinstance(scaler, LossScalerState) else None
         dynamic, overflow = opt.get("dynamic_loss_scale", False), opt.get("overflow", False)
-        return saved, isinstance(dynamic, int) and bool(dynamic), isinstance(overflow, int) and bool(overflow)
+        return LossScaling(saved, isinstance(dynamic, int) and bool(dynamic), isinstance(overflow, int) and bool(overflow))
 
     def lr_scheduler_state(self) -> dict[str, Any] | None:
         """The LR scheduler's state dict DeepSpeed saved, or None."""
@@ -475,7 +486,7 @@ class DeepSpeedCheckpoint:
         }
 
 
-def open_source(path: str | os.PathLike[str], key: str = "model", *, verify: bool = True) -> Any:
+def open_source(path: str | os.PathLike[str], key: str = "model", *, verify: bool = True) -> DeepSpeedCheckpoint | CheckpointSource:
     """The export source for ``path``: a :class:`DeepSpeedCheckpoint` for a DeepSpeed folder, else a shardsafe :class:`CheckpointSource`."""
     if is_deepspeed_checkpoint(path):
         if key not in ("model", ""):

@@ -62,7 +62,7 @@ class GlobalRules:
         return name in self.values or name in self.callables or name in self.classes
 
 
-@dataclass
+@dataclass  # mutable: a container's depth grows as the scan nests items into it
 class _Sym:
     """What the scan knows about one stack value: its kind, the global it came from, its length, its nesting."""
 
@@ -76,7 +76,7 @@ _MARK = _Sym("mark")
 _LEAF = _Sym("leaf")
 
 
-@dataclass
+@dataclass  # mutable: counts opcodes, persistent ids and globals while scanning
 class ScanReport:
     """What :func:`scan_pickle` counted in an accepted stream."""
 

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from shardsafe.api.checkpoint import location
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
 from shardsafe.errors import CheckpointExistsError, ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
+from shardsafe.storage.local import FileStamp
 from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
 
@@ -63,7 +64,7 @@ Root = Path | RemoteDir
 ReadManifest = Callable[[Root], Manifest]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointInfo:
     """One committed, readable checkpoint of a root."""
 
@@ -191,7 +192,7 @@ def warn_damaged(damaged: DamagedCheckpoint) -> None:
     log.warning("shardsafe: skipping damaged checkpoint %s: %s", where(damaged.path), damaged.reason)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Catalog:
     """The readable committed checkpoints of a root (step -> manifest) and the damaged ones."""
 
@@ -235,16 +236,16 @@ def scan(
     One whose manifest cannot be read or fails validation goes to :attr:`Catalog.damaged` (and to
     ``warn``) instead of stopping the scan: one bad old checkpoint must not stop a root for good.
     """
-    catalog = Catalog(root, naming, {}, [])
+    manifests: dict[int, Manifest] = {}
+    damaged: list[DamagedCheckpoint] = []
     for step in committed_steps(root, naming) if steps is None else steps:
-        path = catalog.path(step)
+        path = child(root, naming.name(step))
         try:
-            catalog.manifests[step] = read(path)
+            manifests[step] = read(path)
         except (ShardsafeError, OSError) as exc:
-            damaged = DamagedCheckpoint(step, path, f"{type(exc).__name__}: {exc}")
-            catalog.damaged.append(damaged)
-            warn(damaged)
-    return catalog
+            damaged.append(DamagedCheckpoint(step, path, f"{type(exc).__name__}: {exc}"))
+            warn(damaged[-1])
+    return Catalog(root, naming, manifests, damaged)
 
 
 def references(root: Root, steps: list[int] | None = None, read: ReadManifest = read_manifest) -> dict[str, set[str]]:
@@ -268,7 +269,7 @@ def ranked(infos: Iterable[CheckpointInfo], metric: str | None, mode: str) -> li
     return [step for _, step in sorted(scored, key=lambda vs: (vs[0] if mode == "min" else -vs[0], -vs[1]))]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RootListing:
     """What ``shardsafe list`` shows: readable checkpoints (latest and best marked) and damaged ones."""
 
@@ -286,9 +287,8 @@ def list_root(root: str | os.PathLike[str], best_metric: str | None = None, best
             best_metric = meta.get("best_metric") if isinstance(meta.get("best_metric"), str) else None
             best_mode = best_mode or (meta.get("best_mode") if meta.get("best_mode") in ("min", "max") else None)
         best = ranked(infos, best_metric, best_mode or "min")
-        for info in infos:
-            info.best = bool(best) and info.step == best[0]
-        infos[-1].latest = True
+        last = infos[-1].step
+        infos = [replace(info, best=bool(best) and info.step == best[0], latest=info.step == last) for info in infos]
     return RootListing(infos, catalog.damaged)
 
 
@@ -311,7 +311,7 @@ class ManifestCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+        self._entries: dict[str, tuple[FileStamp, Manifest]] = {}
 
     def __call__(self, folder: Root) -> Manifest:
         key = as_location(folder).stamp(MANIFEST_NAME)

@@ -35,7 +35,7 @@ __all__ = ["collect", "collect_garbage"]
 log = logging.getLogger("shardsafe")
 
 
-@dataclass
+@dataclass  # mutable: collects what it removes and leaves while the root is walked
 class GarbageReport:
     """What ``gc`` removed (or would remove), and what it left on purpose."""
 

@@ -259,13 +259,13 @@ class CheckpointManager:
         if not self.async_save or preempted:
             self._write(step, view, metadata)
         else:
-            copies = self._staging.prepare(view)
+            staged = self._staging.prepare(view)
             if self.async_save == "overlap":
                 self._copied.clear()
                 self._hook_optimizers(state)
             else:
-                copy_all(copies)
-            self._worker.submit(partial(self._background, step, view, metadata, copies))
+                copy_all(staged)
+            self._worker.submit(partial(self._background, step, metadata, staged))
             if not self._at_exit:
                 atexit.register(self._finish_at_exit)
                 self._at_exit = True
@@ -330,15 +330,15 @@ class CheckpointManager:
             log.warning("shardsafe: retention after saving step %d failed (retried after the next save): %s", step, exc)
             self.retention_errors.append(f"step {step}: {type(exc).__name__}: {exc}")
 
-    def _background(self, step: int, view: SaveView, metadata: dict[str, Any], copies: Staged) -> None:
+    def _background(self, step: int, metadata: dict[str, Any], staged: Staged) -> None:
         try:
             if not self._copied.is_set():
                 try:
-                    copy_all(copies)
+                    copy_all(staged)
                 finally:
                     self._copied.set()
             crash_point("async:before-write", self.comm.rank)
-            self._write(step, view, metadata, self._background_comm)
+            self._write(step, staged.view, metadata, self._background_comm)
         except BaseException as exc:  # surfaced by the next call
             self._error = exc
 

@@ -28,9 +28,10 @@ __all__ = ["SaveWorker", "Staged", "StagingBuffers", "copy_all"]
 Copy = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, source)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Staged:
-    """The copies one async save makes, and where their CUDA sources are ready.
+    """The view one async save writes (its chunks point at staging buffers), the copies that fill
+    those buffers, and where their CUDA sources are ready.
 
     ``ready`` holds, per CUDA device, an event recorded on the caller's current stream when the
     save was called: the side stream waits for it before copying, so the copies see every value
@@ -38,6 +39,7 @@ class Staged:
     mode), whose current stream is not the caller's.
     """
 
+    view: SaveView
     copies: list[Copy]
     ready: dict[torch.device, Any] = field(default_factory=dict)
 
@@ -49,13 +51,14 @@ class StagingBuffers:
         self.buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def prepare(self, view: SaveView) -> Staged:
-        """Point the view's chunks at staging buffers; returns the (buffer, source) copies to make.
+        """The view with its chunks pointed at staging buffers, and the (buffer, source) copies to make.
 
         Called in the caller's thread at the save call: that is where CUDA sources' readiness is recorded.
         """
         copies = []
+        chunks = []
         used = set()
-        for i, chunk in enumerate(view.chunks):
+        for chunk in view.chunks:
             ident = (chunk.key, chunk.offsets)
             source = chunk.tensor.detach()
             buffer = self.buffers.get(ident)
@@ -64,10 +67,10 @@ class StagingBuffers:
                 self.buffers[ident] = buffer
             used.add(ident)
             copies.append((buffer, source))
-            view.chunks[i] = dataclasses.replace(chunk, tensor=buffer)  # the same chunk (per-rank flag included), staged
+            chunks.append(dataclasses.replace(chunk, tensor=buffer))  # the same chunk (per-rank flag included), staged
         for ident in set(self.buffers) - used:
             del self.buffers[ident]
-        return Staged(copies, _record_ready(copies))
+        return Staged(dataclasses.replace(view, chunks=chunks), copies, _record_ready(copies))
 
 
 def _record_ready(copies: list[Copy]) -> dict[torch.device, Any]:

@@ -283,6 +283,7 @@ class LocalTier:
         """Collective, after the coordinator's commit: the other leaders write and publish their copies.
         Returns the manifest's bytes (every rank)."""
         shared = self.comm.broadcast(target.shared)
+        assert shared is not None  # the coordinator committed, so it holds the shared files' bytes
         problem = None
         if self.nodes.is_leader and not self.comm.is_coordinator:
             try:

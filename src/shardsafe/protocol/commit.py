@@ -44,6 +44,7 @@ from shardsafe.core.format import (
     STATE_NAME,
     FileEntry,
     Manifest,
+    TensorEntry,
     parse_json,
     parse_manifest,
 )
@@ -286,7 +287,8 @@ def agree_and_publish(
     ``rank_result`` is this rank's :class:`~shardsafe.core.comm.Outcome` (its value, or its error
     from :meth:`Outcome.failure <shardsafe.core.comm.Outcome.failure>`). If any rank failed, the
     coordinator aborts and every rank raises one :class:`SaveError` naming each failure. Else
-    ``build(values)`` runs on the coordinator and returns (manifest, state bytes), and
+    ``build(values)`` runs on the coordinator and returns (manifest, state bytes), the manifest
+    naming ``target.state_name()`` as its state file (:func:`new_manifest`), and
     ``before_publish()`` runs there right before the checkpoint becomes visible (fencing)."""
     results: list[Outcome[Any]] | None = comm.gather(rank_result)
 
@@ -296,7 +298,7 @@ def agree_and_publish(
         if failures:
             raise SaveError("save failed, nothing was published:\n  " + "\n  ".join(failures))
         manifest, state_bytes = build([r.value for r in results])
-        manifest.state_file = target.state_name()
+        assert manifest.state_file == target.state_name(), "build names the target's state file"
         if before_publish is not None:
             before_publish()
         target.commit(state_bytes, manifest, comm.rank)
@@ -312,11 +314,22 @@ def _failure_line(outcome: Outcome[Any]) -> str:
     return outcome.message if outcome.message.startswith(prefix) else f"{prefix}{outcome.error}: {outcome.message}"
 
 
-def new_manifest(world_size: int, files: dict[str, FileEntry], state_bytes: bytes, metadata: dict[str, Any] | None, version: str) -> Manifest:
+def new_manifest(
+    world_size: int,
+    files: dict[str, FileEntry],
+    state_bytes: bytes,
+    metadata: dict[str, Any] | None,
+    version: str,
+    *,
+    tensors: dict[str, TensorEntry],
+    state_file: str,
+) -> Manifest:
+    """The manifest of a save about to commit (``state_file``: the target's :meth:`CommitTarget.state_name`)."""
     return Manifest(
         world_size=world_size,
-        tensors={},
+        tensors=tensors,
         files=files,
+        state_file=state_file,
         state_size=len(state_bytes),
         state_hash=hash_bytes(state_bytes),
         metadata=dict(metadata or {}),

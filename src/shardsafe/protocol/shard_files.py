@@ -30,7 +30,7 @@ from shardsafe.core.format import (
 from shardsafe.core.index import IndexParts, parse_index
 from shardsafe.core.plan import ReadOp, candidate_chunks, plan_reads
 from shardsafe.errors import FormatError, IntegrityError
-from shardsafe.protocol.sources import LocalSource, RemoteSource
+from shardsafe.protocol.sources import FileHandle, LocalSource, RemoteSource
 from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
@@ -47,7 +47,7 @@ class ShardFiles:
     def __init__(self, folder: Path | RemoteDir, manifest: Manifest) -> None:
         self.source: LocalSource | RemoteSource = as_location(folder).choose(local=LocalSource, remote=RemoteSource)
         self.manifest = manifest
-        self._checked: dict[tuple[str | None, str], Any] = {}  # (checkpoint, file) -> its handle, once checked
+        self._checked: dict[tuple[str | None, str], FileHandle] = {}  # (checkpoint, file) -> its handle, once checked
         self._indexes: dict[int, IndexParts] = {}  # rank -> its index, parsed and checked once
         self._by_file: dict[tuple[str | None, str], list[tuple[str, torch.dtype, ChunkEntry]]] | None = None
         self._open_lock = threading.RLock()  # reading threads may open a file first (a sibling's, in verify)
@@ -95,11 +95,11 @@ class ShardFiles:
     def path_of(self, chunk: ChunkEntry) -> str:
         return self.source.describe(chunk.checkpoint, chunk.file)
 
-    def open(self, chunk: ChunkEntry) -> Any:
+    def open(self, chunk: ChunkEntry) -> FileHandle:
         """Open (once) the file holding ``chunk``, checked as :meth:`open_file` says."""
         return self.open_file(chunk.checkpoint, chunk.file, chunk.end)
 
-    def open_file(self, checkpoint: str | None, file: str, needed: int = 0) -> Any:
+    def open_file(self, checkpoint: str | None, file: str, needed: int = 0) -> FileHandle:
         """Open (once) a file of this checkpoint (or of sibling ``checkpoint``) and check it before any
         byte of it is used: its size (the manifest's, or the sibling manifest's, and at least
         ``needed``), the sibling's commit, and that its safetensors header agrees with the manifest."""
@@ -108,7 +108,7 @@ class ShardFiles:
         with self._open_lock:  # one open and one header check per file, whichever thread comes first
             return self._open_checked(checkpoint, file, needed)
 
-    def _open_checked(self, checkpoint: str | None, file: str, needed: int) -> Any:
+    def _open_checked(self, checkpoint: str | None, file: str, needed: int) -> FileHandle:
         ident = (checkpoint, file)
         checked = self._checked.get(ident)
         if checked is not None:

@@ -22,7 +22,7 @@ from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.storage.local import tensor_pieces
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["ReuseMap", "chunk_name", "reuse_map", "write_rank_file"]
+__all__ = ["RankFile", "ReuseMap", "chunk_name", "reuse_map", "write_rank_file"]
 
 
 def chunk_name(chunk: LocalChunk) -> str:
@@ -45,14 +45,22 @@ class ShardSink(Protocol):
     def write_index(self, rank: int, data: bytes) -> str: ...
 
 
-def write_rank_file(
-    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None
-) -> tuple[str | None, int, list[tuple[LocalChunk, ChunkEntry]]]:
-    """Write this rank's chunks into its own shard file; returns (file name, size, entries).
+@dataclass(frozen=True)
+class RankFile:
+    """What :func:`write_rank_file` wrote: the shard file (None when nothing had to be written),
+    its size, and where each chunk lies (in that file, or in the earlier checkpoint it reuses)."""
+
+    name: str | None
+    size: int
+    entries: list[tuple[LocalChunk, ChunkEntry]]
+
+
+def write_rank_file(sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None) -> RankFile:
+    """Write this rank's chunks into its own shard file.
 
     With ``reuse`` (the chunks of an earlier checkpoint in the same root, each pointing at the
     checkpoint that holds its bytes), a chunk whose bytes hash the same as its earlier self is
-    referenced instead of written. The file name is None when nothing had to be written.
+    referenced instead of written.
     """
     entries: list[tuple[LocalChunk, ChunkEntry]] = []
     to_write = []
@@ -65,16 +73,16 @@ def write_rank_file(
                 continue
         to_write.append(chunk)
     if not to_write:
-        return None, 0, entries
+        return RankFile(None, 0, entries)
     name = sink.shard_name(rank)
     header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in to_write]
     prefix, ranges = build_safetensors_header(header)
     size, digests_list = sink.write_shard(name, prefix, [c.tensor for c in to_write], block_size, rank)
     entries += [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(to_write, ranges, digests_list)]
-    return name, size, entries
+    return RankFile(name, size, entries)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReuseMap:
     """The chunks of an earlier committed checkpoint of the same root, for dedup: each a save can
     point at instead of writing it again. Listed chunks come from its manifest; the parts of its

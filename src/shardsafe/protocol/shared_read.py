@@ -88,7 +88,7 @@ class Batch:
         return out, position
 
 
-@dataclass
+@dataclass(frozen=True)
 class SharedPlan:
     """This rank's part in the exchange (see the module doc for the call order)."""
 

@@ -16,7 +16,9 @@ from shardsafe.errors import IntegrityError
 from shardsafe.storage.local import open_regular, pread_into, read_small_file, safe_child
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["LocalSource", "RemoteSource"]
+__all__ = ["FileHandle", "LocalSource", "RemoteSource"]
+
+FileHandle = int | tuple[RemoteDir, str]  # an open file: a descriptor (LocalSource), or an object's folder and name (RemoteSource)
 
 
 class LocalSource:
@@ -39,7 +41,7 @@ class LocalSource:
             path = self._paths[ident] = safe_child(folder, file)
         return path
 
-    def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
+    def open(self, checkpoint: str | None, file: str) -> tuple[int, int]:
         ident = (checkpoint, file)
         if ident not in self._fds:
             path = self._path(checkpoint, file)
@@ -118,7 +120,7 @@ class RemoteSource:
     def describe(self, checkpoint: str | None, file: str) -> str:
         return f"{self._dir(checkpoint).url}/{file}"
 
-    def open(self, checkpoint: str | None, file: str) -> tuple[Any, int]:
+    def open(self, checkpoint: str | None, file: str) -> tuple[tuple[RemoteDir, str], int]:
         ident = (checkpoint, file)
         if ident not in self._sizes:
             folder = self._dir(checkpoint)

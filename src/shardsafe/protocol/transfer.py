@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ from shardsafe.errors import FormatError
 from shardsafe.protocol.block_io import BlockExecutor, BlockRead
 from shardsafe.protocol.device_read import read_into_cuda
 from shardsafe.protocol.shard_files import ShardFiles
-from shardsafe.protocol.sources import LocalSource, RemoteSource
+from shardsafe.protocol.sources import FileHandle, LocalSource, RemoteSource
 from shardsafe.storage.local import tensor_bytes
 from shardsafe.storage.remote import RemoteDir
 
@@ -92,7 +91,7 @@ class ChunkReader:
     def chunks_of(self, key: str, entry: TensorEntry) -> list[ChunkEntry]:
         return self.files.chunks_of(key, entry)
 
-    def open_file(self, checkpoint: str | None, file: str, needed: int = 0) -> Any:
+    def open_file(self, checkpoint: str | None, file: str, needed: int = 0) -> FileHandle:
         return self.files.open_file(checkpoint, file, needed)
 
     def run(self, reads: list[BlockRead]) -> None:
@@ -233,7 +232,7 @@ class ReadRequest:
     dest_offsets: tuple[int, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannedRead:
     """The block reads that fill one box, and the copy out of a staging slab to run after them."""
 

@@ -85,7 +85,7 @@ class StoredTensor:
     key: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class Described:
     """What one state value contributes to a save: a shared entry (the coordinator's copy is
     saved) or this rank's per-rank entry, and the chunks this rank holds."""
@@ -95,7 +95,7 @@ class Described:
     chunks: list[LocalChunk] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Bound:
     """A live value bound for loading: the tensors read into it in place, and what its adapter
     needs again when checking and preparing (``context``: the owner module, the engine layout)."""
@@ -107,7 +107,7 @@ class Bound:
     context: Any = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadStep:
     """A validated change to one live value, applied only after every rank prepared its own.
 

@@ -10,7 +10,7 @@ through this table; no other module branches on kinds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ def check_name(name: object) -> None:
 # ----------------------------------------------------------------------------- save
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaveView:
     """What this rank contributes to a save."""
 
@@ -91,18 +91,20 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
     keys); every chunk name this rank may write is unique in its shard file. So a save refuses,
     before anything is written, what a load would refuse.
     """
-    view = SaveView()
+    chunks: list[LocalChunk] = []
+    tree: dict[str, Any] = {}
+    per_rank: dict[str, Any] = {}
     ctx = SaveContext(state, rank)
     for name, value in state.items():
         check_name(name)
         described = adapter_for(value).describe(name, value, ctx)
         if described.entry is not None:
-            view.tree[name] = described.entry
+            tree[name] = described.entry
+            chunks += described.chunks
         else:
-            view.per_rank[name] = described.per_rank
-            for chunk in described.chunks:
-                chunk.per_rank = True
-        view.chunks += described.chunks
+            per_rank[name] = described.per_rank
+            chunks += [replace(chunk, per_rank=True) for chunk in described.chunks]
+    view = SaveView(chunks, tree, per_rank)
     encode_state({**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}}, compact=True)
     seen: set[str] = set()
     for chunk in view.chunks:
@@ -137,7 +139,7 @@ def merge_trees(trees: list[dict[str, Any]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- load
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadBinding:
     """Every live value bound for loading, with what its adapter was told about the checkpoint."""
 

@@ -35,7 +35,7 @@ COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 SECTIONS = ("fp32", "optim", "frozen", "buffers")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZeroParam:
     """One parameter of the engine and this rank's share of it."""
 

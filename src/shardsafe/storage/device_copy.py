@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -33,11 +33,11 @@ __all__ = ["HostToDevice", "device_pieces", "host_view", "side_stream"]
 
 DOUBLE = 2  # buffers per transfer: one being copied while the other is used on the host
 
-_streams: dict[int, Any] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
-def side_stream(device: torch.device) -> Any:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream shardsafe copies on for ``device`` (one per device per process, created on first use)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _streams_lock:
@@ -47,7 +47,7 @@ def side_stream(device: torch.device) -> Any:
         return stream
 
 
-def _side(device: torch.device) -> Any:
+def _side(device: torch.device) -> torch.cuda.Stream | None:
     """The side stream for a CUDA device, ordered after the caller's current stream; None for a CPU "device"
     (the unit tests' stand-in, where every copy is synchronous and program order is the only order)."""
     if device.type != "cuda":
@@ -57,11 +57,11 @@ def _side(device: torch.device) -> Any:
     return stream
 
 
-def _on(stream: Any) -> Any:
+def _on(stream: torch.cuda.Stream | None) -> AbstractContextManager[Any]:
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
-def _mark(stream: Any) -> Any:
+def _mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     """An event behind the work queued so far on ``stream`` (None without a stream: already done)."""
     if stream is None:
         return None

@@ -15,9 +15,9 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,6 +25,7 @@ from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.storage.device_copy import device_pieces
 
 __all__ = [
+    "FileStamp",
     "FileWindow",
     "MADV_DONTNEED",
     "PAGE",
@@ -45,6 +46,15 @@ __all__ = [
     "tensor_pieces",
     "write_small_file",
 ]
+
+
+class FileStamp(NamedTuple):
+    """What tells a rewritten file from the same one (a replaced file has a new inode)."""
+
+    inode: int
+    mtime_ns: int
+    size: int
+
 
 WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for tensors on devices other than CUDA (CUDA: the pinned pool's buffers)
 
@@ -97,7 +107,7 @@ WRITE_BEHIND_WINDOW = 32 * 1024 * 1024
 WRITE_BEHIND_DEPTH = 2  # windows in flight to the disk before the writer waits for the oldest
 
 
-def _libc_sync_file_range() -> Any:
+def _libc_sync_file_range() -> Callable[..., int] | None:
     name = ctypes.util.find_library("c")
     if not name:
         return None
@@ -145,6 +155,7 @@ class WriteBehind:
             os.posix_fadvise(self.fd, window[0], window[1], os.POSIX_FADV_DONTNEED)
 
     def _call(self, offset: int, length: int, flags: int) -> None:
+        assert _sync_file_range is not None  # called only while enabled
         if _sync_file_range(self.fd, offset, length, flags) != 0:
             err = ctypes.get_errno()
             if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ESPIPE):
@@ -341,7 +352,7 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touchi
 PAGE = mmap.PAGESIZE
 
 
-def _libc_madvise() -> Any:
+def _libc_madvise() -> Callable[..., int] | None:
     name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
     function = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None) if name else None
     if function is not None:

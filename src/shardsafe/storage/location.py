@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from shardsafe.core.format import check_component
-from shardsafe.storage.local import read_small_file, safe_child, write_small_file
+from shardsafe.storage.local import FileStamp, read_small_file, safe_child, write_small_file
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["LocalDir", "Location", "as_location", "public_path"]
@@ -74,7 +74,7 @@ class Location(Protocol):
         """Names of the sub-folders, sorted."""
         ...
 
-    def stamp(self, name: str) -> tuple[int, int, int] | None:
+    def stamp(self, name: str) -> FileStamp | None:
         """An identity of the file ``name`` that changes when it is rewritten (None: cannot tell)."""
         ...
 
@@ -127,13 +127,13 @@ class LocalDir(Location):
             return []
         return sorted(e.name for e in os.scandir(self.path) if e.is_dir(follow_symlinks=False))
 
-    def stamp(self, name: str) -> tuple[int, int, int] | None:
-        """(inode, mtime, size) of a file, to tell a rewritten file from the same one; None if missing."""
+    def stamp(self, name: str) -> FileStamp | None:
+        """The inode, mtime and size of a file, to tell a rewritten file from the same one; None if missing."""
         try:
             st = os.stat(self.path / name)
         except OSError:
             return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return FileStamp(st.st_ino, st.st_mtime_ns, st.st_size)
 
     def choose(self, *, local: Callable[[Path], L], remote: Callable[[RemoteDir], R]) -> L | R:
         return local(self.path)

@@ -16,6 +16,7 @@ import torch
 
 from shardsafe.core.format import check_component
 from shardsafe.errors import FormatError, IntegrityError
+from shardsafe.storage.local import FileStamp
 from shardsafe.storage.safetensors import write_tensor_stream
 
 __all__ = ["RemoteDir", "is_url", "local_path_of"]
@@ -116,7 +117,7 @@ class RemoteDir:
         """Names under this prefix (an object store has no folders: every common prefix counts)."""
         return self.list()
 
-    def stamp(self, name: str) -> tuple[int, int, int] | None:
+    def stamp(self, name: str) -> FileStamp | None:
         """Object stores give no cheap identity of an object: never cached."""
         return None
 

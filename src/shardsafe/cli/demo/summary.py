@@ -17,7 +17,7 @@ __all__ = ["Launch", "collect", "events_of", "format_summary"]
 SUMMARY_WIDTH = 124
 
 
-@dataclass
+@dataclass(frozen=True)
 class Launch:
     """One finished torchrun launch: its exit code, timing, log file and the events rank 0 recorded."""
 

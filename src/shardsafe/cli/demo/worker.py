@@ -151,7 +151,7 @@ def train_step(state: dict[str, Any], data: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-def make_manager(out: Path, save_every: int) -> Any:
+def make_manager(out: Path, save_every: int) -> CheckpointManager:
     """The manager every rank of every run uses (the same settings, so retention agrees across restarts)."""
 
     return CheckpointManager(

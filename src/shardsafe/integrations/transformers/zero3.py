@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from shardsafe.core.comm import Comm, get_comm
 from shardsafe.errors import ShardsafeError
 from shardsafe.hf.export import output_dtype
 from shardsafe.hf.pretrained import tied_aliases
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["is_zero3_model", "parameter_count", "zero3_gathered_tensors", "zero3_sharded_model"]
 
@@ -150,7 +153,7 @@ def _mirror(mirrors: dict[str, nn.Module], prefix: str) -> nn.Module:
     return mirrors[prefix]
 
 
-def _cpu_mesh(comm: Comm) -> Any:
+def _cpu_mesh(comm: Comm) -> DeviceMesh | None:
     """A 1-D CPU device mesh over every rank (the stand-in's slices live in host memory); None on one process."""
     if not comm.distributed:
         return None
