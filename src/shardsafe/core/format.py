@@ -506,7 +506,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: metadata must be an object")
-    check_depth(metadata, f"{where} metadata")  # the one free-form part kept (given back to the user as it is)
+    check_depth({"metadata": metadata}, where)  # the one free-form part kept, at the depth it has in the file
     created = raw.get("created", 0.0)
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise FormatError(f"{where}: field 'created' has the wrong type ({type(created).__name__})")
