@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-gpu stress clean
+.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-tiers bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,7 +67,7 @@ stress: $(STAMP)
 	$(PY) tests/fuzz/fuzz_dcp_metadata.py -runs=20000
 
 # Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~40 min on 2 cores).
-bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd
+bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-tiers
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/run.py
@@ -90,6 +90,9 @@ bench-scale: $(STAMP)
 
 bench-nd: $(STAMP)
 	$(PY) benchmarks/bench_nd.py --md BENCHMARKS.md
+
+bench-tiers: $(STAMP)
+	$(PY) benchmarks/bench_tiers.py --md BENCHMARKS.md
 
 # Not part of `make bench`: needs a CUDA GPU and a CUDA build of torch (stops with a message otherwise); < 8 min on one H200.
 bench-gpu: $(STAMP)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -205,16 +207,29 @@ def test_root_newer_than_every_local_step_is_restored_from_the_root(tmp_path: Pa
         _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
 
 
-def test_a_wiped_node_without_replicas_falls_back_to_the_root(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replicas, lost", [(0, ("b",)), (1, ("a", "b"))], ids=["one node, no replicas", "both nodes, replicas=1"])
+def test_a_lost_node_without_a_copy_falls_back_to_the_root(tmp_path: Path, replicas: int, lost: tuple[str, ...]) -> None:
+    """Node b lost without replicas, or both nodes lost at once with replicas=1: no node holds
+    b's files, so the step is incomplete and the root's newest is restored (said in the log)."""
     root, local = tmp_path / "ckpt", tmp_path / "shm"
-    options = {"save_every": 4, "local_every": 1}
+    options = {"save_every": 4, "local_every": 1, "replicas": replicas}
     first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 5, options, [4], None, work_dir=tmp_path)
-    shutil.rmtree(local / "b")
+    for node in lost:
+        shutil.rmtree(local / node)
     second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
     for rank, got in enumerate(second):
         assert (got["step"], got["from"]) == (4, "root")
         _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
-    assert any("passed over step 5: no node holds shard-00002.index.json, shard-00002.safetensors" in m for m in second[0]["log"]), second[0]["log"]
+    if len(lost) == 1:
+        reason = "passed over step 5: no node holds shard-00002.index.json, shard-00002.safetensors"
+        assert any(reason in m for m in second[0]["log"]), second[0]["log"]
+        # what the jobs left in node a's host memory (neither closed), removed by `shardsafe gc --local` on node a
+        gc = [sys.executable, "-m", "shardsafe.cli", "gc", str(root), "--local", "--local-dir", str(local / "{node}"), "--min-age", "0"]
+        env = {**os.environ, NODE_ENV: "a"}
+        dry = subprocess.run([*gc, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+        assert dry.returncode == 0 and f"would remove {_tier_folder(local, 'a') / step_name(5)}" in dry.stdout, dry.stdout + dry.stderr
+        done = subprocess.run(gc, capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 0 and not (local / "a").exists(), done.stdout + done.stderr
 
 
 def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 
 from shardsafe.cli.formatting import format_bytes
 from shardsafe.manager.catalog import list_root, where
-from shardsafe.manager.gc import collect
+from shardsafe.manager.gc import collect, collect_local
+from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR
 
 __all__ = ["add_parsers"]
 
@@ -36,6 +37,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("root", metavar="ROOT", help="the CheckpointManager root (or any folder checkpoints are saved into)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.add_argument("--min-age", type=float, default=600.0, metavar="SECONDS", help="leave younger entries alone (default: %(default)s)")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="instead, remove this node's local-tier steps of ROOT (what a job that died left in host memory; run it on each node)",
+    )
+    p.add_argument("--local-dir", default=DEFAULT_LOCAL_DIR, metavar="DIR", help="the manager's local_dir, {node} included (default: %(default)s)")
     p.set_defaults(func=_cmd_gc)
 
 
@@ -91,8 +98,14 @@ def _when(created: float) -> str:
 
 
 def _cmd_gc(args: Any) -> int:
-    report = collect(args.root, dry_run=args.dry_run, min_age=args.min_age)
     verb = "would remove" if args.dry_run else "removed"
+    if args.local:
+        local = collect_local(args.root, args.local_dir, dry_run=args.dry_run, min_age=args.min_age)
+        for entry in local:
+            print(f"{verb} {entry}")
+        print(f"{verb} {len(local)} local-tier entries of {args.root} on this node")
+        return 0
+    report = collect(args.root, dry_run=args.dry_run, min_age=args.min_age)
     for path in report.removed:
         print(f"{verb} {path}")
     for damaged in report.damaged:

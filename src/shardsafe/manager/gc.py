@@ -21,16 +21,19 @@ from pathlib import Path
 
 from shardsafe.api.checkpoint import location
 from shardsafe.core.format import MANIFEST_NAME
+from shardsafe.core.nodes import folder_node_id
 from shardsafe.manager.catalog import Catalog, DamagedCheckpoint, scan, step_folders, where
 from shardsafe.manager.naming import STEP_NAMING
+from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, node_dir
 from shardsafe.manager.retention import remove_unreferenced
+from shardsafe.manager.tier import tier_folder_name
 from shardsafe.protocol.commit import is_committed
 from shardsafe.protocol.temppath import OLD_MARK, is_hidden_temp, original_name
 from shardsafe.storage.local import fsync_dir, remove_tree
 from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["collect", "collect_garbage"]
+__all__ = ["collect", "collect_garbage", "collect_local"]
 
 log = logging.getLogger("shardsafe")
 
@@ -161,3 +164,32 @@ def _collect_remote(root: RemoteDir, catalog: Catalog, report: GarbageReport, dr
         report.removed += [f"{folder.url}/{n}" for n in doomed]
         if not dry_run:
             folder.remove(doomed)
+
+
+def collect_local(
+    root: str | os.PathLike[str], local_dir: str | os.PathLike[str] = DEFAULT_LOCAL_DIR, *, dry_run: bool = False, min_age: float = 0.0
+) -> list[Path]:
+    """This node's local-tier folder of ``root`` (``shardsafe gc ROOT --local``): what a job that
+    died left in host memory (``close()`` removes it otherwise). ``local_dir`` as the manager was
+    given it (``{node}`` is this node's id, ``$SHARDSAFE_NODE`` or the hostname). Every step and
+    temporary folder older than ``min_age`` seconds is removed (a running job's newest step is
+    younger), then the folder itself once empty. Returns what was (or would be) removed."""
+    folder = node_dir(local_dir, folder_node_id()) / tier_folder_name(where(location(root)))
+    if not folder.is_dir():
+        return []
+    now = time.time()
+    removed = [entry for entry in sorted(folder.iterdir()) if now - entry.lstat().st_mtime >= min_age]
+    if dry_run:
+        return removed
+    for entry in removed:
+        if entry.is_dir() and not entry.is_symlink():
+            remove_tree(entry)
+        else:
+            entry.unlink()
+    if not any(folder.iterdir()):
+        folder.rmdir()
+        try:
+            folder.parent.rmdir()  # the node's folder, when no other root's tier is in it
+        except OSError:
+            pass
+    return removed

@@ -188,6 +188,8 @@ class CheckpointManager:
         self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already warned about
         self._warned_metric = False
         self._worker = SaveWorker()  # writes async saves; started by the first
+        self._tier_worker = SaveWorker("shardsafe-local-tier")  # writes the local tier's saves, in order
+        self._tier_staging = StagingBuffers()  # the local tier's copy of the state (an async root save may hold the other)
         self._at_exit = False
         self._copied = threading.Event()
         self._copied.set()
@@ -245,8 +247,7 @@ class CheckpointManager:
         self._raise_background_error()
         preempted = self._agree_on_preemption()
         if self._tier is not None and not preempted and self._tier.due(step):
-            self.lease.ensure()
-            self._tier.save(step, state, self._metadata(step, metrics))
+            self._save_local(step, state, metrics)
         if not (force or preempted or self.should_save(step)):
             return False
         self.wait()
@@ -273,6 +274,24 @@ class CheckpointManager:
             self.stop_requested = True
             log.warning("shardsafe: signal %s received; saved step %d, stop training now", self._preempt_signal, step)
         return True
+
+    def _save_local(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None) -> None:
+        """The local tier's save of ``step``: the caller blocks for one agreement on the state and a
+        copy of it into the tier's own staging buffers; the tier's thread writes it (every node's
+        folder, then the replicas) over the tier's group. The previous local save is finished
+        first (with a step time above its write time, it is already)."""
+        assert self._tier is not None
+        self._tier_worker.join()
+        self.lease.ensure()
+        view = describe_collectively(state, self.comm, default=SaveError)
+        staged = self._tier_staging.prepare(view)
+        copy_all(staged)
+        tier, metadata = self._tier, self._metadata(step, metrics)
+
+        def write() -> None:
+            tier.save_view(step, staged.view, metadata)
+
+        self._tier_worker.submit(write)
 
     def _metadata(self, step: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
         written_by = self.lease.metadata()
@@ -393,7 +412,8 @@ class CheckpointManager:
         return doomed
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        """Block until the save in flight (if any) is committed, and the local tier's; raise its error if it failed."""
+        self._tier_worker.join()
         self._worker.join()
         self._raise_background_error()
 
@@ -559,6 +579,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._worker.close()
+            self._tier_worker.close()
             if self._tier is not None:
                 try:
                     self._tier.close(self.latest_step() if self._tier.nodes.is_leader else None)

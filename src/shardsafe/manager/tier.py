@@ -181,7 +181,11 @@ class LocalTier:
         """Collective: ``state`` as ``step`` in every node's folder (and its replicas). Returns True
         when the step is complete in the tier. A state no load would accept raises, as a save does;
         a failure to write (or too little space) is logged and kept in :attr:`errors`, not raised."""
-        view = describe_collectively(state, self.comm, default=SaveError)
+        return self.save_view(step, describe_collectively(state, self.comm, default=SaveError), metadata)
+
+    def save_view(self, step: int, view: SaveView, metadata: dict[str, Any]) -> bool:
+        """:meth:`save` of a described (and, from the manager, staged) view: what the manager's
+        background thread runs, every collective on the tier's own group."""
         if not self._room_for(step, view):
             return False
         try:

@@ -1,0 +1,315 @@
+"""The local tier at 4 gloo ranks as 2 simulated nodes x 2: blocked time, restore after a lost node, throughput.
+
+    .venv/bin/python benchmarks/bench_tiers.py --md BENCHMARKS.md       # make bench-tiers
+
+State: an FSDP2 stack of ``Linear(width, width, bias=False)`` layers + AdamW after one step (about
+1 GB of parameters and moments at the default size, a quarter per rank). Ranks 0-1 are node ``a``,
+ranks 2-3 node ``b`` (``SHARDSAFE_NODE``), each node with its own folder under ``/dev/shm``; the
+persistent root is on this machine's disk. Every measurement is a fresh 4-rank (or 2-rank) job.
+
+1. **Blocked per save** (medians over saves 2..N, the slowest rank per save): a local-tier save
+   (``local_every=1, replicas=1``: the caller copies the state into the tier's staging buffers, the
+   tier's thread writes it), against a ``copy_`` of every local tensor into buffers allocated
+   before (the memcpy floor) and against an async persistent save (``async_save=True``).
+2. **Restore after losing node b**: steps 1-3 saved (root every 2 steps: step 2; the tier: step 3),
+   the job killed, node b's folder wiped; a new 4-rank job restores: from the tier (node a's
+   replica of b's files is sent to b over the tier's group), and, for comparison, a job with no
+   tier from the root with a cold page cache (step 2, the same bytes). Bytes read from disk
+   (``read_bytes``) and moved over the process group (the files b gets back) are reported.
+3. **4 -> 2**: the same, restored by 2 ranks both on node a (resharding), from the tier and from the root.
+4. **Throughput**: steps padded to ~1 s (a real training step, then sleep), with ``local_every=1``
+   against no checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import drop_file_cache, folder_bytes, load_average, write_section  # noqa: E402
+
+SECTION = "## Local tier (4 ranks as 2 nodes)"
+
+
+def _node(rank: int, world: int) -> str:
+    return "a" if world == 2 or rank < 2 else "b"
+
+
+def _model(layers: int, width: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, width: int, index: int) -> None:
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(index))
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    for entries in optimizer.state.values():
+        out += [v.to_local() if hasattr(v, "to_local") else v for v in entries.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return [t.detach() for t in out]
+
+
+def _read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    slowest = torch.tensor([seconds])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def _blocked(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    import shardsafe
+
+    model, optimizer = _model(job["layers"], job["width"], 0)
+    _step(model, optimizer, job["width"], 0)
+    state = {"model": model, "optim": optimizer}
+    sources = _local_tensors(model, optimizer)
+    buffers = [torch.empty_like(t) for t in sources]
+    for b in buffers:
+        b.zero_()  # touched, as the reused staging buffers are after the first save
+
+    def copy() -> None:
+        for b, t in zip(buffers, sources):
+            b.copy_(t)
+
+    out: dict[str, Any] = {"memcpy": [_timed(copy) for _ in range(job["saves"])]}
+    out["state_bytes"] = sum(t.numel() * t.element_size() for t in sources)
+    tier = shardsafe.CheckpointManager(job["root"] + "-tier", save_every=10**9, local_every=1, local_dir=job["local"], replicas=1)
+    out["tier"] = []
+    for step in range(1, job["saves"] + 1):
+        out["tier"].append(_timed(lambda step=step: tier.save(step, state)))
+        tier.wait()  # the write itself, outside the blocked time (a step of training would overlap it)
+    tier.close()
+    persistent = shardsafe.CheckpointManager(job["root"] + "-async", async_save=True, keep_last=1)
+    out["async root"] = []
+    for step in range(1, job["saves"] + 1):
+        out["async root"].append(_timed(lambda step=step: persistent.save(step, state)))
+        persistent.wait()
+    persistent.close()
+    return out
+
+
+def _train_then_crash(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    import shardsafe
+
+    model, optimizer = _model(job["layers"], job["width"], 0)
+    manager = shardsafe.CheckpointManager(job["root"], save_every=2, local_every=1, local_dir=job["local"], replicas=1)
+    state = {"model": model, "optim": optimizer}
+    for step in range(1, 4):
+        _step(model, optimizer, job["width"], step)
+        manager.save(step, state)
+    manager.wait()
+    return {}  # no close(): the job dies with the tier in place
+
+
+def _restore(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    import shardsafe
+
+    model, optimizer = _model(job["layers"], job["width"], 1)
+    options = {"local_every": 1, "local_dir": job["local"], "replicas": 1} if job["tier"] else {}
+    manager = shardsafe.CheckpointManager(job["root"], save_every=2, **options)
+    state = {"model": model, "optim": optimizer}
+    read0 = _read_bytes()
+    box: dict[str, Any] = {}
+    seconds = _timed(lambda: box.update(step=manager.restore(state)))
+    read = torch.tensor([_read_bytes() - read0])
+    dist.all_reduce(read)
+    return {"seconds": seconds, "step": box["step"], "from": manager.restored_from, "read": int(read)}
+
+
+def _throughput(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    import shardsafe
+
+    model, optimizer = _model(job["layers"], job["width"], 0)
+    state = {"model": model, "optim": optimizer}
+    manager = shardsafe.CheckpointManager(job["root"], save_every=10**9, local_every=1, local_dir=job["local"], replicas=1) if job["tier"] else None
+    _step(model, optimizer, job["width"], 0)
+
+    def loop() -> None:
+        for step in range(1, job["steps"] + 1):
+            begin = time.perf_counter()
+            _step(model, optimizer, job["width"], step)
+            pad = torch.tensor([job["step_time"] - (time.perf_counter() - begin)])
+            dist.all_reduce(pad, op=dist.ReduceOp.MIN)  # every rank pads alike: the step ends together
+            time.sleep(max(0.0, float(pad)))
+            if manager is not None:
+                manager.save(step, state)
+
+    seconds = _timed(loop)
+    if manager is not None:
+        manager.close()
+    return {"seconds": seconds}
+
+
+JOBS = {"blocked": _blocked, "crash": _train_then_crash, "restore": _restore, "throughput": _throughput}
+
+
+def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SHARDSAFE_NODE=_node(rank, world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        out[rank] = JOBS[job["kind"]](rank, world, job)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(world: int = 4, **job: Any) -> dict[str, Any]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank, (world, port, job, out), nprocs=world)
+        return dict(out[0])
+
+
+def _tier_folder(local: Path, node: str) -> Path:
+    (folder,) = (local / node).iterdir()
+    return folder
+
+
+def _lose_node_b(local: Path) -> None:
+    shutil.rmtree(local / "b", ignore_errors=True)
+
+
+def restore_case(base: Path, local: Path, size: dict[str, int], world: int, tier: bool) -> dict[str, Any]:
+    """Train 3 steps (root: step 2, tier: step 3), lose node b, restore with ``world`` ranks."""
+    root = base / "root"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(local, ignore_errors=True)
+    run_job(kind="crash", root=str(root), local=str(local / "{node}"), **size)
+    _lose_node_b(local)
+    drop_file_cache(root)
+    result = run_job(world, kind="restore", root=str(root), local=str(local / "{node}"), tier=tier, **size)
+    moved = folder_bytes(_tier_folder(local, "b")) if tier and world == 4 and (local / "b").exists() else 0
+    return result | {"moved": moved, "root_bytes": folder_bytes(root / "step-0000000002")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/shardsafe-bench-tiers")
+    parser.add_argument("--local", default="/dev/shm/shardsafe-bench-tiers", help="the nodes' folders (tmpfs)")
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--step-time", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the restore comparison (medians)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: a small model, 1 round, BENCHMARKS.md untouched unless --md")
+    parser.add_argument("--md", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.width, args.saves, args.steps, args.step_time, args.rounds = 2, 256, 3, 3, 0.2, 1
+    base, local_base = Path(args.dir), Path(args.local)
+    for folder in (base, local_base):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    size = {"layers": args.layers, "width": args.width}
+    started = time.perf_counter()
+
+    blocked = run_job(kind="blocked", root=str(base / "blocked"), local=str(local_base / "blocked" / "{node}"), saves=args.saves, **size)
+    med = {k: statistics.median(blocked[k][1:]) for k in ("memcpy", "tier", "async root")}
+    print(f"blocked: {json.dumps(med)}", file=sys.stderr, flush=True)
+
+    restores: dict[str, list[dict[str, Any]]] = {}
+    for round_ in range(args.rounds):
+        cases = [("tier", 4, True), ("root", 4, False), ("tier 4->2", 2, True), ("root 4->2", 2, False)]
+        for name, world, tier in cases if round_ % 2 == 0 else cases[::-1]:
+            result = restore_case(base / "restore", local_base / "restore", size, world, tier)
+            restores.setdefault(name, []).append(result)
+        print(f"restore round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+
+    loop = {}
+    for name, tier in (("no checkpoints", False), ("local_every=1", True)):
+        shutil.rmtree(base / "loop", ignore_errors=True)
+        shutil.rmtree(local_base / "loop", ignore_errors=True)
+        where = {"root": str(base / "loop"), "local": str(local_base / "loop" / "{node}")}
+        loop[name] = run_job(kind="throughput", tier=tier, steps=args.steps, step_time=args.step_time, **where, **size)["seconds"]
+    for folder in (base, local_base):
+        shutil.rmtree(folder, ignore_errors=True)
+
+    state_mb = blocked["state_bytes"] * 4 / 2**20
+    rmed = {name: {k: statistics.median(r[k] for r in runs) for k in ("seconds", "read", "moved", "root_bytes")} for name, runs in restores.items()}
+    froms = {name: sorted({f"{r['from']} step {r['step']}" for r in runs}) for name, runs in restores.items()}
+    lines = [
+        SECTION,
+        "",
+        f"`.venv/bin/python benchmarks/bench_tiers.py{' --quick' if args.quick else ''} --md BENCHMARKS.md` (`make bench-tiers`) on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({(time.perf_counter() - started) / 60:.1f} min; "
+        f"load average {load_average()} after): 4 gloo ranks as 2 simulated nodes x 2 on this machine ({os.cpu_count()} cores), "
+        f"FSDP2 over {args.layers} x Linear({args.width}, {args.width}) + AdamW: {state_mb:.0f} MiB of state ({state_mb / 4:.0f} MiB per rank). "
+        "Node folders in `/dev/shm`, the root on disk.",
+        "",
+        f"Blocked per save (median of saves 2-{args.saves}, slowest rank):",
+        "",
+        "| save | blocked | vs memcpy | target |",
+        "|---|---|---|---|",
+        f"| memcpy of the rank's state (preallocated) | {med['memcpy'] * 1e3:.0f} ms | 1.00x | |",
+        f"| local tier (`local_every=1, replicas=1`) | {med['tier'] * 1e3:.0f} ms | {med['tier'] / med['memcpy']:.2f}x | <= 1.5x: "
+        f"{'met' if med['tier'] <= 1.5 * med['memcpy'] else 'MISSED'} |",
+        f"| async persistent save (`async_save=True`) | {med['async root'] * 1e3:.0f} ms | {med['async root'] / med['memcpy']:.2f}x | |",
+        "",
+        f"Restore after losing node b (its folder wiped; medians of {args.rounds} alternating rounds; the root's page cache dropped first):",
+        "",
+        "| restore | time | loaded | read from disk | sent over the group |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in rmed.items():
+        lines.append(f"| {name} | {r['seconds']:.2f} s | {', '.join(froms[name])} | {r['read'] / 2**20:.0f} MiB | {r['moved'] / 2**20:.0f} MiB |")
+    speedup = rmed["root"]["seconds"] / rmed["tier"]["seconds"]
+    speedup2 = rmed["root 4->2"]["seconds"] / rmed["tier 4->2"]["seconds"]
+    slower = loop["local_every=1"] / loop["no checkpoints"] - 1
+    lines += [
+        "",
+        f"Tier vs root: {speedup:.2f}x faster at 4 ranks, {speedup2:.2f}x after 4 -> 2 (target >= 2x: "
+        f"{'met' if min(speedup, speedup2) >= 2 else 'MISSED'}). The 4 -> 2 job runs on node a alone, which holds b's files as its replica.",
+        "",
+        f"Throughput, {args.steps} steps padded to {args.step_time:.1f} s: no checkpoints {loop['no checkpoints']:.2f} s, `local_every=1` "
+        f"{loop['local_every=1']:.2f} s: {slower * 100:+.1f}% (target <= +5%: {'met' if slower <= 0.05 else 'MISSED'}).",
+        "",
+        "Raw: `" + json.dumps({"blocked": {k: [round(v, 4) for v in blocked[k]] for k in ("memcpy", "tier", "async root")}}) + "`",
+        "`" + json.dumps({"restore": rmed, "loop": loop}) + "`",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.md is not None:
+        write_section(args.md, SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
