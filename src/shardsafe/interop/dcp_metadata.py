@@ -16,10 +16,8 @@ naming the file.
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import pickle
 import re
 import stat
 from collections.abc import Callable
@@ -30,7 +28,7 @@ from typing import Any
 import torch
 
 from shardsafe.errors import CheckpointNotFoundError, FormatError
-from shardsafe.interop.pickle_scan import MAX_DIMS, MAX_PICKLE_BYTES, GlobalRules, check_value_graph, scan_pickle
+from shardsafe.interop.pickle_scan import MAX_DIMS, MAX_PICKLE_BYTES, GlobalRules, RestrictedUnpickler, check_value_graph, scan_pickle
 
 __all__ = ["DcpItem", "DcpMetadata", "METADATA_NAME", "RULES", "is_dcp_folder", "read_metadata"]
 
@@ -154,17 +152,6 @@ RULES = GlobalRules(
 )
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        qualified = f"{module}.{name}"
-        if qualified not in GLOBALS:
-            raise FormatError(f"refused pickle: global {qualified[:120]!r} is not allowed")
-        return GLOBALS[qualified]
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise FormatError("refused pickle: a persistent id in DCP metadata")
-
-
 # ----------------------------------------------------------------------------- the checked result
 
 
@@ -245,7 +232,7 @@ def read_metadata(path: str | os.PathLike[str]) -> DcpMetadata:
     data = _read_regular(folder / METADATA_NAME, MAX_PICKLE_BYTES)
     scan_pickle(data, where, RULES)
     try:
-        raw = _Unpickler(io.BytesIO(data)).load()
+        raw = RestrictedUnpickler(data, GLOBALS, what="DCP metadata").load()
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
     except Exception as exc:  # values the scan let through that do not fit together (TypeError, ...)

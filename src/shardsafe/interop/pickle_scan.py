@@ -19,14 +19,15 @@ walked as a tree (``x = [y, y]; y = [z, z]; ...`` is small in the file, exponent
 from __future__ import annotations
 
 import io
+import pickle
 import pickletools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardsafe.errors import FormatError
 
-__all__ = ["GlobalRules", "MAX_DIMS", "MAX_PICKLE_BYTES", "check_value_graph", "scan_pickle"]
+__all__ = ["GlobalRules", "MAX_DIMS", "MAX_PICKLE_BYTES", "check_value_graph", "scan_pickle", "RestrictedUnpickler"]
 
 MAX_PICKLE_BYTES = 64 << 20  # DeepSpeed's pickles hold names, shapes and hyper-parameters: kilobytes to a few MiB
 MAX_OPCODES = 4_000_000  # about 30 per tensor: 100,000+ tensors in one file
@@ -328,3 +329,24 @@ def _children(value: Any, containers: tuple[type, ...]) -> list[Any] | None:
     if isinstance(value, containers):
         return list(vars(value).values())
     return None
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """The one unpickler of the interop readers: globals only from ``allowed`` (the second lock, after
+    :func:`scan_pickle` refused every other one), persistent ids only through ``persistent`` (a
+    ``torch.save`` archive's storages, see interop/unpickler.py) or refused (DCP's ``.metadata``)."""
+
+    def __init__(self, data: bytes, allowed: Mapping[str, Any], persistent: Callable[[Any], Any] | None = None, what: str = "pickle") -> None:
+        super().__init__(io.BytesIO(data), fix_imports=False)
+        self._allowed, self._persistent, self._what = allowed, persistent, what
+
+    def find_class(self, module: str, name: str) -> Any:
+        qualified = f"{module}.{name}"
+        if qualified not in self._allowed:
+            raise FormatError(f"refused pickle: global {qualified[:120]!r} is not allowed")
+        return self._allowed[qualified]
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise FormatError(f"refused pickle: a persistent id in {self._what}")
+        return self._persistent(pid)

@@ -33,7 +33,6 @@ import io
 import math
 import mmap as mmap_module
 import os
-import pickle
 import re
 import stat
 import struct
@@ -50,7 +49,7 @@ import torch
 from shardsafe.errors import CheckpointNotFoundError, FormatError
 from shardsafe.interop import pickle_scan
 from shardsafe.interop.mapped_copy import FileMapping
-from shardsafe.interop.pickle_scan import MAX_DIMS, GlobalRules, check_value_graph, scan_pickle
+from shardsafe.interop.pickle_scan import MAX_DIMS, GlobalRules, RestrictedUnpickler, check_value_graph, scan_pickle
 
 __all__ = ["LossScalerState", "RULES", "STAND_INS", "TensorAt", "load_bytes", "load_file", "load_pt", "locate_tensor"]
 
@@ -315,23 +314,6 @@ class LoadedFile:
     mapping: FileMapping | None
 
 
-class _Unpickler(pickle.Unpickler):
-    """Globals only from :data:`GLOBALS`; storages only from the archive's records."""
-
-    def __init__(self, data: bytes, storage: Callable[[Any], _Stored]) -> None:
-        super().__init__(io.BytesIO(data), fix_imports=False)
-        self._storage = storage
-
-    def find_class(self, module: str, name: str) -> Any:
-        qualified = f"{module}.{name}"
-        if qualified not in GLOBALS:  # the pre-scan refused it already; this is the second lock
-            raise FormatError(f"refused pickle: global {qualified[:120]!r} is not allowed")
-        return GLOBALS[qualified]
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self._storage(pid)
-
-
 def load_pt(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
     """Unpickle a ``torch.save`` file of a DeepSpeed checkpoint without running code from it (see the module docstring)."""
     return load_file(Path(path), mmap).value
@@ -456,7 +438,7 @@ def _unpickle(where: str, data: bytes, base: torch.Tensor | None, records: dict[
         return seen[key]
 
     try:
-        value = _Unpickler(data, storage).load()
+        value = RestrictedUnpickler(data, GLOBALS, storage).load()
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
     except Exception as exc:  # the unpickler on values the scan let through but that do not fit together (TypeError, ...)
