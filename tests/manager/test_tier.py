@@ -230,6 +230,8 @@ def test_a_lost_node_without_a_copy_falls_back_to_the_root(tmp_path: Path, repli
         assert dry.returncode == 0 and f"would remove {_tier_folder(local, 'a') / step_name(5)}" in dry.stdout, dry.stdout + dry.stderr
         done = subprocess.run(gc, capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == 0 and not (local / "a").exists(), done.stdout + done.stderr
+        bad = subprocess.run(gc, capture_output=True, text=True, env={**os.environ, NODE_ENV: "../b"}, timeout=60)
+        assert bad.returncode == 1 and "SHARDSAFE_NODE='../b' is not a usable node id" in bad.stderr and "internal" not in bad.stderr, bad.stderr
 
 
 def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from shardsafe.cli.formatting import format_bytes
+from shardsafe.errors import ShardsafeError
 from shardsafe.manager.catalog import list_root, where
 from shardsafe.manager.gc import collect, collect_local
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR
@@ -100,7 +101,10 @@ def _when(created: float) -> str:
 def _cmd_gc(args: Any) -> int:
     verb = "would remove" if args.dry_run else "removed"
     if args.local:
-        local = collect_local(args.root, args.local_dir, dry_run=args.dry_run, min_age=args.min_age)
+        try:
+            local = collect_local(args.root, args.local_dir, dry_run=args.dry_run, min_age=args.min_age)
+        except ValueError as exc:  # an unusable SHARDSAFE_NODE: the user's setting, named in the message
+            raise ShardsafeError(f"gc --local: {exc}") from None
         for entry in local:
             print(f"{verb} {entry}")
         print(f"{verb} {len(local)} local-tier entries of {args.root} on this node")
