@@ -289,7 +289,7 @@ class CheckpointManager:
         tier, metadata = self._tier, self._metadata(step, metrics)
 
         def write() -> None:
-            tier.save_view(step, staged.view, metadata)
+            tier.save(step, staged.view, metadata)
 
         self._tier_worker.submit(write)
 

@@ -41,7 +41,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsafe.api.checkpoint import describe_collectively, write_checkpoint
+from shardsafe.api.checkpoint import write_checkpoint
 from shardsafe.core.comm import Comm
 from shardsafe.core.faults import crash_point
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
@@ -177,15 +177,11 @@ class LocalTier:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> bool:
-        """Collective: ``state`` as ``step`` in every node's folder (and its replicas). Returns True
-        when the step is complete in the tier. A state no load would accept raises, as a save does;
-        a failure to write (or too little space) is logged and kept in :attr:`errors`, not raised."""
-        return self.save_view(step, describe_collectively(state, self.comm, default=SaveError), metadata)
-
-    def save_view(self, step: int, view: SaveView, metadata: dict[str, Any]) -> bool:
-        """:meth:`save` of a described (and, from the manager, staged) view: what the manager's
-        background thread runs, every collective on the tier's own group."""
+    def save(self, step: int, view: SaveView, metadata: dict[str, Any]) -> bool:
+        """Collective: the described (and, from the manager, staged) ``view`` as ``step`` in every
+        node's folder (and its replicas); the manager's tier thread runs it, every collective on the
+        tier's own group. Returns True when the step is complete in the tier. A failure to write
+        (or too little space) is logged and kept in :attr:`errors`, not raised."""
         if not self._room_for(step, view):
             return False
         try:
@@ -360,16 +356,15 @@ class LocalTier:
         except Exception as exc:
             problem = exc
         try:
-            offset = 0
-            while offset < move.size:
-                piece = torch.zeros(min(PIECE_BYTES, move.size - offset), dtype=torch.uint8)
+            for offset, piece in _pieces(move.size):
                 if problem is None and fd is not None:
                     try:
                         _read_exactly(fd, tensor_bytes(piece), offset, path)
                     except Exception as exc:
                         problem = exc
+                if problem is not None:
+                    piece.zero_()  # a failed read sends zeros (and the flag says so), never stale bytes
                 dist.send(piece, group=self.comm.group, group_dst=move.dst)
-                offset += piece.numel()
             dist.send(torch.tensor([0 if problem is None else 1], dtype=torch.uint8), group=self.comm.group, group_dst=move.dst)
         finally:
             if fd is not None:
@@ -386,16 +381,13 @@ class LocalTier:
         except Exception as exc:
             problem = exc
         try:
-            offset = 0
-            while offset < move.size:
-                piece = torch.empty(min(PIECE_BYTES, move.size - offset), dtype=torch.uint8)
+            for _, piece in _pieces(move.size):
                 dist.recv(piece, group=self.comm.group, group_src=move.src)
                 if problem is None and fd is not None:
                     try:
                         _write_all(fd, tensor_bytes(piece))
                     except Exception as exc:
                         problem = exc
-                offset += piece.numel()
             flag = torch.zeros(1, dtype=torch.uint8)
             dist.recv(flag, group=self.comm.group, group_src=move.src)
             if flag.item() and problem is None:
@@ -554,6 +546,15 @@ class LocalTier:
             self.folder.parent.rmdir()  # the node's folder, when no other root's tier is in it
         except OSError:
             pass
+
+
+def _pieces(size: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset, bytes) of each point-to-point message of a ``size``-byte file, in order: views of one
+    buffer of at most :data:`PIECE_BYTES`, allocated once per file (each piece is sent or written
+    before the next one is asked for)."""
+    buffer = torch.zeros(min(PIECE_BYTES, size), dtype=torch.uint8)
+    for offset in range(0, size, PIECE_BYTES):
+        yield offset, buffer[: min(PIECE_BYTES, size - offset)]
 
 
 def _size_of(path: Path) -> int | None:
