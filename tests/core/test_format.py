@@ -6,8 +6,10 @@ import json
 import struct
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 from safetensors import safe_open
 from torch import nn
 
@@ -182,10 +184,19 @@ def test_contiguous_span() -> None:
     assert contiguous_span((), (), (), ()) == (0, 1)
 
 
-def test_a_newline_in_a_file_name_takes_the_per_name_check(tmp_path: Path) -> None:
-    """A name the one-pass check cannot judge (it joins names with newlines) is checked on its own,
-    and accepted as check_component accepts it; deep junk in an entry's unknown field is dropped."""
+def test_a_newline_in_a_file_name_is_accepted_as_check_component_accepts_it(tmp_path: Path) -> None:
+    """The one-pass name check accepts what check_component accepts (a newline included); deep junk
+    in an entry's unknown field is dropped."""
     raw = json.loads(_manifest_bytes(tmp_path))
     raw["files"]["odd\nname"] = {"size": 1, "rank": 0, "junk": __import__("functools").reduce(lambda inner, _: [inner], range(80), [])}
     parsed = parse_manifest(json.dumps(raw).encode())
     assert parsed.files["odd\nname"].size == 1 and parsed.files["odd\nname"].index is None
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.lists(st.text(alphabet=st.sampled_from(["a", ".", "~", "/", "\\", "\x00", "\n", "é"]), max_size=6), max_size=4))
+def test_the_one_pass_name_check_accepts_exactly_what_check_component_accepts(names: list[str]) -> None:
+    """core/fields.all_safe_components (the manifest's files section) and check_component are one rule."""
+    from shardsafe.core.fields import _SAFE_COMPONENT, all_safe_components
+
+    assert all_safe_components(names) == all(_SAFE_COMPONENT.match(n) is not None for n in names)

@@ -21,7 +21,6 @@ keys and bounded depth.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -36,6 +35,7 @@ from shardsafe.core.fields import (
     MAX_NUMEL,
     MIN_HASH_BLOCK_SIZE,
     RESERVED_HEADER_NAME,
+    all_safe_components,
     check_component,
     check_tensor_key,
     numel,
@@ -411,22 +411,17 @@ def _check_overrides(rule: LayoutRule, shape: tuple[int, ...], chunks: list[Chun
 
 def _parse_files(raw: dict[str, Any], version: int, where: str) -> dict[str, FileEntry]:
     """The ``files`` section: one entry per shard (16,384 at 16,384 ranks), so the common shape is
-    checked in one pass (names in one regex match over all of them, the rest by exact types)
-    and only an entry that fails it goes through the checks that build the message."""
-    names_safe = _safe_names(raw)
+    checked in one pass (names by :func:`all_safe_components`, the rest by exact types) and only
+    an entry that fails it goes through the checks that build the message."""
+    names_safe = all_safe_components(raw)
     files: dict[str, FileEntry] = {}
     for name, entry in raw.items():
         if not names_safe:
             check_component(name, where)
-        index = entry.get("index") if type(entry) is dict else None
         if (
-            type(entry) is dict
-            and type(entry.get("size")) is int
-            and type(entry.get("rank")) is int
-            and entry["size"] >= 0
-            and (index is None or (version >= 2 and _plain_index_ref(index)))
-        ):  # the common case
-            files[name] = FileEntry(entry["size"], entry["rank"], None if index is None else IndexRef(index["file"], index["size"], index["hash"]))
+            type(entry) is dict and type(entry.get("size")) is int and type(entry.get("rank")) is int and entry["size"] >= 0
+        ):  # the common case (an index reference has its own fast path)
+            files[name] = FileEntry(entry["size"], entry["rank"], _parse_index_ref(entry, name, version, where))
             continue
         size = _expect(entry, "size", int, f"{where} file {name!r}")  # the same checks, for their messages
         rank = _expect(entry, "rank", int, f"{where} file {name!r}")
@@ -434,29 +429,6 @@ def _parse_files(raw: dict[str, Any], version: int, where: str) -> dict[str, Fil
             raise FormatError(f"{where}: file {name!r} has a negative size")
         files[name] = FileEntry(size, rank, _parse_index_ref(entry, name, version, where))
     return files
-
-
-_SAFE_NAMES = re.compile(r"(?:(?!\.\.?\n)(?!~)[^/\\\x00\n]{1,255}\n)*\Z")  # check_component's rule, names joined by newlines
-
-
-def _safe_names(names: dict[str, Any]) -> bool:
-    """Whether every name passes :func:`check_component` (one regex pass; a name with a newline, or
-    any that fails, sends the caller to the per-name check)."""
-    return all(type(n) is str for n in names) and _SAFE_NAMES.match("".join(n + "\n" for n in names)) is not None
-
-
-def _plain_index_ref(raw: Any) -> bool:
-    """An index reference that :func:`_parse_index_ref` accepts as it is (checked without building messages)."""
-    return (
-        type(raw) is dict
-        and type(raw.get("file")) is str
-        and type(raw.get("size")) is int
-        and type(raw.get("hash")) is str
-        and _SAFE_NAMES.match(raw["file"] + "\n") is not None
-        and raw["file"].endswith(INDEX_SUFFIX)
-        and 0 <= raw["size"] <= MAX_JSON_BYTES
-        and len(raw["hash"]) <= 64
-    )
 
 
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
