@@ -44,7 +44,7 @@ from common import load_average, write_section  # noqa: E402
 
 from shardsafe._version import __version__  # noqa: E402
 from shardsafe.api.save import RankResult, tensor_entries  # noqa: E402
-from shardsafe.core.format import INDEX_PATTERN, SHARD_PATTERN, ChunkEntry, FileEntry, IndexRef, parse_manifest  # noqa: E402
+from shardsafe.core.format import INDEX_PATTERN, SHARD_PATTERN, STATE_NAME, ChunkEntry, FileEntry, IndexRef, parse_manifest  # noqa: E402
 from shardsafe.core.gcpause import gc_paused  # noqa: E402
 from shardsafe.core.index import build_index  # noqa: E402
 from shardsafe.core.integrity import hash_bytes  # noqa: E402
@@ -152,8 +152,8 @@ def coordinator_manifest(world: int, results: list[RankResult], layout: LocalLay
     """What the coordinator does with the W per-rank results: build the manifest, check it with the
     load's parser, serialize it (the save's own functions)."""
     files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
-    manifest = new_manifest(world, files, b"{}", {}, __version__)
-    manifest.tensors = tensor_entries(results, layout, spread_writers(layout.rules()))
+    tensors = tensor_entries(results, layout, spread_writers(layout.rules()))
+    manifest = new_manifest(world, files, b"{}", {}, __version__, tensors=tensors, state_file=STATE_NAME)
     data = manifest.to_bytes()
     parse_manifest(data, "the manifest about to be written")
     return data
