@@ -1,7 +1,7 @@
 """``shardsafe.load`` of a DCP folder at 2 gloo ranks: wall time, peak extra RSS and bytes written per rank.
 
-    .venv/bin/python benchmarks/bench_dcp_load.py --folder /tmp/bench-dcp --save   # dcp.save once, at 2 FSDP2 ranks
-    .venv/bin/python benchmarks/bench_dcp_load.py --folder /tmp/bench-dcp          # then load (shardsafe from PYTHONPATH)
+    .venv/bin/python benchmarks/bench_dcp_load.py --folder /tmp/bench-dcp --save  # dcp.save once, at 2 FSDP2 ranks
+    .venv/bin/python benchmarks/bench_dcp_load.py --folder /tmp/bench-dcp  # then load (shardsafe from PYTHONPATH)
 
 The model is a stack of square ``Linear`` layers (``--layers`` x ``--width``: 6 x 3584 is 308 MB of
 fp32), ``fully_shard``ed on 2 CPU ranks. Each rank reports the load's wall time, its peak RSS above
@@ -96,7 +96,12 @@ def main() -> None:
         mp.spawn(_rank, (2, port, args, out), nprocs=2)
         results = dict(out)
     if not args.save:
-        print(json.dumps({"model_mb": round(args.layers * (args.width + 1) * args.width * 4 / 2**20, 1), "ranks": results}, indent=1))
+        print(
+            json.dumps(
+                {"model_mb": round(args.layers * (args.width + 1) * args.width * 4 / 2**20, 1), "ranks": results},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

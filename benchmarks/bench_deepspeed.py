@@ -55,8 +55,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 SECTION = "## DeepSpeed export"
 # Llama sizes: odd vocabulary and intermediate sizes, MLP biases (odd-sized tensors), untied head
 # (zero_to_fp32 --safe_serialization refuses tied weights).
-FULL = {"vocab_size": 49157, "hidden_size": 576, "intermediate_size": 1537, "num_hidden_layers": 24, "num_attention_heads": 9}
-QUICK = {"vocab_size": 1009, "hidden_size": 128, "intermediate_size": 345, "num_hidden_layers": 2, "num_attention_heads": 4}
+FULL = {
+    "vocab_size": 49157,
+    "hidden_size": 576,
+    "intermediate_size": 1537,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 9,
+}
+QUICK = {
+    "vocab_size": 1009,
+    "hidden_size": 128,
+    "intermediate_size": 345,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
 # key -> (what is run, OMP_NUM_THREADS: "1" or None for the inherited environment)
 SPECS: dict[str, tuple[str, str | None]] = {
     "shardsafe": ("shardsafe", "1"),
@@ -72,27 +84,42 @@ SPECS: dict[str, tuple[str, str | None]] = {
 LABELS = {
     "shardsafe": "`shardsafe export CKPT OUT --dtype float32`",
     "script": "DeepSpeed `python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization`",
-    "lazy": "DeepSpeed `get_fp32_state_dict_from_zero_checkpoint(CKPT, lazy_mode=True)`, one tensor at a time into `model.safetensors`",
+    "lazy": "DeepSpeed `get_fp32_state_dict_from_zero_checkpoint(CKPT, lazy_mode=True)`, "
+    "one tensor at a time into `model.safetensors`",
     "lazy+fsync": "the same lazy mode, then `os.fsync` of its file (control: durable like shardsafe's output)",
     "shardsafe-nofsync": "`shardsafe export ... --no-fsync` (control: not durable, like DeepSpeed's writers)",
     "import-shardsafe": "`import shardsafe.cli.main` only (control)",
     "import-deepspeed": "`import deepspeed.utils.zero_to_fp32` only (control)",
 }
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32", "bool": "BOOL"}
+_ST_DTYPES = {
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "bool": "BOOL",
+}
 
 
 def llama_config(sizes: dict[str, int]) -> Any:
     from transformers import LlamaConfig
 
     heads = sizes["num_attention_heads"]
-    return LlamaConfig(**sizes, num_key_value_heads=heads // 3 if heads % 3 == 0 else heads // 2, mlp_bias=True, tie_word_embeddings=False)
+    return LlamaConfig(
+        **sizes,
+        num_key_value_heads=heads // 3 if heads % 3 == 0 else heads // 2,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoint (torchrun, 2 ranks)
 
 
 def worker_train(args: argparse.Namespace) -> None:
-    """Build the Llama, one bf16 ZeRO-3 AdamW step under DeepSpeed, ``save_checkpoint``; rank 0 writes config.json and the marker."""
+    """Build the Llama, one bf16 ZeRO-3 AdamW step under DeepSpeed, ``save_checkpoint``; rank 0 writes config.json and
+    the marker."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -112,7 +139,9 @@ def worker_train(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-4)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-4
+    )
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "steps_per_print": 10**9,
@@ -130,7 +159,13 @@ def worker_train(args: argparse.Namespace) -> None:
     dist.barrier()
     if rank == 0:
         config.save_pretrained(folder)  # config.json next to `latest`, as the HF Trainer leaves it
-        marker = {"sizes": sizes, "params": params, "precision": "bf16", "seconds": time.perf_counter() - start, "world_size": dist.get_world_size()}
+        marker = {
+            "sizes": sizes,
+            "params": params,
+            "precision": "bf16",
+            "seconds": time.perf_counter() - start,
+            "world_size": dist.get_world_size(),
+        }
         (folder / "bench-ckpt.json").write_text(json.dumps(marker))
     dist.barrier()
     dist.destroy_process_group()
@@ -146,7 +181,19 @@ def ensure_checkpoint(ckpt: Path, quick: bool, env: dict[str, str]) -> dict[str,
         shutil.rmtree(ckpt)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     print(f"building the DeepSpeed ZeRO-3 checkpoint in {ckpt} (2 ranks) ...", flush=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, "--worker", "train", "--ckpt", str(ckpt)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        "--worker",
+        "train",
+        "--ckpt",
+        str(ckpt),
+    ]
     subprocess.run([*cmd, *(["--quick"] if quick else [])], check=True, env=env, cwd=REPO)
     return json.loads(marker.read_text())
 
@@ -171,7 +218,11 @@ def worker_lazy(ckpt: Path, out: Path, fsync: bool) -> None:
     for name, t in state.items():
         dtype = target(t.dtype)
         nbytes = math.prod(t.shape) * dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _ST_DTYPES[str(dtype).removeprefix("torch.")],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -195,7 +246,11 @@ def command(name: str, ckpt: Path, out: Path) -> list[str]:
     exe = sys.executable
     if name in ("shardsafe", "shardsafe-nofsync"):
         cli = Path(exe).parent / "shardsafe"
-        prefix = [str(cli)] if cli.is_file() else [exe, "-c", "import sys; from shardsafe.cli.main import main; sys.exit(main())"]
+        prefix = (
+            [str(cli)]
+            if cli.is_file()
+            else [exe, "-c", "import sys; from shardsafe.cli.main import main; sys.exit(main())"]
+        )
         flags = ["--no-fsync"] if name == "shardsafe-nofsync" else []
         return [*prefix, "export", str(ckpt), str(out), "--dtype", "float32", "--no-progress", *flags]
     if name == "script":
@@ -234,7 +289,11 @@ def same_tensors(a: Path, b: Path) -> tuple[bool, str]:
     for name in ia:
         with safe_open(str(ia[name]), framework="pt") as fa, safe_open(str(ib[name]), framework="pt") as fb:
             x, y = fa.get_tensor(name), fb.get_tensor(name)
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+        if (
+            x.dtype != y.dtype
+            or x.shape != y.shape
+            or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        ):
             return False, f"{name}: {x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}"
     return True, f"{len(ia)} tensors"
 
@@ -252,7 +311,9 @@ def section(facts: dict[str, Any], res: dict[str, list[dict[str, float]]]) -> st
 
     def label(key: str) -> str:
         what, threads = SPECS[key]
-        return f"{LABELS[what]}, {'1 thread' if threads else default}" if what in ("shardsafe", "lazy") else LABELS[what]
+        return (
+            f"{LABELS[what]}, {'1 thread' if threads else default}" if what in ("shardsafe", "lazy") else LABELS[what]
+        )
 
     def verdict(ok: bool) -> str:
         return "PASS" if ok else "MISS"
@@ -269,20 +330,30 @@ def section(facts: dict[str, Any], res: dict[str, list[dict[str, float]]]) -> st
         SECTION,
         "",
         f"`{facts['command']}` on {facts['when']}: {facts['machine']}; load average {facts['load_before']} before, "
-        f"{facts['load_after']} after (the machine is shared and noisy: compare within a run, and see the spread of the runs). "
+        f"{facts['load_after']} after (the machine is shared and noisy: compare within a run, and see the spread of "
+        "the runs). "
         f"Whole benchmark {facts['total_s']:.0f} s.",
         "",
-        f"**Checkpoint**: written by DeepSpeed {facts['ds_version']} itself (`engine.save_checkpoint`) after one AdamW step of ZeRO-3 on "
-        f"{facts['world_size']} CPU ranks (gloo, CPU accelerator), {facts['precision']} mixed precision (fp32 master weights and Adam moments "
-        f"in the optimizer files). Model: Llama (transformers, {facts['sizes']}, MLP biases, untied head) with {facts['params'] / 1e6:.1f} M "
-        f"parameters = {mb(facts['params'] * 4)} in fp32, {facts['tensors']} tensors ({facts['odd']} of odd size), largest "
-        f"{mb(facts['largest'])}; {mb(facts['ckpt_bytes'])} on disk. Built once and cached ({facts['build_s']:.0f} s to build).",
+        f"**Checkpoint**: written by DeepSpeed {facts['ds_version']} itself (`engine.save_checkpoint`) after one AdamW "
+        "step of ZeRO-3 on "
+        f"{facts['world_size']} CPU ranks (gloo, CPU accelerator), {facts['precision']} mixed precision (fp32 master "
+        "weights and Adam moments "
+        f"in the optimizer files). Model: Llama (transformers, {facts['sizes']}, MLP biases, untied head) with "
+        f"{facts['params'] / 1e6:.1f} M "
+        f"parameters = {mb(facts['params'] * 4)} in fp32, {facts['tensors']} tensors ({facts['odd']} of odd size), "
+        "largest "
+        f"{mb(facts['largest'])}; {mb(facts['ckpt_bytes'])} on disk. Built once and cached ({facts['build_s']:.0f} s "
+        "to build).",
         "",
-        f"**Measured**: each row a fresh process, {facts['runs']} run(s) in alternating order, medians. Output: one fp32 "
-        f"`model.safetensors` of {mb(facts['out_bytes'])} (shard limit 5 GB for all). Before each process the checkpoint's page "
-        "cache is dropped (`posix_fadvise(DONTNEED)` on its files) and dirty pages are flushed (`os.sync`), outside the timing. "
+        f"**Measured**: each row a fresh process, {facts['runs']} run(s) in alternating order, medians. Output: one "
+        "fp32 "
+        f"`model.safetensors` of {mb(facts['out_bytes'])} (shard limit 5 GB for all). Before each process the "
+        "checkpoint's page "
+        "cache is dropped (`posix_fadvise(DONTNEED)` on its files) and dirty pages are flushed (`os.sync`), outside "
+        "the timing. "
         "Wall = process start to exit (interpreter and imports included); peak RSS = the process's own `ru_maxrss` "
-        "(`os.wait4`), which counts the interpreter, the imports and every mapped file page it touched; *above imports* subtracts "
+        "(`os.wait4`), which counts the interpreter, the imports and every mapped file page it touched; *above "
+        "imports* subtracts "
         f"the peak of a process that only imports the same tool. Threads: `OMP_NUM_THREADS=1`, or {default}.",
         "",
         "| method | wall time | peak RSS | above imports | CPU time |",
@@ -301,7 +372,9 @@ def section(facts: dict[str, Any], res: dict[str, list[dict[str, float]]]) -> st
         ratio_row(f"wall time <= 1.0x lazy mode, {default}", "shardsafe/default", "lazy/default", "wall_s", 1.0),
         ratio_row("peak RSS <= 0.5x lazy mode, 1 thread", "shardsafe", "lazy", "peak_rss", 0.5),
         ratio_row(f"peak RSS <= 0.5x lazy mode, {default}", "shardsafe/default", "lazy/default", "peak_rss", 0.5),
-        ratio_row("(control) wall vs lazy mode + fsync, both durable, 1 thread", "shardsafe", "lazy+fsync", "wall_s", None),
+        ratio_row(
+            "(control) wall vs lazy mode + fsync, both durable, 1 thread", "shardsafe", "lazy+fsync", "wall_s", None
+        ),
         ratio_row("(control) wall, both without fsync, 1 thread", "shardsafe-nofsync", "lazy", "wall_s", None),
         ratio_row("(info) wall vs the script, 1 thread", "shardsafe", "script", "wall_s", None),
         ratio_row("(info) peak RSS vs the script", "shardsafe", "script", "peak_rss", None),
@@ -315,36 +388,54 @@ def section(facts: dict[str, Any], res: dict[str, list[dict[str, float]]]) -> st
         lines.append(f"| {key} | " + " | ".join(f"{r['wall_s']:.2f} s, {mb(r['peak_rss'])}" for r in res[key]) + " |")
     lines += [
         "",
-        f"Outputs identical tensor by tensor (names, dtypes, shapes, bytes): shardsafe vs script: {facts['same_script']}; "
+        "Outputs identical tensor by tensor (names, dtypes, shapes, bytes): shardsafe vs script: "
+        f"{facts['same_script']}; "
         f"shardsafe vs lazy mode: {facts['same_lazy']}.",
         "",
         "Notes:",
         "",
-        "- How DeepSpeed exposes lazy mode (0.19.8): only as `get_fp32_state_dict_from_zero_checkpoint(..., lazy_mode=True)`, which "
-        "returns `GatheredTensor` stand-ins over the memory-mapped fp32 partitions; `.contiguous()` materialises one. There is no "
-        "`--lazy` flag and no `lazy_mode` argument of `convert_zero_checkpoint_to_fp32_state_dict`: that function (and the "
-        "`zero_to_fp32.py` script, which calls it) always uses lazy mode internally, but materialises each output shard "
-        "(`--max_shard_size`, 5 GB by default, so the whole model here) before `safetensors.torch.save_file`. The lazy-mode "
-        "rows are the streaming use of that API (one tensor at a time), the lowest-memory way to write the same file with DeepSpeed.",
-        "- Memory: all three memory-map the optimizer files (`torch.load(mmap=True)`). DeepSpeed's readers leave every page of "
-        "the fp32 master weights they touched mapped, so it counts in their RSS until exit (the whole model), plus the tensor (lazy "
-        "mode) or the whole shard (script) being written. shardsafe copies each rank's slice out in 8 MB pieces and unmaps each "
+        "- How DeepSpeed exposes lazy mode (0.19.8): only as `get_fp32_state_dict_from_zero_checkpoint(..., "
+        "lazy_mode=True)`, which "
+        "returns `GatheredTensor` stand-ins over the memory-mapped fp32 partitions; `.contiguous()` materialises one. "
+        "There is no "
+        "`--lazy` flag and no `lazy_mode` argument of `convert_zero_checkpoint_to_fp32_state_dict`: that function (and "
+        "the "
+        "`zero_to_fp32.py` script, which calls it) always uses lazy mode internally, but materialises each output "
+        "shard "
+        "(`--max_shard_size`, 5 GB by default, so the whole model here) before `safetensors.torch.save_file`. The "
+        "lazy-mode "
+        "rows are the streaming use of that API (one tensor at a time), the lowest-memory way to write the same file "
+        "with DeepSpeed.",
+        "- Memory: all three memory-map the optimizer files (`torch.load(mmap=True)`). DeepSpeed's readers leave every "
+        "page of "
+        "the fp32 master weights they touched mapped, so it counts in their RSS until exit (the whole model), plus the "
+        "tensor (lazy "
+        "mode) or the whole shard (script) being written. shardsafe copies each rank's slice out in 8 MB pieces and "
+        "unmaps each "
         "piece right after (`madvise(MADV_DONTNEED)`): its peak is its imports + the largest tensor + one piece.",
-        "- Time: every wall time includes the tool's imports (see the import-only rows; `shardsafe.cli` no longer imports "
-        "`torch.distributed.tensor`, over a second here, unless a DTensor is involved). shardsafe fsyncs its output by default "
-        "(starting writeback while writing, then one fsync; the folder is built hidden and renamed into place); DeepSpeed's "
-        "writers do not fsync, so their time excludes writing the file to disk, which this disk does at a few hundred MB/s. "
+        "- Time: every wall time includes the tool's imports (see the import-only rows; `shardsafe.cli` no longer "
+        "imports "
+        "`torch.distributed.tensor`, over a second here, unless a DTensor is involved). shardsafe fsyncs its output by "
+        "default "
+        "(starting writeback while writing, then one fsync; the folder is built hidden and renamed into place); "
+        "DeepSpeed's "
+        "writers do not fsync, so their time excludes writing the file to disk, which this disk does at a few hundred "
+        "MB/s. "
         "The controls compare like with like: both durable (lazy mode + fsync) and both not (`--no-fsync`). "
         f"shardsafe minus lazy mode, 1 thread: {gap:+.2f} s; the import difference {imports:+.2f} s; "
         f"the fsync's cost to the lazy mode {fsync:+.2f} s.",
-        "- Threads: DeepSpeed materialises tensors with torch's parallel `copy_`/`cat` straight from the mapped file; its threads "
-        "fault on the same file pages, which on a cold page cache is slower and much more variable than one thread on this "
+        "- Threads: DeepSpeed materialises tensors with torch's parallel `copy_`/`cat` straight from the mapped file; "
+        "its threads "
+        "fault on the same file pages, which on a cold page cache is slower and much more variable than one thread on "
+        "this "
         "machine. shardsafe copies with one `memmove` per piece, whatever the thread count."
         + (
             ""
             if facts["quick"]
-            else " (Before it did so, it used torch's `copy_` of each whole slice and then unmapped the slice: in an earlier run "
-            "of this benchmark on 2026-11-29 it peaked at 461 MB, and in a separate measurement reading all 291 tensors from a "
+            else " (Before it did so, it used torch's `copy_` of each whole slice and then unmapped the slice: in an "
+            "earlier run "
+            "of this benchmark on 2026-11-29 it peaked at 461 MB, and in a separate measurement reading all 291 "
+            "tensors from a "
             "cold cache took 4.6-7.2 s with 2 threads against 1.3-2.1 s with one, 3 runs each.)"
         ),
         "",
@@ -356,8 +447,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: a 0.6 M parameter Llama, 1 run")
     parser.add_argument("--runs", type=int, default=None, help="runs per measurement (default 3; 1 with --quick)")
-    parser.add_argument("--dir", type=Path, default=REPO / "bench-run" / "deepspeed", help="scratch folder; the checkpoint is cached here")
-    parser.add_argument("--md", type=Path, default=None, help=f"write the results as the {SECTION!r} section of this file")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=REPO / "bench-run" / "deepspeed",
+        help="scratch folder; the checkpoint is cached here",
+    )
+    parser.add_argument(
+        "--md", type=Path, default=None, help=f"write the results as the {SECTION!r} section of this file"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the outputs in --dir")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", type=Path, default=None, help=argparse.SUPPRESS)
@@ -419,7 +517,8 @@ def main() -> int:
         if os.environ.get("OMP_NUM_THREADS")
         else f"torch's default ({torch.get_num_threads()} threads)",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, "
+        "machine": f"{os.cpu_count()} CPU cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, "
         f"Python {sys.version.split()[0]}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
         "ds_version": deepspeed.__version__,
         "load_before": load_before,

@@ -38,8 +38,20 @@ from common import PeakMemory, drop_file_cache, folder_bytes, safetensors_index,
 
 MAX_SHARD = "500MB"
 SECTION = "## Export"
-FULL = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 4, "num_attention_heads": 16}
-QUICK = {"vocab_size": 8000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 2, "num_attention_heads": 8}
+FULL = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+}
+QUICK = {
+    "vocab_size": 8000,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+}
 
 
 def llama_config(sizes: dict[str, int]) -> Any:
@@ -122,7 +134,12 @@ def worker_save(args: argparse.Namespace) -> None:
     state = get_model_state_dict(model)
     infos = [TensorInfo(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
     mapping = {t.name: i + 1 for i, (_, group) in enumerate(plan_shards(infos, MAX_SHARD).files) for t in group}
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(path=str(root / "dcp"), save_distributed=True, fqn_to_index_mapping=mapping))
+    dcp.save(
+        state,
+        storage_writer=HuggingFaceStorageWriter(
+            path=str(root / "dcp"), save_distributed=True, fqn_to_index_mapping=mapping
+        ),
+    )
     all_results: list[Any] = [None] * world
     dist.all_gather_object(all_results, results)
     if rank == 0:
@@ -186,8 +203,10 @@ def section(facts: dict[str, Any], save: dict[str, Any], single: dict[str, list[
         SECTION,
         "",
         f"`{facts['command']}` on {facts['when']}: {facts['machine']}. Model: Llama (transformers) with "
-        f"{facts['params'] / 1e6:.1f} M parameters, {facts['fp32_bytes'] / 2**30:.2f} GiB in fp32; files split at {MAX_SHARD}; "
-        f"median of {facts['runs']} runs (alternating order), fsync on for shardsafe. Extra peak RSS = high-water mark during "
+        f"{facts['params'] / 1e6:.1f} M parameters, {facts['fp32_bytes'] / 2**30:.2f} GiB in fp32; files split at "
+        f"{MAX_SHARD}; "
+        f"median of {facts['runs']} runs (alternating order), fsync on for shardsafe. Extra peak RSS = high-water mark "
+        "during "
         "the call minus RSS before it (VmHWM reset through /proc/self/clear_refs).",
         "",
         f"**Gathered save** (2 FSDP2 ranks, gloo, CPU; bf16 output of {facts['bf16_bytes'] / 2**30:.2f} GiB):",
@@ -197,10 +216,16 @@ def section(facts: dict[str, Any], save: dict[str, Any], single: dict[str, list[
     ]
     for name, label in (
         ("save_pretrained", "`shardsafe.save_pretrained(model, out)`"),
-        ("full_state_dict+save_pretrained", "`get_model_state_dict(full_state_dict=True, cpu_offload=True)` + transformers `save_pretrained`"),
+        (
+            "full_state_dict+save_pretrained",
+            "`get_model_state_dict(full_state_dict=True, cpu_offload=True)` + transformers `save_pretrained`",
+        ),
     ):
         walls = [statistics.median(r["wall_s"] for r in save["per_rank"][0][name])]
-        mem = [statistics.median(r["extra_rss"] for r in save["per_rank"][rank][name]) for rank in range(len(save["per_rank"]))]
+        mem = [
+            statistics.median(r["extra_rss"] for r in save["per_rank"][rank][name])
+            for rank in range(len(save["per_rank"]))
+        ]
         lines.append(f"| {label} | {walls[0]:.1f} s | {mib(mem[0])} | {mib(mem[1])} |")
     lines += [
         "",
@@ -211,12 +236,17 @@ def section(facts: dict[str, Any], save: dict[str, Any], single: dict[str, list[
     ]
     for name, label, out in (
         ("export_hf-fp32", "`shardsafe export` (`export_hf`) from a shardsafe checkpoint", "fp32"),
-        ("consolidate_safetensors_files", "torch `consolidate_safetensors_files` from a DCP `HuggingFaceStorageWriter` checkpoint", "fp32"),
+        (
+            "consolidate_safetensors_files",
+            "torch `consolidate_safetensors_files` from a DCP `HuggingFaceStorageWriter` checkpoint",
+            "fp32",
+        ),
         ("export_hf-bf16", "`shardsafe export --dtype bfloat16`", "bf16"),
     ):
         runs = single[name]
         lines.append(
-            f"| {label} | {out} | {statistics.median(r['wall_s'] for r in runs):.1f} s | {mib(statistics.median(r['extra_rss'] for r in runs))} |"
+            f"| {label} | {out} | {statistics.median(r['wall_s'] for r in runs):.1f} s | "
+            f"{mib(statistics.median(r['extra_rss'] for r in runs))} |"
         )
     lines += [
         "",
@@ -235,8 +265,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: an 18 M parameter model, 1 run")
     parser.add_argument("--runs", type=int, default=None, help="runs per measurement (default 3; 1 with --quick)")
-    parser.add_argument("--dir", type=Path, default=REPO / "bench-run" / "export", help="scratch folder (default ./bench-run/export)")
-    parser.add_argument("--md", type=Path, default=None, help="write the results as the '## Export' section of this file")
+    parser.add_argument(
+        "--dir", type=Path, default=REPO / "bench-run" / "export", help="scratch folder (default ./bench-run/export)"
+    )
+    parser.add_argument(
+        "--md", type=Path, default=None, help="write the results as the '## Export' section of this file"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the outputs in --dir")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)
@@ -257,13 +291,28 @@ def main() -> int:
     passthrough = ["--dir", str(root), "--runs", str(args.runs), *(["--quick"] if args.quick else [])]
     started = time.strftime("%Y-%m-%d", time.gmtime())
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, "--worker", "save", *passthrough],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            "--worker",
+            "save",
+            *passthrough,
+        ],
         check=True,
         env=env,
         cwd=REPO,
     )
     save = json.loads((root / "save.json").read_text())
-    single: dict[str, list[dict[str, Any]]] = {"export_hf-fp32": [], "consolidate_safetensors_files": [], "export_hf-bf16": []}
+    single: dict[str, list[dict[str, Any]]] = {
+        "export_hf-fp32": [],
+        "consolidate_safetensors_files": [],
+        "export_hf-bf16": [],
+    }
     order = list(single)
     for run in range(args.runs):
         for name in order if run % 2 == 0 else order[::-1]:
@@ -292,7 +341,9 @@ def main() -> int:
     manifest, _ = open_checkpoint(root / "ckpt")
     params = sum(math.prod(t.shape) for t in manifest.tensors.values())
     facts = {
-        "command": "python benchmarks/bench_export.py" + (" --quick" if args.quick else "") + (f" --runs {args.runs}" if args.runs != 3 else ""),
+        "command": "python benchmarks/bench_export.py"
+        + (" --quick" if args.quick else "")
+        + (f" --runs {args.runs}" if args.runs != 3 else ""),
         "when": started,
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
         "params": params,

@@ -50,8 +50,26 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
 SECTION = "## GPU"
-FULL = {"layers": 32, "width": 4096, "batch": 8192, "runs": 3, "io_runs": 2, "ft_batch": 32768, "ft_steps": 12, "ft_blocks": 3}
-QUICK = {"layers": 4, "width": 1024, "batch": 512, "runs": 1, "io_runs": 1, "ft_batch": 512, "ft_steps": 3, "ft_blocks": 1}
+FULL = {
+    "layers": 32,
+    "width": 4096,
+    "batch": 8192,
+    "runs": 3,
+    "io_runs": 2,
+    "ft_batch": 32768,
+    "ft_steps": 12,
+    "ft_blocks": 3,
+}
+QUICK = {
+    "layers": 4,
+    "width": 1024,
+    "batch": 512,
+    "runs": 1,
+    "io_runs": 1,
+    "ft_batch": 512,
+    "ft_steps": 3,
+    "ft_blocks": 1,
+}
 FROZEN = 0.9  # fraction of the layers frozen in the every-step measurement
 TARGET_EVERY_STEP = 0.05  # at most 5% fewer steps per second with a dedup save every step
 
@@ -88,7 +106,9 @@ def init_world() -> str:
     os.environ.setdefault("WORLD_SIZE", "1")
     torch.cuda.set_device(0)
     backend = "nccl" if dist.is_nccl_available() else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1, device_id=torch.device("cuda", 0) if backend == "nccl" else None)
+    dist.init_process_group(
+        backend, rank=0, world_size=1, device_id=torch.device("cuda", 0) if backend == "nccl" else None
+    )
     return backend
 
 
@@ -162,7 +182,9 @@ def dcp_stagers() -> dict[str, Any]:
     except ImportError:  # an older torch: only async_save as is
         return out
     out["dcp async_save + DefaultStager(pinned, async, non-blocking)"] = DefaultStager(
-        StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True)
+        StagingOptions(
+            use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True
+        )
     )
     return out
 
@@ -305,7 +327,9 @@ def measure_io(state: dict[str, Any], root: Path, runs: int) -> dict[str, list[f
                 msd, osd = get_state_dict(state["model"], state["optim"])
                 loaded = {"model": msd, "optim": osd}
                 dcp.load(loaded, checkpoint_id=path)
-                set_state_dict(state["model"], state["optim"], model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+                set_state_dict(
+                    state["model"], state["optim"], model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+                )
             torch.cuda.synchronize()
             out[f"{which} load"].append(now() - start)
             remove(path)
@@ -406,18 +430,24 @@ def report(result: dict[str, Any], quick: bool) -> str:
     lines = [
         SECTION,
         "",
-        f"{result['device']}, torch {result['torch']} (CUDA {result['cuda']}), FSDP2 over a world of 1 ({result['backend']}), "
-        f"MLP {cfg['layers']} x Linear({cfg['width']}, {cfg['width']}), batch {cfg['batch']} (fine-tune: {cfg['ft_batch']}), fsync on. "
+        f"{result['device']}, torch {result['torch']} (CUDA {result['cuda']}), FSDP2 over a world of 1 "
+        f"({result['backend']}), "
+        f"MLP {cfg['layers']} x Linear({cfg['width']}, {cfg['width']}), batch {cfg['batch']} (fine-tune: "
+        f"{cfg['ft_batch']}), fsync on. "
         f"Medians of {cfg['runs']} runs{' (--quick)' if quick else ''}; {time.strftime('%Y-%m-%d')}.",
         "",
-        f"**Blocked time per checkpoint** ({result['blocked']['tensors']} local tensors, {result['blocked']['bytes'] / gb:.2f} GB: "
+        f"**Blocked time per checkpoint** ({result['blocked']['tensors']} local tensors, "
+        f"{result['blocked']['bytes'] / gb:.2f} GB: "
         "parameters and AdamW state). *Loop loss*: save call + next training step, minus a training step alone.",
         "",
         "| method | blocked in the call (s) | loop loss (s) | until committed (s) |",
         "|---|---:|---:|---:|",
     ]
     for name, runs in result["blocked"]["runs"].items():
-        lines.append(f"| {name} | {median(runs['blocked']):.3f} | {median(runs['loop_loss']):.3f} | {median(runs['commit']):.2f} |")
+        lines.append(
+            f"| {name} | {median(runs['blocked']):.3f} | {median(runs['loop_loss']):.3f} | "
+            f"{median(runs['commit']):.2f} |"
+        )
     io = result["io"]
     size = result["blocked"]["bytes"] / gb
     lines += [
@@ -434,7 +464,8 @@ def report(result: dict[str, Any], quick: bool) -> str:
     base = median(every["rates"]["none"])
     lines += [
         "",
-        f"**A dedup checkpoint every step**: the same MLP, {1 - every['trainable_fraction']:.0%} of its parameters frozen "
+        f"**A dedup checkpoint every step**: the same MLP, {1 - every['trainable_fraction']:.0%} of its parameters "
+        "frozen "
         f"(target: at most {TARGET_EVERY_STEP:.0%} fewer steps/s).",
         "",
         "| | steps/s | fewer steps/s | target met |",
@@ -448,14 +479,20 @@ def report(result: dict[str, Any], quick: bool) -> str:
         met = "yes" if loss <= TARGET_EVERY_STEP else "no"
         lines.append(f"| dedup save every step, async_save={shown} | {rate:.2f} | {loss:.1%} | {met} |")
     if "dedup_save_bytes" in every:
-        lines += ["", f"A dedup save writes {every['dedup_save_bytes'] / gb:.3f} GB, a full save {every['full_save_bytes'] / gb:.3f} GB."]
+        lines += [
+            "",
+            f"A dedup save writes {every['dedup_save_bytes'] / gb:.3f} GB, a full save "
+            f"{every['full_save_bytes'] / gb:.3f} GB.",
+        ]
     before, after, end = every["pinned_before"], every["pinned_after"], result["pinned_end"]
     lines += [
         "",
         f"**Pinned host memory**: over the {every['saves']} timed every-step saves, torch's host allocator created "
         f"{after['torch_host_allocs'] - before['torch_host_allocs']} pinned blocks and shardsafe's pool went from "
-        f"{before['pool_buffers']} to {after['pool_buffers']} buffers (async staging buffers are allocated at a manager's first save). "
-        f"After everything above the pool holds {end['pool_buffers']} buffers ({end['pool_bytes'] / 2**20:.0f} MiB pinned), "
+        f"{before['pool_buffers']} to {after['pool_buffers']} buffers (async staging buffers are allocated at a "
+        "manager's first save). "
+        f"After everything above the pool holds {end['pool_buffers']} buffers ({end['pool_bytes'] / 2**20:.0f} MiB "
+        "pinned), "
         f"{end['pool_overflows']} overflows.",
     ]
     return "\n".join(lines) + "\n"
@@ -464,8 +501,15 @@ def report(result: dict[str, Any], quick: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke test; BENCHMARKS.md untouched unless --md")
-    parser.add_argument("--md", type=Path, default=None, help="the file to write the GPU section into (default: BENCHMARKS.md unless --quick)")
-    parser.add_argument("--root", type=Path, default=None, help="where checkpoints are written (default: a temporary folder)")
+    parser.add_argument(
+        "--md",
+        type=Path,
+        default=None,
+        help="the file to write the GPU section into (default: BENCHMARKS.md unless --quick)",
+    )
+    parser.add_argument(
+        "--root", type=Path, default=None, help="where checkpoints are written (default: a temporary folder)"
+    )
     args = parser.parse_args()
     require_cuda()
     cfg = dict(QUICK if args.quick else FULL)

@@ -56,16 +56,22 @@ def measure_verify(folder: Path, runs: int) -> dict[str, list[float]]:
     return out
 
 
-def render(results: dict[str, Any], verify: dict[str, list[float]], command: str, layers: int, width: int, wall: float) -> str:
+def render(
+    results: dict[str, Any], verify: dict[str, list[float]], command: str, layers: int, width: int, wall: float
+) -> str:
     gb = results["checkpoint_bytes"] / 1e9
     cat = median(results["cat"])
     lines = [
         SECTION,
         "",
-        f"`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({wall / 60:.1f} min; load average {load_average()} after): "
-        f"{os.cpu_count()} CPU cores, 2 ranks (gloo, CPU), FSDP2 {layers} x Linear({width}, {width}, bias=False) + stepped AdamW, "
-        f"{gb:.2f} GB of shard files. Page cache dropped before every measurement (`sync; echo 3 > /proc/sys/vm/drop_caches`); "
-        f"medians of {len(results['cat'])} rounds, methods in rotating order. `cat`: one `cat FILE > /dev/null` per rank's shard "
+        f"`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({wall / 60:.1f} min; load average "
+        f"{load_average()} after): "
+        f"{os.cpu_count()} CPU cores, 2 ranks (gloo, CPU), FSDP2 {layers} x Linear({width}, {width}, bias=False) + "
+        "stepped AdamW, "
+        f"{gb:.2f} GB of shard files. Page cache dropped before every measurement (`sync; echo 3 > "
+        "/proc/sys/vm/drop_caches`); "
+        f"medians of {len(results['cat'])} rounds, methods in rotating order. `cat`: one `cat FILE > /dev/null` per "
+        "rank's shard "
         f"file, all at once: {cat:.3f} s ({gb / cat:.2f} GB/s).",
         "",
         "| load into | shardsafe (atomic, default) | `atomic=False` | DCP | shardsafe vs DCP "
@@ -74,10 +80,16 @@ def render(results: dict[str, Any], verify: dict[str, list[float]], command: str
     ]
     verdicts = []
     reach: list[str] = []
-    for variant, label in (("fresh", "a fresh optimizer (resume)"), ("allocated", "existing optimizer state (rollback)")):
+    for variant, label in (
+        ("fresh", "a fresh optimizer (resume)"),
+        ("allocated", "existing optimizer state (rollback)"),
+    ):
         s = results[variant]
         a, n, d = (median([r["seconds"] for r in s[k]]) for k in ("shardsafe", "shardsafe_nonatomic", "dcp"))
-        lines.append(f"| {label} | {a:.3f} s | {n:.3f} s | {d:.3f} s | {d / a:.2f}x | {cat / a:.2f}x | {cat / d:.2f}x | {a / n:.2f}x |")
+        lines.append(
+            f"| {label} | {a:.3f} s | {n:.3f} s | {d:.3f} s | {d / a:.2f}x | {cat / a:.2f}x | {cat / d:.2f}x | "
+            f"{a / n:.2f}x |"
+        )
         reach.append(f"{label}: 1.5x DCP means {1.5 * cat / d:.2f}x the `cat` bandwidth")
         verdicts += [
             (f"{variant}: cold load >= 1.5x DCP", d / a >= 1.5, f"{d / a:.2f}x"),
@@ -88,16 +100,23 @@ def render(results: dict[str, Any], verify: dict[str, list[float]], command: str
     v, c = median(verify["verify"]), median(verify["cat"])
     lines += [
         "",
-        "What a DCP ratio asks of the disk (a load cannot read these files faster than `cat` does): " + "; ".join(reach) + ".",
+        "What a DCP ratio asks of the disk (a load cannot read these files faster than `cat` does): "
+        + "; ".join(reach)
+        + ".",
         "",
-        f"`shardsafe.verify` (one process, every block hashed) {v:.3f} s vs one `cat` of all the files {c:.3f} s: {c / v:.2f}x the `cat` bandwidth.",
+        f"`shardsafe.verify` (one process, every block hashed) {v:.3f} s vs one `cat` of all the files {c:.3f} s: "
+        f"{c / v:.2f}x the `cat` bandwidth.",
         "",
         "| target | measured | |",
         "|---|---|---|",
         *[f"| {name} | {value} | {'**met**' if ok else '**missed**'} |" for name, ok, value in verdicts],
         "",
         f"Every load restored the saved state exactly: **{correct}**. All runs (seconds): "
-        + "; ".join(f"{v} {k}: {[round(r['seconds'], 3) for r in results[v][k]]}" for v in ("fresh", "allocated") for k in results[v])
+        + "; ".join(
+            f"{v} {k}: {[round(r['seconds'], 3) for r in results[v][k]]}"
+            for v in ("fresh", "allocated")
+            for k in results[v]
+        )
         + f"; cat: {[round(t, 3) for t in results['cat']]}; verify: {[round(t, 3) for t in verify['verify']]}, "
         + f"its cat: {[round(t, 3) for t in verify['cat']]}.",
         "",
@@ -107,10 +126,16 @@ def render(results: dict[str, Any], verify: dict[str, list[float]], command: str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke test: a small model, 1 round, BENCHMARKS.md untouched unless --md")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: a small model, 1 round, BENCHMARKS.md untouched unless --md"
+    )
     parser.add_argument("--runs", type=int, default=None, help="rounds (default 5; 1 with --quick)")
-    parser.add_argument("--dir", type=Path, default=REPO / "bench-run" / "load", help="scratch folder, removed before and after")
-    parser.add_argument("--md", type=Path, default=None, help="results file to rewrite (default BENCHMARKS.md; none with --quick)")
+    parser.add_argument(
+        "--dir", type=Path, default=REPO / "bench-run" / "load", help="scratch folder, removed before and after"
+    )
+    parser.add_argument(
+        "--md", type=Path, default=None, help="results file to rewrite (default BENCHMARKS.md; none with --quick)"
+    )
     args = parser.parse_args()
     layers, width = QUICK if args.quick else FULL
     runs = args.runs or (1 if args.quick else 5)
@@ -119,7 +144,13 @@ def main() -> int:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     exe = Path(sys.executable)
-    command = shlex.join([str(exe.relative_to(REPO) if exe.is_relative_to(REPO) else exe.name), "benchmarks/bench_load.py", *sys.argv[1:]])
+    command = shlex.join(
+        [
+            str(exe.relative_to(REPO) if exe.is_relative_to(REPO) else exe.name),
+            "benchmarks/bench_load.py",
+            *sys.argv[1:],
+        ]
+    )
     start = time.perf_counter()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     out = root / "load.json"

@@ -42,7 +42,12 @@ if stepped:
     model(torch.randn(2, width)).sum().backward(); optim.step(); optim.zero_grad(set_to_none=True)
 state = {"model": model, "optim": optim}
 """
-PHASES = [("preadv", "read syscalls"), ("xxh3", "hashing (xxh3)"), ("copy_", "copies"), ("bytearray", "scratch buffers")]
+PHASES = [
+    ("preadv", "read syscalls"),
+    ("xxh3", "hashing (xxh3)"),
+    ("copy_", "copies"),
+    ("bytearray", "scratch buffers"),
+]
 SAVE = BUILD + "import shardsafe; shardsafe.save(sys.argv[4], state)\n"
 LOAD = (
     BUILD
@@ -121,9 +126,13 @@ def run_cat(folder: Path, hot: bool) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke test: a small model, 1 round, BENCHMARKS.md untouched unless --md")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: a small model, 1 round, BENCHMARKS.md untouched unless --md"
+    )
     parser.add_argument("--runs", type=int, default=None, help="rounds (default 5; 1 with --quick)")
-    parser.add_argument("--dir", type=Path, default=REPO / "bench-run" / "load-one", help="scratch folder, removed before and after")
+    parser.add_argument(
+        "--dir", type=Path, default=REPO / "bench-run" / "load-one", help="scratch folder, removed before and after"
+    )
     parser.add_argument("--md", type=Path, default=None, help="results file (default BENCHMARKS.md; none with --quick)")
     args = parser.parse_args()
     layers, width = QUICK if args.quick else FULL
@@ -155,17 +164,34 @@ def main() -> int:
     cold, hot = med["cold cat"], med["hot cat"]
     verdicts = [
         ("resume >= 0.85x the cold `cat` bandwidth", cold / med["resume"], cold / med["resume"] >= 0.85),
-        ("rollback <= 1.15x (cold + hot `cat`)", med["rollback"] / (cold + hot), med["rollback"] / (cold + hot) <= 1.15),
-        ("`atomic=False` >= 0.9x the cold `cat` bandwidth", cold / med["rollback atomic=False"], cold / med["rollback atomic=False"] >= 0.9),
+        (
+            "rollback <= 1.15x (cold + hot `cat`)",
+            med["rollback"] / (cold + hot),
+            med["rollback"] / (cold + hot) <= 1.15,
+        ),
+        (
+            "`atomic=False` >= 0.9x the cold `cat` bandwidth",
+            cold / med["rollback atomic=False"],
+            cold / med["rollback atomic=False"] >= 0.9,
+        ),
     ]
     exe = Path(sys.executable)
-    command = shlex.join([str(exe.relative_to(REPO) if exe.is_relative_to(REPO) else exe.name), "benchmarks/bench_load_one.py", *sys.argv[1:]])
+    command = shlex.join(
+        [
+            str(exe.relative_to(REPO) if exe.is_relative_to(REPO) else exe.name),
+            "benchmarks/bench_load_one.py",
+            *sys.argv[1:],
+        ]
+    )
     lines = [
         SECTION,
         "",
-        f"`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({(time.perf_counter() - start) / 60:.1f} min; "
-        f"load average {load_average()} after): {os.cpu_count()} CPU cores, one process, {layers} x Linear({width}, {width}, bias=False) "
-        f"+ AdamW, one shard file of {gb:.2f} GB; every load in a fresh process after dropping the page cache, medians of {runs} "
+        f"`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        f"({(time.perf_counter() - start) / 60:.1f} min; "
+        f"load average {load_average()} after): {os.cpu_count()} CPU cores, one process, {layers} x Linear({width}, "
+        f"{width}, bias=False) "
+        f"+ AdamW, one shard file of {gb:.2f} GB; every load in a fresh process after dropping the page cache, medians "
+        f"of {runs} "
         "rounds in alternating order. Every load restored the saved parameters and AdamW moments exactly: "
         f"**{correct}**.",
         "",
@@ -178,7 +204,8 @@ def main() -> int:
         *[f"| {name} | {value:.2f}x | {'**met**' if ok else '**missed**'} |" for name, value, ok in verdicts],
         "",
         "Where the time goes (one more cold load of each kind; its reading tasks under cProfile, each phase's own time "
-        "summed over the reading threads, so a row can exceed the wall total; the rest of the wall time is checks, planning, "
+        "summed over the reading threads, so a row can exceed the wall total; the rest of the wall time is checks, "
+        "planning, "
         "the agreement and the second pass's setup):",
         "",
         *phases,

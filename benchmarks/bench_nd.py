@@ -1,4 +1,5 @@
-"""N-D save and load at 4 gloo ranks: shardsafe against torch.distributed.checkpoint (DCP) and Meta's torch-checkpointing, side by side.
+"""N-D save and load at 4 gloo ranks: shardsafe against torch.distributed.checkpoint (DCP) and Meta's
+torch-checkpointing, side by side.
 
     .venv/bin/python benchmarks/bench_nd.py --md BENCHMARKS.md       # make bench-nd
 
@@ -70,7 +71,9 @@ def _model(layout: str, blocks: int, dim: int, hidden: int, seed: int) -> tuple[
     if layout == "2d":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         for block in model:
-            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+            parallelize_module(
+                block, mesh["tp"], {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+            )
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     else:  # hsdp
@@ -119,11 +122,20 @@ def _prepare(lib: str) -> Any:
     from torch_checkpointing.config import SyncCheckpointSaverConfig
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
-    return CheckpointManager.Config(save=SyncCheckpointSaverConfig(), storage_config=LocalFileSystemStorageConfig(use_direct_io=False)).build()
+    return CheckpointManager.Config(
+        save=SyncCheckpointSaverConfig(), storage_config=LocalFileSystemStorageConfig(use_direct_io=False)
+    ).build()
 
 
 def _operate(
-    lib: str, op: str, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, prepared: Any, share: bool | None = None, atomic: bool = True
+    lib: str,
+    op: str,
+    folder: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    prepared: Any,
+    share: bool | None = None,
+    atomic: bool = True,
 ) -> None:
     if lib == "shardsafe":
         import shardsafe
@@ -161,18 +173,27 @@ def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: Any) -> No
 
     prepared = _prepare(job["lib"])
     try:
-        model, optimizer = _model(job["layout"], job["blocks"], job["dim"], job["hidden"], 0 if job["op"] == "save" else 1)
+        model, optimizer = _model(
+            job["layout"], job["blocks"], job["dim"], job["hidden"], 0 if job["op"] == "save" else 1
+        )
         if job["op"] != "resume":
             _step(model, optimizer, job["dim"])
         dist.barrier()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         rss0, read0, rchar0 = _status("VmRSS"), _io("read_bytes"), _io("rchar")
         start = time.perf_counter()
-        _operate(job["lib"], job["op"], job["folder"], model, optimizer, prepared, job.get("share"), job.get("atomic", True))
+        _operate(
+            job["lib"], job["op"], job["folder"], model, optimizer, prepared, job.get("share"), job.get("atomic", True)
+        )
         dist.barrier()
         seconds = time.perf_counter() - start
         extra = _status("VmHWM") - rss0
-        out[rank] = {"seconds": seconds, "peak_extra": extra, "read": _io("read_bytes") - read0, "rchar": _io("rchar") - rchar0}
+        out[rank] = {
+            "seconds": seconds,
+            "peak_extra": extra,
+            "read": _io("read_bytes") - read0,
+            "rchar": _io("rchar") - rchar0,
+        }
     finally:
         if prepared is not None:
             prepared.close()
@@ -212,11 +233,15 @@ def main() -> None:
         for lib in order:
             folder = base / f"{lib}-2d"
             shutil.rmtree(folder, ignore_errors=True)
-            results.setdefault((lib, "save"), []).append(run_job(lib=lib, op="save", layout="2d", folder=str(folder), **size))
+            results.setdefault((lib, "save"), []).append(
+                run_job(lib=lib, op="save", layout="2d", folder=str(folder), **size)
+            )
             sizes[lib] = folder_bytes(folder)
             for op in ("resume", "rollback"):
                 drop_file_cache(folder)
-                results.setdefault((lib, op), []).append(run_job(lib=lib, op=op, layout="2d", folder=str(folder), **size))
+                results.setdefault((lib, op), []).append(
+                    run_job(lib=lib, op=op, layout="2d", folder=str(folder), **size)
+                )
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     hsdp: dict[str, dict[str, Any]] = {}
     for lib in libs:
@@ -224,22 +249,34 @@ def main() -> None:
         run_job(lib=lib, op="save", layout="hsdp", folder=str(folder), **size)
         variants = [("", {})]
         if lib == "shardsafe":  # the default shares reads only across nodes: all 4 ranks are on this one
-            variants += [(", share_reads=True", {"share": True}), (", share_reads=True, atomic=False", {"share": True, "atomic": False})]
+            variants += [
+                (", share_reads=True", {"share": True}),
+                (", share_reads=True, atomic=False", {"share": True, "atomic": False}),
+            ]
         for suffix, options in variants:
             drop_file_cache(folder)
-            hsdp[lib + suffix] = run_job(lib=lib, op="resume", layout="hsdp", folder=str(folder), **options, **size) | {"size": folder_bytes(folder)}
-    med = {key: {m: statistics.median(r[m] for r in runs) for m in ("seconds", "peak_extra", "read", "rchar")} for key, runs in results.items()}
+            hsdp[lib + suffix] = run_job(lib=lib, op="resume", layout="hsdp", folder=str(folder), **options, **size) | {
+                "size": folder_bytes(folder)
+            }
+    med = {
+        key: {m: statistics.median(r[m] for r in runs) for m in ("seconds", "peak_extra", "read", "rchar")}
+        for key, runs in results.items()
+    }
     state_mb = sizes["shardsafe"] / 2**20
     lines = [
         "## N-D save and load (4 ranks, dp=2 x tp=2)",
         "",
         f"`.venv/bin/python benchmarks/bench_nd.py --md BENCHMARKS.md` (`make bench-nd`), {args.blocks} blocks of "
-        f"`w1`/`w3` [{args.hidden}, {args.dim}] colwise and `w2` rowwise, FSDP2 over TP (`_StridedShard`), AdamW after one step: "
-        f"{state_mb:.0f} MiB of checkpoint. 4 gloo ranks on this machine ({os.cpu_count()} cores; load average before: {load_average()}); "
-        f"each operation a fresh 4-rank job, page cache dropped before every load, medians of {args.rounds} alternating rounds. "
+        f"`w1`/`w3` [{args.hidden}, {args.dim}] colwise and `w2` rowwise, FSDP2 over TP (`_StridedShard`), AdamW after "
+        "one step: "
+        f"{state_mb:.0f} MiB of checkpoint. 4 gloo ranks on this machine ({os.cpu_count()} cores; load average before: "
+        f"{load_average()}); "
+        f"each operation a fresh 4-rank job, page cache dropped before every load, medians of {args.rounds} "
+        "alternating rounds. "
         "Time: the slowest rank, barrier to barrier. Peak: the largest per-rank extra RSS during the operation.",
         "",
-        "torch-checkpointing's save does not fsync (shardsafe's and DCP's do); see the module docstring for its configuration.",
+        "torch-checkpointing's save does not fsync (shardsafe's and DCP's do); see the module docstring for its "
+        "configuration.",
         "",
         "| operation | shardsafe | DCP | torch-checkpointing | shardsafe speed vs DCP | vs torch-checkpointing "
         "| peak extra RSS (shardsafe / DCP / torch-checkpointing) |",
@@ -248,15 +285,22 @@ def main() -> None:
     for op in ("save", "resume", "rollback"):
         a, b, c = med[("shardsafe", op)], med[("dcp", op)], med[("torch-checkpointing", op)]
         lines.append(
-            f"| {op} | {a['seconds']:.2f} s | {b['seconds']:.2f} s | {c['seconds']:.2f} s | {b['seconds'] / a['seconds']:.2f}x | "
-            f"{c['seconds'] / a['seconds']:.2f}x | " + " / ".join(f"{m['peak_extra'] / 2**20:.0f}" for m in (a, b, c)) + " MiB |"
+            f"| {op} | {a['seconds']:.2f} s | {b['seconds']:.2f} s | {c['seconds']:.2f} s | "
+            f"{b['seconds'] / a['seconds']:.2f}x | "
+            f"{c['seconds'] / a['seconds']:.2f}x | "
+            + " / ".join(f"{m['peak_extra'] / 2**20:.0f}" for m in (a, b, c))
+            + " MiB |"
         )
     lines += [
         "",
-        "HSDP `(replicate=2, shard=2)` restore, bytes read per job, summed over the 4 ranks (cold cache). `rchar`: every byte "
-        "the ranks' read calls got from the checkpoint's file system, page cache or not: what ranks on separate nodes would each "
-        "fetch from storage (shardsafe's atomic load reads what it checked a second time, from the page cache of the node "
-        "that read it: counted here). `read_bytes`: what this one node's disk read (its page cache is shared by the 4 ranks, "
+        "HSDP `(replicate=2, shard=2)` restore, bytes read per job, summed over the 4 ranks (cold cache). `rchar`: "
+        "every byte "
+        "the ranks' read calls got from the checkpoint's file system, page cache or not: what ranks on separate nodes "
+        "would each "
+        "fetch from storage (shardsafe's atomic load reads what it checked a second time, from the page cache of the "
+        "node "
+        "that read it: counted here). `read_bytes`: what this one node's disk read (its page cache is shared by the 4 "
+        "ranks, "
         "so every library reads about 1x here).",
         "",
         "| library | rchar | rchar / size | disk read_bytes / size | checkpoint size | time |",

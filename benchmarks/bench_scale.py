@@ -44,7 +44,15 @@ from common import load_average, write_section  # noqa: E402
 
 from shardsafe._version import __version__  # noqa: E402
 from shardsafe.api.save import RankResult, tensor_entries  # noqa: E402
-from shardsafe.core.format import INDEX_PATTERN, SHARD_PATTERN, STATE_NAME, ChunkEntry, FileEntry, IndexRef, parse_manifest  # noqa: E402
+from shardsafe.core.format import (  # noqa: E402
+    INDEX_PATTERN,
+    SHARD_PATTERN,
+    STATE_NAME,
+    ChunkEntry,
+    FileEntry,
+    IndexRef,
+    parse_manifest,
+)
 from shardsafe.core.gcpause import gc_paused  # noqa: E402
 from shardsafe.core.index import build_index  # noqa: E402
 from shardsafe.core.integrity import hash_bytes  # noqa: E402
@@ -97,7 +105,14 @@ def rank_index(tensors: list[tuple[str, tuple[int, ...]]], rank: int, world: int
         offsets, local = local_box(shape, rank, world)
         nbytes = 4 * int(torch.Size(local).numel())
         if nbytes:
-            entries.append((key, ChunkEntry(offsets, local, SHARD_PATTERN.format(rank=rank), pos, pos + nbytes, ("0123456789abcdef",))))
+            entries.append(
+                (
+                    key,
+                    ChunkEntry(
+                        offsets, local, SHARD_PATTERN.format(rank=rank), pos, pos + nbytes, ("0123456789abcdef",)
+                    ),
+                )
+            )
             pos += nbytes
     return build_index(rank, SHARD_PATTERN.format(rank=rank), entries), pos
 
@@ -124,7 +139,11 @@ def shardsafe_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sa
     results = [
         RankResult(
             (SHARD_PATTERN.format(rank=r), shard_size),
-            IndexRef(INDEX_PATTERN.format(rank=r), len(index_data), hash_bytes(index_data) if r == reader_rank else f"{r:016x}"),
+            IndexRef(
+                INDEX_PATTERN.format(rank=r),
+                len(index_data),
+                hash_bytes(index_data) if r == reader_rank else f"{r:016x}",
+            ),
         )
         for r in range(world)
     ]
@@ -200,7 +219,10 @@ def nd_layout(n: int = TENSORS) -> list[tuple[str, tuple[int, ...], LayoutRule]]
     ]
     out = []
     for i in range(-(-n // len(per_layer))):
-        out += [(f"model/layers.{i}.{name}", shape, LayoutRule(ND_MESH, placements)) for name, shape, placements in per_layer]
+        out += [
+            (f"model/layers.{i}.{name}", shape, LayoutRule(ND_MESH, placements))
+            for name, shape, placements in per_layer
+        ]
     return out[:n]
 
 
@@ -209,7 +231,11 @@ def nd_chunks(tensors: list[tuple[str, tuple[int, ...], LayoutRule]], rank: int)
     out = []
     for key, shape, rule in tensors:
         for box in rule.boxes(shape, rule.part_of(rank)):
-            out.append(LocalChunk(key, torch.empty(box.shape, dtype=torch.bfloat16, device="meta"), shape, box.offsets, rule=rule))
+            out.append(
+                LocalChunk(
+                    key, torch.empty(box.shape, dtype=torch.bfloat16, device="meta"), shape, box.offsets, rule=rule
+                )
+            )
     return out
 
 
@@ -225,7 +251,17 @@ def nd_index(tensors: list[tuple[str, tuple[int, ...], LayoutRule]], rules: dict
             nbytes = 2 * int(torch.Size(box.shape).numel())
             blocks = -(-nbytes // (1 << 20))
             entries.append(
-                (key, ChunkEntry(box.offsets, box.shape, SHARD_PATTERN.format(rank=rank), pos, pos + nbytes, ("0123456789abcdef",) * blocks))
+                (
+                    key,
+                    ChunkEntry(
+                        box.offsets,
+                        box.shape,
+                        SHARD_PATTERN.format(rank=rank),
+                        pos,
+                        pos + nbytes,
+                        ("0123456789abcdef",) * blocks,
+                    ),
+                )
             )
             pos += nbytes
     return build_index(rank, SHARD_PATTERN.format(rank=rank), entries)
@@ -283,23 +319,33 @@ def report_nd(samples: list[Sample], runs: int, command: str, elapsed: float) ->
             [
                 ND_SECTION,
                 "",
-                f"- **Command:** `{command}` (what `make bench-scale` runs); medians of {runs} runs; took {elapsed:.0f} s; "
+                f"- **Command:** `{command}` (what `make bench-scale` runs); medians of {runs} runs; took "
+                f"{elapsed:.0f} s; "
                 f"load average at the end {load_average()}",
                 f"- **Layout:** {TENSORS:,} tensors of a Llama-3-8B-shaped model (per layer wq/wk/wv/w1/w3 colwise: "
-                f"`(Replicate, _StridedShard(0, sf={ND_MESH[2]}), Shard(0))`; wo/w2 rowwise: `(Replicate, Shard(0), Shard(1))`; two "
-                f"norms `(Replicate, Shard(0), Replicate)`) on a `(dp_replicate={ND_MESH[0]}, dp_shard={ND_MESH[1]}, tp={ND_MESH[2]})` "
+                f"`(Replicate, _StridedShard(0, sf={ND_MESH[2]}), Shard(0))`; wo/w2 rowwise: `(Replicate, Shard(0), "
+                "Shard(1))`; two "
+                f"norms `(Replicate, Shard(0), Replicate)`) on a `(dp_replicate={ND_MESH[0]}, dp_shard={ND_MESH[1]}, "
+                f"tp={ND_MESH[2]})` "
                 f"mesh: {world:,} ranks. No data, only metadata; one process, the code a save and a load run.",
-                "- **Measured:** one rank's describe (its boxes checked against each tensor's rule, digested); the coordinator's "
-                "manifest from the W per-rank results, validated by the load's parser; one rank's parse of that manifest and the "
-                "plan of the reads of its own boxes, reading and validating (from memory) the indexes of the writers of its parts.",
+                "- **Measured:** one rank's describe (its boxes checked against each tensor's rule, digested); the "
+                "coordinator's "
+                "manifest from the W per-rank results, validated by the load's parser; one rank's parse of that "
+                "manifest and the "
+                "plan of the reads of its own boxes, reading and validating (from memory) the indexes of the writers "
+                "of its parts.",
                 "",
-                "| ranks | manifest | coordinator | one rank's parse + plan | one rank's describe | reads planned | target |",
+                "| ranks | manifest | coordinator | one rank's parse + plan | one rank's describe | reads planned | "
+                "target |",
                 "|---|---|---|---|---|---|---|",
-                f"| {world:,} | {mb(size)} | {secs(median(samples, 'coordinator'))} | {secs(plan)} | {secs(median(samples, 'rank_describe'))} "
+                f"| {world:,} | {mb(size)} | {secs(median(samples, 'coordinator'))} | {secs(plan)} | "
+                f"{secs(median(samples, 'rank_describe'))} "
                 f"| {samples[0].reads:,} | manifest <= 8 MB, parse + plan <= 0.5 s: {'met' if ok else 'MISSED'} |",
                 "",
-                "The manifest's `tensors` section holds one rule per tensor (mesh + placements + writer, ~120 bytes); the rest is the "
-                "`files` list, one entry per rank. Listing the chunks instead (format 2's fallback for N-D layouts) would take "
+                "The manifest's `tensors` section holds one rule per tensor (mesh + placements + writer, ~120 bytes); "
+                "the rest is the "
+                "`files` list, one entry per rank. Listing the chunks instead (format 2's fallback for N-D layouts) "
+                "would take "
                 f"{world // ND_MESH[0]:,} chunks per tensor.",
             ]
         )
@@ -329,8 +375,11 @@ def dcp_once(tensors: list[tuple[str, tuple[int, ...]]], world: int) -> Sample:
                 continue
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(local))
             data = TensorWriteData(chunk=chunk, properties=props, size=torch.Size(shape))
-            items.append(WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD, tensor_data=data))
-        plans.append(SavePlan(items, planner_data={}))  # planner_data: the flattening map create_local_plan sets (none here)
+            items.append(
+                WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD, tensor_data=data)
+            )
+        # planner_data: the flattening map create_local_plan sets (none here)
+        plans.append(SavePlan(items, planner_data={}))
     rank_describe = (time.perf_counter() - t0) / world  # one rank's plan
     t0 = time.perf_counter()
     planner = DefaultSavePlanner()
@@ -371,7 +420,9 @@ def median(samples: list[Sample], field: str) -> float:
     return statistics.median(getattr(s, field) for s in samples)
 
 
-def measure(fn: Callable[..., Sample], tensors: list[tuple[str, tuple[int, ...]]], world: int, runs: int) -> list[Sample]:
+def measure(
+    fn: Callable[..., Sample], tensors: list[tuple[str, tuple[int, ...]]], world: int, runs: int
+) -> list[Sample]:
     out = []
     for _ in range(runs):
         out.append(fn(tensors, world))
@@ -387,22 +438,34 @@ def secs(t: float) -> str:
     return f"{t * 1000:.0f} ms" if t < 1 else f"{t:.2f} s"
 
 
-def report(results: dict[int, dict[str, list[Sample]]], runs: int, command: str, elapsed: float, dcp_max: int, big_runs: int) -> str:
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+def report(
+    results: dict[int, dict[str, list[Sample]]], runs: int, command: str, elapsed: float, dcp_max: int, big_runs: int
+) -> str:
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     lines = [
         SECTION,
         "",
-        f"- **Command:** `{command}` (what `make bench-scale` runs); medians of {runs} runs per cell (DCP above 256 ranks: "
+        f"- **Command:** `{command}` (what `make bench-scale` runs); medians of {runs} runs per cell (DCP above 256 "
+        "ranks: "
         f"{min(runs, big_runs)} run, its planning takes minutes there); took {elapsed / 60:.1f} min",
-        f"- **Date:** {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; shardsafe {__version__} at {commit}; torch {torch.__version__}; "
+        f"- **Date:** {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; shardsafe {__version__} at {commit}; torch "
+        f"{torch.__version__}; "
         f"Python {platform.python_version()}; load average at the end {load_average()}",
-        f"- **Layout:** {TENSORS} tensors in an FSDP2 layout (per layer a `[4099..5135, 64]` weight and a bias of as many rows, "
+        f"- **Layout:** {TENSORS} tensors in an FSDP2 layout (per layer a `[4099..5135, 64]` weight and a bias of as "
+        "many rows, "
         "and a `[1024..1030]` norm weight; all `Shard(0)`, uneven); no data, only metadata. One process.",
-        "- **shardsafe:** one rank classifies + digests its chunks; the coordinator decides the plan from W digests, builds the "
-        "manifest from W per-rank results (file, index size + hash), validates it with the load's parser and serializes it; one "
-        "rank parses the manifest and plans the reads of its box, reading and validating (from memory) the index it needs.",
-        "- **DCP:** the same layout as W `SavePlan`s of `WriteItem`s through `DefaultSavePlanner.create_global_plan`, plus the "
-        "`_StorageInfo` records its `FileSystemWriter` adds, pickled (the `.metadata` file); the read side unpickles it and runs "
+        "- **shardsafe:** one rank classifies + digests its chunks; the coordinator decides the plan from W digests, "
+        "builds the "
+        "manifest from W per-rank results (file, index size + hash), validates it with the load's parser and "
+        "serializes it; one "
+        "rank parses the manifest and plans the reads of its box, reading and validating (from memory) the index it "
+        "needs.",
+        "- **DCP:** the same layout as W `SavePlan`s of `WriteItem`s through `DefaultSavePlanner.create_global_plan`, "
+        "plus the "
+        "`_StorageInfo` records its `FileSystemWriter` adds, pickled (the `.metadata` file); the read side unpickles "
+        "it and runs "
         "`create_read_items_for_chunk_list` for one rank.",
         "",
         "| ranks | metadata: shardsafe | DCP | coordinator: shardsafe | DCP "
@@ -417,25 +480,34 @@ def report(results: dict[int, dict[str, list[Sample]]], runs: int, command: str,
 
         target = "manifest <= 8 MB, parse + plan <= 0.5 s" if world == 16384 else ""
         lines.append(
-            f"| {world:,} | {mb(median(ss, 'manifest_bytes'))} | {d('manifest_bytes', mb)} | {secs(median(ss, 'coordinator'))} | "
-            f"{d('coordinator', secs)} | {secs(median(ss, 'load_plan'))} | {d('load_plan', secs)} | {secs(median(ss, 'rank_describe'))} | "
+            f"| {world:,} | {mb(median(ss, 'manifest_bytes'))} | {d('manifest_bytes', mb)} | "
+            f"{secs(median(ss, 'coordinator'))} | "
+            f"{d('coordinator', secs)} | {secs(median(ss, 'load_plan'))} | {d('load_plan', secs)} | "
+            f"{secs(median(ss, 'rank_describe'))} | "
             f"{d('rank_describe', secs)} | {target} |"
         )
     big = results.get(16384, {}).get("shardsafe")
     if big:
         size, plan = median(big, "manifest_bytes"), median(big, "load_plan")
         ok = size <= 8e6 and plan <= 0.5
-        lines += ["", f"At 16,384 ranks: manifest {mb(size)}, one rank's parse + plan {secs(plan)}: targets {'met' if ok else 'MISSED'}."]
+        lines += [
+            "",
+            f"At 16,384 ranks: manifest {mb(size)}, one rank's parse + plan {secs(plan)}: targets "
+            f"{'met' if ok else 'MISSED'}.",
+        ]
     measured = sorted(w for w, by in results.items() if "dcp" in by)
     if len(measured) >= 2:
         a, b = measured[-2], measured[-1]
         growth = median(results[b]["dcp"], "manifest_bytes") / median(results[a]["dcp"], "manifest_bytes")
         lines += [
             "",
-            f"DCP was run up to {dcp_max:,} ranks: it holds one `WriteItem` / `ChunkStorageMetadata` / `_StorageInfo` per tensor per rank "
-            f"({TENSORS:,} x W objects; 32.8 M at 16,384 ranks, beyond this machine's memory in this form). Its metadata grew "
+            f"DCP was run up to {dcp_max:,} ranks: it holds one `WriteItem` / `ChunkStorageMetadata` / `_StorageInfo` "
+            "per tensor per rank "
+            f"({TENSORS:,} x W objects; 32.8 M at 16,384 ranks, beyond this machine's memory in this form). Its "
+            "metadata grew "
             f"{growth:.1f}x from {a:,} to {b:,} ranks ({b // a}x the ranks): linear in W, so about "
-            f"{mb(median(results[b]['dcp'], 'manifest_bytes') * 16384 / b)} at 16,384. shardsafe's manifest grows only by its "
+            f"{mb(median(results[b]['dcp'], 'manifest_bytes') * 16384 / b)} at 16,384. shardsafe's manifest grows only "
+            "by its "
             "`files` list (one entry per rank, ~150 bytes); its `tensors` section is the same at every world size.",
         ]
     return "\n".join(lines) + "\n"
@@ -451,9 +523,9 @@ def run_real(worlds: tuple[int, ...], runs: int, layers: int) -> dict[int, dict[
     for world in worlds:
         with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:  # /tmp: the same disk as the repository here
             result = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   str(Path(__file__).resolve().parent / "worker_scale.py"), "--layers", str(layers), "--runs", str(runs),
-                   "--root", tmp, "--out", str(result)]  # fmt: skip
+            worker = str(Path(__file__).resolve().parent / "worker_scale.py")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", worker,
+                   "--layers", str(layers), "--runs", str(runs), "--root", tmp, "--out", str(result)]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}:{Path(__file__).resolve().parent}")
             start = time.perf_counter()
             subprocess.run(cmd, check=True, env=env)
@@ -466,11 +538,14 @@ def report_real(results: dict[int, dict[str, Any]], runs: int, command: str, ela
     lines = [
         REAL_SECTION,
         "",
-        f"- **Command:** `{command}` (what `make bench-scale` runs after the simulation); {runs} rounds, alternating order, medians; "
+        f"- **Command:** `{command}` (what `make bench-scale` runs after the simulation); {runs} rounds, alternating "
+        "order, medians; "
         f"took {elapsed / 60:.1f} min; load average at the end {load_average()}",
-        f"- **Setup:** W gloo processes on this 2-core machine, FSDP2 (`fully_shard` per layer) of Linear(64, 64) layers + AdamW "
+        "- **Setup:** W gloo processes on this 2-core machine, FSDP2 (`fully_shard` per layer) of Linear(64, 64) "
+        "layers + AdamW "
         f"after one step: {next(iter(results.values()))['tensors'] if results else '?'} tensors; page cache dropped "
-        "(`sync; echo 3 > /proc/sys/vm/drop_caches`) before every load, for both; DCP via `get_state_dict` / `set_state_dict`.",
+        "(`sync; echo 3 > /proc/sys/vm/drop_caches`) before every load, for both; DCP via `get_state_dict` / "
+        "`set_state_dict`.",
         "",
         "| ranks | save: shardsafe | DCP | shardsafe is | load: shardsafe | DCP | shardsafe is | target (16 ranks) |",
         "|---|---|---|---|---|---|---|---|",
@@ -480,33 +555,56 @@ def report_real(results: dict[int, dict[str, Any]], runs: int, command: str, ela
         ss, ds = statistics.median(res["save"]["shardsafe"]), statistics.median(res["save"]["dcp"])
         sl, dl = statistics.median(res["load"]["shardsafe"]), statistics.median(res["load"]["dcp"])
         target = "save >= 2x, load >= 2x DCP" if world == 16 else ""
-        lines.append(f"| {world} | {secs(ss)} | {secs(ds)} | {ds / ss:.2f}x | {secs(sl)} | {secs(dl)} | {dl / sl:.2f}x | {target} |")
+        lines.append(
+            f"| {world} | {secs(ss)} | {secs(ds)} | {ds / ss:.2f}x | {secs(sl)} | {secs(dl)} | {dl / sl:.2f}x | "
+            f"{target} |"
+        )
     if 16 in results:
         res = results[16]["results"]
         save = statistics.median(res["save"]["dcp"]) / statistics.median(res["save"]["shardsafe"])
         load = statistics.median(res["load"]["dcp"]) / statistics.median(res["load"]["shardsafe"])
         verdict = {True: "met", False: "MISSED"}
-        lines += ["", f"At 16 ranks: save {save:.2f}x DCP ({verdict[save >= 2]}), load {load:.2f}x DCP ({verdict[load >= 2]})."]
+        lines += [
+            "",
+            f"At 16 ranks: save {save:.2f}x DCP ({verdict[save >= 2]}), load {load:.2f}x DCP ({verdict[load >= 2]}).",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: 64 and 1,024 ranks, 1 run, BENCHMARKS.md untouched unless --md")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 64 and 1,024 ranks, 1 run, BENCHMARKS.md untouched unless --md",
+    )
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--dcp-max", type=int, default=1024, help="largest world size DCP is built for (its metadata is O(T x W) objects)")
-    parser.add_argument("--dcp-big-runs", type=int, default=1, help="runs of DCP above 256 ranks (about 3 min each at 1,024 on 2 cores)")
+    parser.add_argument(
+        "--dcp-max",
+        type=int,
+        default=1024,
+        help="largest world size DCP is built for (its metadata is O(T x W) objects)",
+    )
+    parser.add_argument(
+        "--dcp-big-runs", type=int, default=1, help="runs of DCP above 256 ranks (about 3 min each at 1,024 on 2 cores)"
+    )
     parser.add_argument("--md", type=Path, default=None)
     parser.add_argument("--real-only", action="store_true", help="only the real 4 / 8 / 16-process runs")
     parser.add_argument("--simulated-only", action="store_true", help="only the simulation")
     parser.add_argument("--nd-only", action="store_true", help="only the 3-D mesh simulation")
-    parser.add_argument("--layers", type=int, default=250, help="Linear(64, 64) layers of the real runs (4 tensors each)")
+    parser.add_argument(
+        "--layers", type=int, default=250, help="Linear(64, 64) layers of the real runs (4 tensors each)"
+    )
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     worlds = WORLDS[:2] if args.quick else WORLDS
     md = args.md if args.md is not None else (None if args.quick else REPO / "BENCHMARKS.md")
     tensors = layout()
-    command = "python benchmarks/bench_scale.py" + (" --quick" if args.quick else "") + (f" --runs {args.runs}" if args.runs != 3 else "")
+    command = (
+        "python benchmarks/bench_scale.py"
+        + (" --quick" if args.quick else "")
+        + (f" --runs {args.runs}" if args.runs != 3 else "")
+    )
     if not args.real_only:
         start = time.perf_counter()
         nd = measure(nd_once, nd_layout(), 16384, runs)  # type: ignore[arg-type]
@@ -523,7 +621,9 @@ def main() -> None:
         for world in worlds:
             results[world] = {"shardsafe": measure(shardsafe_once, tensors, world, runs)}
             if world <= args.dcp_max:
-                results[world]["dcp"] = measure(dcp_once, tensors, world, runs if world <= 256 else min(runs, args.dcp_big_runs))
+                results[world]["dcp"] = measure(
+                    dcp_once, tensors, world, runs if world <= 256 else min(runs, args.dcp_big_runs)
+                )
         text = report(results, runs, command, time.perf_counter() - start, args.dcp_max, args.dcp_big_runs)
         print(text)
         if md is not None:

@@ -70,7 +70,11 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, width: int, index:
 def _local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     out = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     for entries in optimizer.state.values():
-        out += [v.to_local() if hasattr(v, "to_local") else v for v in entries.values() if isinstance(v, torch.Tensor) and v.dim()]
+        out += [
+            v.to_local() if hasattr(v, "to_local") else v
+            for v in entries.values()
+            if isinstance(v, torch.Tensor) and v.dim()
+        ]
     return [t.detach() for t in out]
 
 
@@ -108,7 +112,9 @@ def _blocked(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"memcpy": [_timed(copy) for _ in range(job["saves"])]}
     out["state_bytes"] = sum(t.numel() * t.element_size() for t in sources)
-    tier = shardsafe.CheckpointManager(job["root"] + "-tier", save_every=10**9, local_every=1, local_dir=job["local"], replicas=1)
+    tier = shardsafe.CheckpointManager(
+        job["root"] + "-tier", save_every=10**9, local_every=1, local_dir=job["local"], replicas=1
+    )
     out["tier"] = []
     for step in range(1, job["saves"] + 1):
         out["tier"].append(_timed(lambda step=step: tier.save(step, state)))
@@ -156,7 +162,11 @@ def _throughput(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
     model, optimizer = _model(job["layers"], job["width"], 0)
     state = {"model": model, "optim": optimizer}
-    manager = shardsafe.CheckpointManager(job["root"], save_every=10**9, local_every=1, local_dir=job["local"], replicas=1) if job["tier"] else None
+    manager = (
+        shardsafe.CheckpointManager(job["root"], save_every=10**9, local_every=1, local_dir=job["local"], replicas=1)
+        if job["tier"]
+        else None
+    )
     _step(model, optimizer, job["width"], 0)
 
     def loop() -> None:
@@ -230,7 +240,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--step-time", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the restore comparison (medians)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: a small model, 1 round, BENCHMARKS.md untouched unless --md")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: a small model, 1 round, BENCHMARKS.md untouched unless --md"
+    )
     parser.add_argument("--md", type=Path)
     args = parser.parse_args()
     if args.quick:
@@ -242,7 +254,13 @@ def main() -> None:
     size = {"layers": args.layers, "width": args.width}
     started = time.perf_counter()
 
-    blocked = run_job(kind="blocked", root=str(base / "blocked"), local=str(local_base / "blocked" / "{node}"), saves=args.saves, **size)
+    blocked = run_job(
+        kind="blocked",
+        root=str(base / "blocked"),
+        local=str(local_base / "blocked" / "{node}"),
+        saves=args.saves,
+        **size,
+    )
     med = {k: statistics.median(blocked[k][1:]) for k in ("memcpy", "tier", "async root")}
     print(f"blocked: {json.dumps(med)}", file=sys.stderr, flush=True)
 
@@ -259,20 +277,28 @@ def main() -> None:
         shutil.rmtree(base / "loop", ignore_errors=True)
         shutil.rmtree(local_base / "loop", ignore_errors=True)
         where = {"root": str(base / "loop"), "local": str(local_base / "loop" / "{node}")}
-        loop[name] = run_job(kind="throughput", tier=tier, steps=args.steps, step_time=args.step_time, **where, **size)["seconds"]
+        loop[name] = run_job(kind="throughput", tier=tier, steps=args.steps, step_time=args.step_time, **where, **size)[
+            "seconds"
+        ]
     for folder in (base, local_base):
         shutil.rmtree(folder, ignore_errors=True)
 
     state_mb = blocked["state_bytes"] * 4 / 2**20
-    rmed = {name: {k: statistics.median(r[k] for r in runs) for k in ("seconds", "read", "moved", "root_bytes")} for name, runs in restores.items()}
+    rmed = {
+        name: {k: statistics.median(r[k] for r in runs) for k in ("seconds", "read", "moved", "root_bytes")}
+        for name, runs in restores.items()
+    }
     froms = {name: sorted({f"{r['from']} step {r['step']}" for r in runs}) for name, runs in restores.items()}
     lines = [
         SECTION,
         "",
-        f"`.venv/bin/python benchmarks/bench_tiers.py{' --quick' if args.quick else ''} --md BENCHMARKS.md` (`make bench-tiers`) on "
+        f"`.venv/bin/python benchmarks/bench_tiers.py{' --quick' if args.quick else ''} --md BENCHMARKS.md` (`make "
+        "bench-tiers`) on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({(time.perf_counter() - started) / 60:.1f} min; "
-        f"load average {load_average()} after): 4 gloo ranks as 2 simulated nodes x 2 on this machine ({os.cpu_count()} cores), "
-        f"FSDP2 over {args.layers} x Linear({args.width}, {args.width}) + AdamW: {state_mb:.0f} MiB of state ({state_mb / 4:.0f} MiB per rank). "
+        f"load average {load_average()} after): 4 gloo ranks as 2 simulated nodes x 2 on this machine "
+        f"({os.cpu_count()} cores), "
+        f"FSDP2 over {args.layers} x Linear({args.width}, {args.width}) + AdamW: {state_mb:.0f} MiB of state "
+        f"({state_mb / 4:.0f} MiB per rank). "
         "Node folders in `/dev/shm`, the root on disk.",
         "",
         f"Blocked per save (median of saves 2-{args.saves}, slowest rank):",
@@ -280,29 +306,40 @@ def main() -> None:
         "| save | blocked | vs memcpy | target |",
         "|---|---|---|---|",
         f"| memcpy of the rank's state (preallocated) | {med['memcpy'] * 1e3:.0f} ms | 1.00x | |",
-        f"| local tier (`local_every=1, replicas=1`) | {med['tier'] * 1e3:.0f} ms | {med['tier'] / med['memcpy']:.2f}x | <= 1.5x: "
+        f"| local tier (`local_every=1, replicas=1`) | {med['tier'] * 1e3:.0f} ms | {med['tier'] / med['memcpy']:.2f}x "
+        "| <= 1.5x: "
         f"{'met' if med['tier'] <= 1.5 * med['memcpy'] else 'MISSED'} |",
-        f"| async persistent save (`async_save=True`) | {med['async root'] * 1e3:.0f} ms | {med['async root'] / med['memcpy']:.2f}x | |",
+        f"| async persistent save (`async_save=True`) | {med['async root'] * 1e3:.0f} ms | "
+        f"{med['async root'] / med['memcpy']:.2f}x | |",
         "",
-        f"Restore after losing node b (its folder wiped; medians of {args.rounds} alternating rounds; the root's page cache dropped first):",
+        f"Restore after losing node b (its folder wiped; medians of {args.rounds} alternating rounds; the root's page "
+        "cache dropped first):",
         "",
         "| restore | time | loaded | read from disk | sent over the group |",
         "|---|---|---|---|---|",
     ]
     for name, r in rmed.items():
-        lines.append(f"| {name} | {r['seconds']:.2f} s | {', '.join(froms[name])} | {r['read'] / 2**20:.0f} MiB | {r['moved'] / 2**20:.0f} MiB |")
+        lines.append(
+            f"| {name} | {r['seconds']:.2f} s | {', '.join(froms[name])} | {r['read'] / 2**20:.0f} MiB | "
+            f"{r['moved'] / 2**20:.0f} MiB |"
+        )
     speedup = rmed["root"]["seconds"] / rmed["tier"]["seconds"]
     speedup2 = rmed["root 4->2"]["seconds"] / rmed["tier 4->2"]["seconds"]
     slower = loop["local_every=1"] / loop["no checkpoints"] - 1
     lines += [
         "",
         f"Tier vs root: {speedup:.2f}x faster at 4 ranks, {speedup2:.2f}x after 4 -> 2 (target >= 2x: "
-        f"{'met' if min(speedup, speedup2) >= 2 else 'MISSED'}). The 4 -> 2 job runs on node a alone, which holds b's files as its replica.",
+        f"{'met' if min(speedup, speedup2) >= 2 else 'MISSED'}). The 4 -> 2 job runs on node a alone, which holds b's "
+        "files as its replica.",
         "",
-        f"Throughput, {args.steps} steps padded to {args.step_time:.1f} s: no checkpoints {loop['no checkpoints']:.2f} s, `local_every=1` "
-        f"{loop['local_every=1']:.2f} s: {slower * 100:+.1f}% (target <= +5%: {'met' if slower <= 0.05 else 'MISSED'}).",
+        f"Throughput, {args.steps} steps padded to {args.step_time:.1f} s: no checkpoints {loop['no checkpoints']:.2f} "
+        "s, `local_every=1` "
+        f"{loop['local_every=1']:.2f} s: {slower * 100:+.1f}% (target <= +5%: "
+        f"{'met' if slower <= 0.05 else 'MISSED'}).",
         "",
-        "Raw: `" + json.dumps({"blocked": {k: [round(v, 4) for v in blocked[k]] for k in ("memcpy", "tier", "async root")}}) + "`",
+        "Raw: `"
+        + json.dumps({"blocked": {k: [round(v, 4) for v in blocked[k]] for k in ("memcpy", "tier", "async root")}})
+        + "`",
         "`" + json.dumps({"restore": rmed, "loop": loop}) + "`",
     ]
     text = "\n".join(lines) + "\n"

@@ -70,7 +70,12 @@ def cached_bytes(folder: Path) -> int:
     if not files or shutil.which("fincore") is None:
         return -1
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return -1
     return sum(int(line.split()[0]) for line in out.stdout.splitlines() if line.strip())
@@ -194,7 +199,10 @@ def state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, t
 def zero_state(model: nn.Module, optim: torch.optim.Optimizer) -> None:
     """Zero the parameters and every optimizer state tensor, so a load has to restore them all."""
     with torch.no_grad():
-        tensors = [*model.parameters(), *(v for per_param in optim.state.values() for v in per_param.values() if isinstance(v, torch.Tensor))]
+        tensors = [
+            *model.parameters(),
+            *(v for per_param in optim.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)),
+        ]
         for t in tensors:
             local(t).zero_()
 

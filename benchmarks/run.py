@@ -45,9 +45,11 @@ INTRO = [
     "| section | command | peer |",
     "|---|---|---|",
     "| Results ... analysis | `make bench-core` (`benchmarks/run.py`) | `torch.distributed.checkpoint`, `dd` |",
-    "| Export | `make bench-export` (`benchmarks/bench_export.py`) | transformers `save_pretrained`, torch's safetensors consolidation |",
+    "| Export | `make bench-export` (`benchmarks/bench_export.py`) | transformers `save_pretrained`, torch's "
+    "safetensors consolidation |",
     "| CheckpointManager | `make bench-manager` (`benchmarks/bench_manager.py`) | DCP async save |",
-    "| DeepSpeed export | `make bench-deepspeed` (`benchmarks/bench_deepspeed.py`) | DeepSpeed `zero_to_fp32` script and lazy mode |",
+    "| DeepSpeed export | `make bench-deepspeed` (`benchmarks/bench_deepspeed.py`) | DeepSpeed `zero_to_fp32` script "
+    "and lazy mode |",
     "",
     "The first part (down to the notes) is shardsafe vs DCP on the same model.",
 ]
@@ -57,10 +59,16 @@ TARGETS = {"save_vs_dcp": 1.1, "save_vs_dd": 0.85, "load_vs_dcp": 1.5, "extra_me
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke test: 64 MiB model, 1 run, BENCHMARKS.md untouched unless --md")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 64 MiB model, 1 run, BENCHMARKS.md untouched unless --md"
+    )
     parser.add_argument("--runs", type=int, default=None, help="runs per measurement (default 3; 1 with --quick)")
-    parser.add_argument("--dir", type=Path, default=REPO / "bench-run" / "compare", help="scratch folder, removed before and after")
-    parser.add_argument("--md", type=Path, default=None, help="results file to rewrite (default BENCHMARKS.md; none with --quick)")
+    parser.add_argument(
+        "--dir", type=Path, default=REPO / "bench-run" / "compare", help="scratch folder, removed before and after"
+    )
+    parser.add_argument(
+        "--md", type=Path, default=None, help="results file to rewrite (default BENCHMARKS.md; none with --quick)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints in --dir afterwards")
     args = parser.parse_args()
     layers, width = QUICK if args.quick else FULL
@@ -80,10 +88,23 @@ def main() -> int:
     dist_json, single_json = root / "dist.json", root / "single.json"
     common_args = ["--layers", str(layers), "--width", str(width), "--runs", str(runs), "--root", str(root)]
     size = param_bytes(layers, width) / 2**30
-    print(f"model: {layers} x Linear({width}, {width}) = {size:.3f} GiB fp32 params + AdamW; {runs} run(s) each", flush=True)
+    print(
+        f"model: {layers} x Linear({width}, {width}) = {size:.3f} GiB fp32 params + AdamW; {runs} run(s) each",
+        flush=True,
+    )
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    subprocess.run([*launcher, str(HERE / "worker_dist.py"), *common_args, "--out", str(dist_json)], check=True, env=env, cwd=REPO)
-    single_cmd = [sys.executable, str(HERE / "worker_single.py"), *common_args, "--expect", str(dist_json), "--out", str(single_json)]
+    subprocess.run(
+        [*launcher, str(HERE / "worker_dist.py"), *common_args, "--out", str(dist_json)], check=True, env=env, cwd=REPO
+    )
+    single_cmd = [
+        sys.executable,
+        str(HERE / "worker_single.py"),
+        *common_args,
+        "--expect",
+        str(dist_json),
+        "--out",
+        str(single_json),
+    ]
     subprocess.run(single_cmd, check=True, env=env, cwd=REPO)
     elapsed = time.perf_counter() - t0
 
@@ -93,14 +114,23 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     report = summarize(dist_res, single_res)
     facts = machine_facts(root.parent if not args.keep else root)
-    facts.update(date=started.strftime("%Y-%m-%d %H:%M UTC"), command=command, wall=f"{elapsed / 60:.1f} min", runs=runs, layers=layers, width=width)
+    facts.update(
+        date=started.strftime("%Y-%m-%d %H:%M UTC"),
+        command=command,
+        wall=f"{elapsed / 60:.1f} min",
+        runs=runs,
+        layers=layers,
+        width=width,
+    )
     table = render_table(report)
     print()
     print(table)
     print()
     print(render_verdict(report))
     if args.quick:
-        print("\n(--quick is a smoke test: at 64 MiB fixed costs dominate, so these ratios say nothing about the targets)")
+        print(
+            "\n(--quick is a smoke test: at 64 MiB fixed costs dominate, so these ratios say nothing about the targets)"
+        )
     if md is not None:
         write_markdown(md, facts, report, table, dist_res, single_res)
         print(f"\nwrote {md}")
@@ -134,7 +164,11 @@ def load_records(dist_res: dict[str, Any], single_res: dict[str, Any]) -> dict[s
 def summarize(dist_res: dict[str, Any], single_res: dict[str, Any]) -> dict[str, Any]:
     save = dist_res["save"]
     ckpt_bytes = median([r["bytes"] for r in save["shardsafe"]])
-    out: dict[str, Any] = {"ckpt_bytes": ckpt_bytes, "dcp_bytes": median([r["bytes"] for r in save["dcp"]]), "tensor_bytes": dist_res["tensor_bytes"]}
+    out: dict[str, Any] = {
+        "ckpt_bytes": ckpt_bytes,
+        "dcp_bytes": median([r["bytes"] for r in save["dcp"]]),
+        "tensor_bytes": dist_res["tensor_bytes"],
+    }
 
     def times(records: list[dict[str, Any]]) -> list[float]:
         return [r["seconds"] for r in records]
@@ -173,12 +207,37 @@ def cell(nbytes: float, seconds: float) -> str:
 def render_table(r: dict[str, Any]) -> str:
     b = r["ckpt_bytes"]
     rows = [
-        ("save, 2 ranks", cell(b, r["save_ss"]), cell(b, r["save_dcp"]), cell(b, b / r["dd_rate"]), f"{r['save_vs_dcp']:.2f}x DCP", ">= 1.1x DCP"),
+        (
+            "save, 2 ranks",
+            cell(b, r["save_ss"]),
+            cell(b, r["save_dcp"]),
+            cell(b, b / r["dd_rate"]),
+            f"{r['save_vs_dcp']:.2f}x DCP",
+            ">= 1.1x DCP",
+        ),
         ("", "", "", "", f"{r['save_vs_dd']:.2f}x dd", ">= 0.85x dd"),
     ]
     for key, label in LOADS:
-        rows.append((label, cell(b, r[f"{key}_ss"]), cell(b, r[f"{key}_dcp"]), "", f"{r[f'{key}_vs_dcp']:.2f}x DCP", ">= 1.5x DCP"))
-    rows.append(("extra peak RSS per rank, save", f"{r['mem_ss_max']:.1f} MiB", f"{r['mem_dcp_max']:.1f} MiB", "", "", "<= 64 MiB"))
+        rows.append(
+            (
+                label,
+                cell(b, r[f"{key}_ss"]),
+                cell(b, r[f"{key}_dcp"]),
+                "",
+                f"{r[f'{key}_vs_dcp']:.2f}x DCP",
+                ">= 1.5x DCP",
+            )
+        )
+    rows.append(
+        (
+            "extra peak RSS per rank, save",
+            f"{r['mem_ss_max']:.1f} MiB",
+            f"{r['mem_dcp_max']:.1f} MiB",
+            "",
+            "",
+            "<= 64 MiB",
+        )
+    )
     header = ("median of runs", "shardsafe", "DCP", "dd (same bytes)", "shardsafe is", "target")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
@@ -231,14 +290,19 @@ def machine_facts(where: Path) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "shardsafe": shardsafe.__version__,
-        "commit": _run(["git", "rev-parse", "--short", "HEAD"]) + (" + uncommitted changes in src/" if dirty not in ("", "?") else ""),
+        "commit": _run(["git", "rev-parse", "--short", "HEAD"])
+        + (" + uncommitted changes in src/" if dirty not in ("", "?") else ""),
         "load_avg": " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?",
     }
 
 
 def _runs_table(title: str, records: dict[str, list[dict[str, Any]]], nbytes: float, mem: bool) -> list[str]:
     lines = [f"**{title}** (seconds per run, in the order they ran)", ""]
-    head = "| library | " + " | ".join(f"run {i + 1}" for i in range(max(len(v) for v in records.values()))) + " | median |"
+    head = (
+        "| library | "
+        + " | ".join(f"run {i + 1}" for i in range(max(len(v) for v in records.values())))
+        + " | median |"
+    )
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name, recs in records.items():
         name = {"dcp": "DCP"}.get(name, name)
@@ -248,11 +312,20 @@ def _runs_table(title: str, records: dict[str, list[dict[str, Any]]], nbytes: fl
         lines += ["", "Extra peak RSS per rank during save (MiB, [rank 0, rank 1] per run):", ""]
         for name, recs in records.items():
             if recs and "extra_mem_per_rank" in recs[0]:
-                lines.append(f"- {name}: " + ", ".join(str([round(m / 2**20, 1) for m in r["extra_mem_per_rank"]]) for r in recs))
+                lines.append(
+                    f"- {name}: " + ", ".join(str([round(m / 2**20, 1) for m in r["extra_mem_per_rank"]]) for r in recs)
+                )
     return lines + [""]
 
 
-def write_markdown(path: Path, facts: dict[str, Any], r: dict[str, Any], table: str, dist_res: dict[str, Any], single_res: dict[str, Any]) -> None:
+def write_markdown(
+    path: Path,
+    facts: dict[str, Any],
+    r: dict[str, Any],
+    table: str,
+    dist_res: dict[str, Any],
+    single_res: dict[str, Any],
+) -> None:
     notes = ""
     if path.exists():
         old = path.read_text()
@@ -268,25 +341,36 @@ def write_markdown(path: Path, facts: dict[str, Any], r: dict[str, Any], table: 
         "",
         "## Results",
         "",
-        f"- **Command:** `{facts['command']}` (what `make bench-core` runs), {facts['runs']} alternating run(s) per measurement, medians below",
+        f"- **Command:** `{facts['command']}` (what `make bench-core` runs), {facts['runs']} alternating run(s) per "
+        "measurement, medians below",
         f"- **Date:** {facts['date']}, whole benchmark took {facts['wall']}",
         f"- **Machine:** {facts['cpu']}, {facts['memory']} RAM, Linux {facts['kernel']}; disk: {facts['filesystem']}",
-        f"- **Software:** Python {facts['python']}, torch {facts['torch']} (CPU), shardsafe {facts['shardsafe']} at {facts['commit']}",
-        f"- **Load average when it finished:** {facts['load_avg']} (the machine is shared and noisy; see the spread of the runs)",
-        f"- **Model:** FSDP2 over 2 ranks (gloo, CPU), {facts['layers']} x `Linear({facts['width']}, {facts['width']})` = "
-        f"{param_bytes(facts['layers'], facts['width']) / 2**30:.3f} GiB fp32 parameters, plus AdamW `exp_avg`/`exp_avg_sq` after one step: "
-        f"{r['tensor_bytes'] / 2**30:.3f} GiB of tensors; checkpoint on disk: shardsafe {b / 1e9:.3f} GB, DCP {r['dcp_bytes'] / 1e9:.3f} GB; "
+        f"- **Software:** Python {facts['python']}, torch {facts['torch']} (CPU), shardsafe {facts['shardsafe']} at "
+        f"{facts['commit']}",
+        f"- **Load average when it finished:** {facts['load_avg']} (the machine is shared and noisy; see the spread of "
+        "the runs)",
+        f"- **Model:** FSDP2 over 2 ranks (gloo, CPU), {facts['layers']} x `Linear({facts['width']}, "
+        f"{facts['width']})` = "
+        f"{param_bytes(facts['layers'], facts['width']) / 2**30:.3f} GiB fp32 parameters, plus AdamW "
+        "`exp_avg`/`exp_avg_sq` after one step: "
+        f"{r['tensor_bytes'] / 2**30:.3f} GiB of tensors; checkpoint on disk: shardsafe {b / 1e9:.3f} GB, DCP "
+        f"{r['dcp_bytes'] / 1e9:.3f} GB; "
         f"dd wrote {r['dd_bytes'] / 1e9:.3f} GB",
         "",
         table,
         "",
         "GB/s is the shardsafe checkpoint size over the time, for both libraries (they store the same tensors; DCP's",
-        f"checkpoint is {(r['dcp_bytes'] / b - 1) * 100:+.3f}% of that size); dd's own rate is over the bytes dd wrote, and its",
-        "time column is the time dd's rate needs for the shardsafe checkpoint size. Times are wall time of the collective call,",
-        "barrier before, maximum over ranks. *Fresh optimizer*: the load starts from a new, stateless AdamW, as a resumed job",
-        "does, so the library has to create the optimizer state (DCP's get/set_state_dict runs torch's dummy optimizer step;",
+        f"checkpoint is {(r['dcp_bytes'] / b - 1) * 100:+.3f}% of that size); dd's own rate is over the bytes dd "
+        "wrote, and its",
+        "time column is the time dd's rate needs for the shardsafe checkpoint size. Times are wall time of the "
+        "collective call,",
+        "barrier before, maximum over ranks. *Fresh optimizer*: the load starts from a new, stateless AdamW, as a "
+        "resumed job",
+        "does, so the library has to create the optimizer state (DCP's get/set_state_dict runs torch's dummy optimizer "
+        "step;",
         "shardsafe allocates empty state shaped like the checkpoint's and reads into it). *Optimizer state",
-        "allocated*: the state exists (zeroed) before the timing starts, as when rolling back inside a running job; this",
+        "allocated*: the state exists (zeroed) before the timing starts, as when rolling back inside a running job; "
+        "this",
         "isolates reading, verifying and copying.",
         "",
         "Targets:",
@@ -295,31 +379,51 @@ def write_markdown(path: Path, facts: dict[str, Any], r: dict[str, Any], table: 
         "",
         "## All runs",
         "",
-        *_runs_table("Save, 2 ranks", {"shardsafe": save["shardsafe"], "DCP": save["dcp"], "dd (raw disk)": dd_recs}, b, mem=True),
-        *[line for key, label in LOADS for line in _runs_table(label[0].upper() + label[1:], load_records(dist_res, single_res)[key], b, mem=False)],
+        *_runs_table(
+            "Save, 2 ranks", {"shardsafe": save["shardsafe"], "DCP": save["dcp"], "dd (raw disk)": dd_recs}, b, mem=True
+        ),
+        *[
+            line
+            for key, label in LOADS
+            for line in _runs_table(label[0].upper() + label[1:], load_records(dist_res, single_res)[key], b, mem=False)
+        ],
         "## How it is measured",
         "",
-        "- One `torch.distributed.run --nproc_per_node 2` job builds the FSDP2 model (`fully_shard` per layer and on the root),",
-        "  runs one forward/backward and `AdamW.step()`, then per round runs shardsafe save, DCP save and (rank 0, others waiting)",
-        "  `dd if=/dev/zero of=FILE bs=64M count=N conv=fdatasync` for the shardsafe checkpoint's size, rotating the order each round.",
+        "- One `torch.distributed.run --nproc_per_node 2` job builds the FSDP2 model (`fully_shard` per layer and on "
+        "the root),",
+        "  runs one forward/backward and `AdamW.step()`, then per round runs shardsafe save, DCP save and (rank 0, "
+        "others waiting)",
+        "  `dd if=/dev/zero of=FILE bs=64M count=N conv=fdatasync` for the shardsafe checkpoint's size, rotating the "
+        "order each round.",
         "  Each save goes to a freshly removed folder (`sync` after the removal, outside the timing).",
-        "- shardsafe: `shardsafe.save(path, {'model': model, 'optim': optim})` (fsync on by default; block hashes always on).",
-        "  DCP: `get_state_dict(model, optim)` then `dcp.save(..., storage_writer=FileSystemWriter(path, sync_files=True))`",
-        "  (its defaults otherwise: one file per rank, one writer thread). Building the state dict is inside the timing for",
+        "- shardsafe: `shardsafe.save(path, {'model': model, 'optim': optim})` (fsync on by default; block hashes "
+        "always on).",
+        "  DCP: `get_state_dict(model, optim)` then `dcp.save(..., storage_writer=FileSystemWriter(path, "
+        "sync_files=True))`",
+        "  (its defaults otherwise: one file per rank, one writer thread). Building the state dict is inside the "
+        "timing for",
         "  DCP because shardsafe.save does the same work inside its call.",
         "- Loads: parameters are zeroed and a new AdamW is made before every load; for the *allocated* variant",
         "  `get_optimizer_state_dict` creates its state and the state is zeroed, outside the timing. shardsafe:",
         "  `shardsafe.load(path, {'model': model, 'optim': optim})` with hash verification on (the default). DCP:",
-        "  `get_state_dict` (which creates the optimizer state when it is missing), `dcp.load(..., storage_reader=FileSystemReader(path))`,",
-        "  `set_state_dict`. 2->1 runs in a separate process without a process group, into an unwrapped `nn.Sequential`. After",
-        "  every load the parameters and both AdamW moments are compared with the saved ones exactly (xxh3 of each rank's",
+        "  `get_state_dict` (which creates the optimizer state when it is missing), `dcp.load(..., "
+        "storage_reader=FileSystemReader(path))`,",
+        "  `set_state_dict`. 2->1 runs in a separate process without a process group, into an unwrapped "
+        "`nn.Sequential`. After",
+        "  every load the parameters and both AdamW moments are compared with the saved ones exactly (xxh3 of each "
+        "rank's",
         f"  Shard(0) piece): every load restored the state: **{r['all_correct']}**.",
-        "- Page cache: before every load it is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches` as root, else the checkpoint's files",
-        "  evicted with `fdatasync` + `posix_fadvise(POSIX_FADV_DONTNEED)`; both libraries, same way), and `fincore` confirms",
-        f"  it: at most {r['cached_before_load']} bytes were cached before any load (-1 = fincore unavailable). Only the guest's",
+        "- Page cache: before every load it is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches` as root, else the "
+        "checkpoint's files",
+        "  evicted with `fdatasync` + `posix_fadvise(POSIX_FADV_DONTNEED)`; both libraries, same way), and `fincore` "
+        "confirms",
+        f"  it: at most {r['cached_before_load']} bytes were cached before any load (-1 = fincore unavailable). Only "
+        "the guest's",
         "  cache is dropped; the virtual disk's host may still cache, so reads may be faster than the physical disk.",
-        f"- Extra peak memory: each rank resets its kernel high-water mark before the call and reads it after ({r['mem_method']});",
-        "  the figure is peak RSS minus RSS just before the call, the maximum over ranks and runs. Page cache is not RSS.",
+        "- Extra peak memory: each rank resets its kernel high-water mark before the call and reads it after "
+        f"({r['mem_method']});",
+        "  the figure is peak RSS minus RSS just before the call, the maximum over ranks and runs. Page cache is not "
+        "RSS.",
         "",
         NOTES_MARK,
     ]

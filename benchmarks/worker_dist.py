@@ -139,7 +139,10 @@ def main() -> None:
                 rec = rank0_only(partial(run_dd, dd_file, dd_count))
                 results["save"]["dd"].append(rec)
                 clear(dd_file)
-                log(f"round {i + 1}: dd {rec['bytes'] / 1e9:.2f} GB in {rec['seconds']:.2f} s = {rec['bytes'] / rec['seconds'] / 1e9:.3f} GB/s")
+                log(
+                    f"round {i + 1}: dd {rec['bytes'] / 1e9:.2f} GB in {rec['seconds']:.2f} s = "
+                    f"{rec['bytes'] / rec['seconds'] / 1e9:.3f} GB/s"
+                )
                 continue
             fn, folder = savers[name]
             clear(folder)
@@ -148,7 +151,9 @@ def main() -> None:
                 start = time.perf_counter()
                 fn()
                 elapsed = time.perf_counter() - start
-            per_rank = gather({"seconds": elapsed, "extra_mem": mem.extra, "baseline_rss": mem.baseline, "method": mem.method})
+            per_rank = gather(
+                {"seconds": elapsed, "extra_mem": mem.extra, "baseline_rss": mem.baseline, "method": mem.method}
+            )
             rec = {
                 "seconds": max(r["seconds"] for r in per_rank),
                 "extra_mem_per_rank": [r["extra_mem"] for r in per_rank],
@@ -210,7 +215,10 @@ def main() -> None:
                     "correct": all(r["ok"] for r in per_rank),
                 }
                 results[f"load_2to2_{variant}"][name].append(rec)
-                log(f"round {i + 1}: {name} load 2->2 ({variant} optimizer) {rec['seconds']:.2f} s, correct: {rec['correct']}, cached: {residual}")
+                log(
+                    f"round {i + 1}: {name} load 2->2 ({variant} optimizer) {rec['seconds']:.2f} s, correct: "
+                    f"{rec['correct']}, cached: {residual}"
+                )
 
     results["world_size"] = world
     results["fingerprint"] = full_fp
@@ -231,7 +239,12 @@ def run_dd(path: Path, count: int) -> dict[str, Any]:
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "bytes": count * DD_BLOCK, "command": " ".join(command), "dd_says": done.stderr.strip().splitlines()[-1]}
+    return {
+        "seconds": elapsed,
+        "bytes": count * DD_BLOCK,
+        "command": " ".join(command),
+        "dd_says": done.stderr.strip().splitlines()[-1],
+    }
 
 
 if __name__ == "__main__":

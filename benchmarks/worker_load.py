@@ -103,7 +103,11 @@ def main() -> None:
         "shardsafe_nonatomic": partial(load_shardsafe, False),
         "dcp": load_dcp,
     }
-    results: dict[str, Any] = {"cat": [], "world_size": world, "checkpoint_bytes": sum(f.stat().st_size for f in shard_files)}
+    results: dict[str, Any] = {
+        "cat": [],
+        "world_size": world,
+        "checkpoint_bytes": sum(f.stat().st_size for f in shard_files),
+    }
     for variant in ("fresh", "allocated"):
         series: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
         results[variant] = series
@@ -115,7 +119,8 @@ def main() -> None:
                     results["cat"].append(rank0_only(partial(cat_files, shard_files)))
                     continue
                 if variant == "fresh" or i == 0 and name == names[i % len(names)]:
-                    state["optim"] = torch.optim.AdamW(model.parameters(), lr=1e-3)  # new and stateless, as a resumed job has
+                    # new and stateless, as a resumed job has
+                    state["optim"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
                     gc.collect()
                     if variant == "allocated":
                         allocate_optimizer_state(model, state["optim"])  # once; every run then loads into this state
@@ -130,7 +135,11 @@ def main() -> None:
                 dist.all_gather_object(per_rank, (elapsed, ok))
                 series[name].append({"seconds": max(t for t, _ in per_rank), "correct": all(c for _, c in per_rank)})
                 if dist.get_rank() == 0:
-                    print(f"[{variant} {i + 1}] {name}: {series[name][-1]['seconds']:.3f} s correct={series[name][-1]['correct']}", flush=True)
+                    print(
+                        f"[{variant} {i + 1}] {name}: {series[name][-1]['seconds']:.3f} s "
+                        f"correct={series[name][-1]['correct']}",
+                        flush=True,
+                    )
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(results, indent=1))
     dist.barrier()

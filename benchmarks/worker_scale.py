@@ -86,7 +86,10 @@ def main() -> None:
         dcp.load(sd, storage_reader=FileSystemReader(dcp_dir))
         set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-    results: dict[str, dict[str, list[float]]] = {"save": {"shardsafe": [], "dcp": []}, "load": {"shardsafe": [], "dcp": []}}
+    results: dict[str, dict[str, list[float]]] = {
+        "save": {"shardsafe": [], "dcp": []},
+        "load": {"shardsafe": [], "dcp": []},
+    }
     savers = {"shardsafe": (save_ss, ss_dir), "dcp": (save_dcp, dcp_dir)}
     loaders = {"shardsafe": (load_ss, ss_dir), "dcp": (load_dcp, dcp_dir)}
     for i in range(args.runs):

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import PeakMemory, allocate_optimizer_state, build_model, drop_file_cache, fingerprint, state_tensors, zero_state
+from common import (
+    PeakMemory,
+    allocate_optimizer_state,
+    build_model,
+    drop_file_cache,
+    fingerprint,
+    state_tensors,
+    zero_state,
+)
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -28,7 +36,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, required=True)
     parser.add_argument("--runs", type=int, required=True)
     parser.add_argument("--root", type=Path, required=True)
-    parser.add_argument("--expect", type=Path, required=True, help="JSON written by worker_dist.py (for the saved fingerprint)")
+    parser.add_argument(
+        "--expect", type=Path, required=True, help="JSON written by worker_dist.py (for the saved fingerprint)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     saved = json.loads(args.expect.read_text())
@@ -77,7 +87,11 @@ def main() -> None:
                 rec = {"seconds": elapsed, "extra_mem": mem.extra, "cached_bytes_before": residual, "correct": ok}
                 results[variant][name].append(rec)
                 stamp = time.strftime("%H:%M:%S")
-                print(f"[{stamp}] round {i + 1}: {name} load 2->1 ({variant}) {elapsed:.2f} s, correct: {ok}, cached: {residual}", flush=True)
+                print(
+                    f"[{stamp}] round {i + 1}: {name} load 2->1 ({variant}) {elapsed:.2f} s, correct: {ok}, cached: "
+                    f"{residual}",
+                    flush=True,
+                )
     args.out.write_text(json.dumps(results, indent=1))
 
 

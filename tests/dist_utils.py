@@ -52,7 +52,15 @@ import shardsafe  # noqa: E402,F401
 
 TESTS_DIR = Path(__file__).resolve().parent
 # torch._dynamo is what fully_shard imports lazily (seconds); preloaded, forked ranks skip that too.
-PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "shardsafe", "pytest"]
+PRELOAD = [
+    "numpy",
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint.state_dict",
+    "shardsafe",
+    "pytest",
+]
 PG_TIMEOUT_S = 60.0  # a collective waiting on a dead peer fails after this (the launcher kills first)
 LAUNCH_TIMEOUT_S = 150.0
 TERM_GRACE_S = 5.0
@@ -74,7 +82,10 @@ class LaunchResult:
         return not self.timed_out and all(code == 0 for code in self.exitcodes)
 
     def describe(self) -> str:
-        parts = [f"world_size={self.world_size} exitcodes={self.exitcodes} timed_out={self.timed_out} first_failure={self.first_failure}"]
+        parts = [
+            f"world_size={self.world_size} exitcodes={self.exitcodes} timed_out={self.timed_out} "
+            f"first_failure={self.first_failure}"
+        ]
         for rank, log in enumerate(self.logs):
             parts.append(f"----- rank {rank} log (last 4000 chars) -----\n{log[-4000:]}")
         return "\n".join(parts)
@@ -94,16 +105,26 @@ def _context() -> Any:
     return _CONTEXT
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, out_dir: str, args: tuple[Any, ...]) -> None:
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, store: str, out_dir: str, args: tuple[Any, ...]
+) -> None:
     out = Path(out_dir)
     log = open(out / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     faulthandler.enable(file=log)  # a hung rank gets SIGABRT from the launcher: its stacks land in the log
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=PG_TIMEOUT_S),
+        )
         result = fn(rank, world_size, *args)
         _save_result(out, rank, result)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
@@ -143,7 +164,13 @@ def _end(procs: list[Any]) -> None:
             p.join(TERM_GRACE_S)
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, work_dir: str | os.PathLike[str], timeout: float = LAUNCH_TIMEOUT_S) -> LaunchResult:
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    work_dir: str | os.PathLike[str],
+    timeout: float = LAUNCH_TIMEOUT_S,
+) -> LaunchResult:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; never raises for rank failures.
 
     As soon as one rank exits with an error or a signal, the others are terminated, so a rank
@@ -153,7 +180,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, work_dir: str | 
     out = Path(work_dir) / f"launch-{time.monotonic_ns()}"
     out.mkdir(parents=True)
     store = str(out / "store")
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, str(out), args), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, store, str(out), args), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -179,12 +209,21 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, work_dir: str | 
                 p.join(TERM_GRACE_S)
     exitcodes_at_end = [p.exitcode for p in procs]
     _end(procs)
-    logs = [(out / f"rank{r}.log").read_text(errors="replace") if (out / f"rank{r}.log").exists() else "" for r in range(world_size)]
+    logs = [
+        (out / f"rank{r}.log").read_text(errors="replace") if (out / f"rank{r}.log").exists() else ""
+        for r in range(world_size)
+    ]
     exitcodes = [p.exitcode if not timed_out else exitcodes_at_end[r] for r, p in enumerate(procs)]
     return LaunchResult(world_size, exitcodes, _load_results(out, world_size), logs, timed_out, first_failure)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, work_dir: str | os.PathLike[str], timeout: float = LAUNCH_TIMEOUT_S) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    work_dir: str | os.PathLike[str],
+    timeout: float = LAUNCH_TIMEOUT_S,
+) -> list[Any]:
     """Like :func:`launch`, but every rank must succeed; returns the per-rank results."""
     result = launch(fn, world_size, *args, work_dir=work_dir, timeout=timeout)
     if not result.ok:
@@ -193,7 +232,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, work_dir: str
 
 
 # DeepSpeed tests need the package (DS_BUILD_OPS=0 pip install deepspeed) and g++ (it compiles an op at first start)
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and shutil.which(os.environ.get("CXX", "g++")) is not None
+HAVE_DEEPSPEED = (
+    importlib.util.find_spec("deepspeed") is not None and shutil.which(os.environ.get("CXX", "g++")) is not None
+)
 
 
 def free_port() -> int:
@@ -202,7 +243,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(fn: Callable[..., Any], out_dir: str | os.PathLike[str], args: tuple[Any, ...], launcher_args: list[str]) -> list[str]:
+def torchrun_command(
+    fn: Callable[..., Any], out_dir: str | os.PathLike[str], args: tuple[Any, ...], launcher_args: list[str]
+) -> list[str]:
     """``python -m torch.distributed.run <launcher_args> tests/dist_utils.py <module:function> <out> <args file>``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +254,16 @@ def torchrun_command(fn: Callable[..., Any], out_dir: str | os.PathLike[str], ar
     module_file = getattr(sys.modules.get(fn.__module__), "__file__", None)  # tests live in per-layer folders
     folder = str(Path(module_file).resolve().parent) if module_file else str(TESTS_DIR)
     target = f"{folder}|{fn.__module__}:{fn.__qualname__}"
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(Path(__file__).resolve()), target, str(out), str(args_file)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher_args,
+        str(Path(__file__).resolve()),
+        target,
+        str(out),
+        str(args_file),
+    ]
 
 
 def torchrun_env() -> dict[str, str]:
@@ -338,7 +390,10 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     state: dict[str, dict[str, Any]] = {}
     for param, entries in optimizer.state.items():
         state[names[id(param)]] = {k: full(v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -367,17 +422,23 @@ def assert_tensors_equal(got: dict[str, torch.Tensor], expected: dict[str, torch
     assert sorted(got) == sorted(expected), f"{what}: keys differ: {sorted(got)} vs {sorted(expected)}"
     for key in expected:
         g, e = got[key], expected[key]
-        assert g.dtype == e.dtype and g.shape == e.shape, f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
-        assert torch.equal(g.view(-1).view(torch.uint8) if g.numel() else g, e.view(-1).view(torch.uint8) if e.numel() else e), (
-            f"{what}[{key}]: values differ (max abs diff {(g.double() - e.double()).abs().max().item()})"
+        assert g.dtype == e.dtype and g.shape == e.shape, (
+            f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
         )
+        assert torch.equal(
+            g.view(-1).view(torch.uint8) if g.numel() else g, e.view(-1).view(torch.uint8) if e.numel() else e
+        ), f"{what}[{key}]: values differ (max abs diff {(g.double() - e.double()).abs().max().item()})"
 
 
 def assert_optimizer_equal(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
     assert sorted(got["state"]) == sorted(expected["state"]), f"{what}: optimizer state keys differ"
     for name, entries in expected["state"].items():
         tensors = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
-        assert_tensors_equal({k: v for k, v in got["state"][name].items() if isinstance(v, torch.Tensor)}, tensors, f"{what} state[{name}]")
+        assert_tensors_equal(
+            {k: v for k, v in got["state"][name].items() if isinstance(v, torch.Tensor)},
+            tensors,
+            f"{what} state[{name}]",
+        )
         others = {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
         assert {k: v for k, v in got["state"][name].items() if not isinstance(v, torch.Tensor)} == others
     assert typed(got["param_groups"]) == typed(expected["param_groups"]), f"{what}: param groups differ"
@@ -405,7 +466,9 @@ def rank_batch(rank: int, step: int, size: int = 6) -> tuple[torch.Tensor, torch
     return x, y
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, scheduler: Any = None) -> float:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, scheduler: Any = None
+) -> float:
     loss = (model(x) - y).square().mean()
     loss.backward()
     optimizer.step()
@@ -415,7 +478,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     return loss.item()
 
 
-def seeded_step(model: nn.Module, optimizer: torch.optim.Optimizer, dims: tuple[int, ...], rank: int, seed: int) -> float:
+def seeded_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, dims: tuple[int, ...], rank: int, seed: int
+) -> float:
     """One step on a batch of 6 drawn from its own generator (``seed``, ``rank``), for a model of ``dims``:
     the same data whatever the global RNGs hold."""
     g = torch.Generator().manual_seed(seed * 10 + rank)
@@ -461,8 +526,11 @@ class ScriptLaunch:
     log: Path
 
 
-def launch_script(name: str, script: Path, nproc: int, args: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> ScriptLaunch:
-    """Start ``script args...`` on ``nproc`` CPU ranks under torchrun (its own session, so a hang can be killed whole)."""
+def launch_script(
+    name: str, script: Path, nproc: int, args: list[str], *, cwd: Path, env: dict[str, str] | None = None
+) -> ScriptLaunch:
+    """Start ``script args...`` on ``nproc`` CPU ranks under torchrun (its own session, so a hang can be killed
+    whole)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     for variable in ("SHARDSAFE_CRASH_AT", "SHARDSAFE_FAIL_AT"):
         full_env.pop(variable, None)
@@ -470,12 +538,17 @@ def launch_script(name: str, script: Path, nproc: int, args: list[str], *, cwd: 
     cmd += ["--master_port", str(free_port()), str(script), *args]
     log = cwd / f"{name}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True
+        )
     return ScriptLaunch(name, proc, log)
 
 
-def wait_for_scripts(launches: list[ScriptLaunch], deadline: float, what: str, detail: Callable[[ScriptLaunch], str] | None = None) -> None:
-    """Wait for every launch until ``deadline`` (monotonic); kill what hangs; fail the test naming each failed launch."""
+def wait_for_scripts(
+    launches: list[ScriptLaunch], deadline: float, what: str, detail: Callable[[ScriptLaunch], str] | None = None
+) -> None:
+    """Wait for every launch until ``deadline`` (monotonic); kill what hangs; fail the test naming each failed
+    launch."""
     failures = []
     for launch in launches:
         try:

@@ -41,7 +41,14 @@ def step_state(model: nn.Module, step: int) -> dict[str, Any]:
 
 
 def manager_job(
-    rank: int, world_size: int, root: str, options: dict[str, Any], fault: tuple[str, str] | None, fault_step: int, frozen: bool, env: dict[str, str]
+    rank: int,
+    world_size: int,
+    root: str,
+    options: dict[str, Any],
+    fault: tuple[str, str] | None,
+    fault_step: int,
+    frozen: bool,
+    env: dict[str, str],
 ) -> str:
     """Save steps 1..fault_step with a CheckpointManager (keep_last=2), arming ``fault`` =
     (variable, spec) just before the last save. Returns "survived" when the fault never fired."""
@@ -128,10 +135,22 @@ def _names(location: Path | RemoteDir, name: str) -> set[str]:
 
 
 def _visible(location: Path | RemoteDir) -> list[str]:
-    names = location.list() if isinstance(location, RemoteDir) else [p.name for p in location.iterdir()] if location.is_dir() else []
+    names = (
+        location.list()
+        if isinstance(location, RemoteDir)
+        else [p.name for p in location.iterdir()]
+        if location.is_dir()
+        else []
+    )
     return sorted(n for n in names if not n.startswith("."))
 
 
 def _hidden(location: Path | RemoteDir) -> list[str]:
-    names = location.list() if isinstance(location, RemoteDir) else [p.name for p in location.iterdir()] if location.is_dir() else []
+    names = (
+        location.list()
+        if isinstance(location, RemoteDir)
+        else [p.name for p in location.iterdir()]
+        if location.is_dir()
+        else []
+    )
     return sorted(n for n in names if n.startswith(".") and n != LEASE_DIR)  # the run's lease record is not a leftover

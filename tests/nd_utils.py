@@ -125,7 +125,8 @@ def build(layout: str, rank: int, world_size: int, seed: int = 0) -> tuple[nn.Mo
         fully_shard(model, mesh=mesh["dp"])
     elif layout == "ep":
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-        model.experts = nn.Parameter(distribute_tensor(model.experts.detach(), mesh, [Shard(0)]))  # the rest: plain, on every rank
+        # the rest: plain, on every rank
+        model.experts = nn.Parameter(distribute_tensor(model.experts.detach(), mesh, [Shard(0)]))
     else:
         raise ValueError(layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)

@@ -7,7 +7,8 @@ object a line, to the file named by ``SHARDSAFE_RELIABILITY_LOG``; unset (the no
 
     rm -f /tmp/reliability.jsonl
     SHARDSAFE_RELIABILITY_LOG=/tmp/reliability.jsonl .venv/bin/python -m pytest -q -m "stress or not stress" \\
-        tests/faults/test_crash.py tests/api/test_corruption.py tests/faults/test_faults_crash.py tests/faults/test_faults_io.py \\
+        tests/faults/test_crash.py tests/api/test_corruption.py tests/faults/test_faults_crash.py
+        tests/faults/test_faults_io.py \\
         tests/api/test_hostile.py tests/core/test_properties.py tests/api/test_atomic_load.py
     .venv/bin/python tests/reliability.py /tmp/reliability.jsonl
 """
@@ -45,7 +46,8 @@ def table(path: str | os.PathLike[str]) -> str:
         row[1] += entry["faults"]
         row[2] += entry["checked"]
     lines = [
-        "| what the suite tries | cases | faults / hostile inputs injected | earlier checkpoints / states checked bit-exact | data lost |",
+        "| what the suite tries | cases | faults / hostile inputs injected | earlier checkpoints / states checked "
+        "bit-exact | data lost |",
         "|---|---:|---:|---:|---:|",
     ]
     for category in sorted(totals):

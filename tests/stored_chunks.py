@@ -20,7 +20,11 @@ def stored_chunks(path: str | Path, key: str) -> list[dict[str, Any]]:
     offsets, shape, file, begin, end, hashes, and checkpoint for a dedup reference), in the order of
     their offsets."""
     folder: Path | RemoteDir = RemoteDir(str(path)) if is_url(path) else Path(path)
-    raw = folder.read_bytes(MANIFEST_NAME, 1 << 30) if isinstance(folder, RemoteDir) else (folder / MANIFEST_NAME).read_bytes()
+    raw = (
+        folder.read_bytes(MANIFEST_NAME, 1 << 30)
+        if isinstance(folder, RemoteDir)
+        else (folder / MANIFEST_NAME).read_bytes()
+    )
     manifest = parse_manifest(raw)
     with ChunkReader(folder, manifest) as reader:
         chunks = reader.chunks_of(key, manifest.tensors[key])

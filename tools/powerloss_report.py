@@ -42,17 +42,36 @@ def section(entries: list[dict[str, object]], revision: str) -> str:
         f"From `make stress` at revision `{revision}` ({len(entries)} explorations):",
         "",
         "| library | model | cut points tried | crash states explored | distinct file-system states | "
-        "states that lose a returned save or the previous good checkpoint | states that publish a broken checkpoint | failing states (any rule) |",
+        "states that lose a returned save or the previous good checkpoint | states that publish a broken checkpoint | "
+        "failing states (any rule) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for (library, profile), row in sorted(by_library.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
         v = dict(zip(FIELDS, row))
-        lines.append(f"| {library} | {profile} | {v['cuts']} | {v['states']} | {v['distinct']} | {v['lost']} | {v['broken']} | {v['failing']} |")
-    lines += ["", "Per workload:", "", "| library | workload | model | cuts | states | distinct | failing |", "|---|---|---|---:|---:|---:|---:|"]
-    for (library, workload, profile), row in sorted(by_workload.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1], kv[0][2])):
+        lines.append(
+            f"| {library} | {profile} | {v['cuts']} | {v['states']} | {v['distinct']} | {v['lost']} | {v['broken']} | "
+            f"{v['failing']} |"
+        )
+    lines += [
+        "",
+        "Per workload:",
+        "",
+        "| library | workload | model | cuts | states | distinct | failing |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for (library, workload, profile), row in sorted(
+        by_workload.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1], kv[0][2])
+    ):
         v = dict(zip(FIELDS, row))
-        lines.append(f"| {library} | {workload} | {profile} | {v['cuts']} | {v['states']} | {v['distinct']} | {v['failing']} |")
-    examples = [(e["library"], e["workload"], e["profile"], x) for e in entries if e["library"] != "shardsafe" for x in list(e["examples"])[:1]]  # type: ignore[call-overload]
+        lines.append(
+            f"| {library} | {workload} | {profile} | {v['cuts']} | {v['states']} | {v['distinct']} | {v['failing']} |"
+        )
+    examples = [
+        (e["library"], e["workload"], e["profile"], x)
+        for e in entries
+        if e["library"] != "shardsafe"
+        for x in list(e["examples"])[:1]
+    ]  # type: ignore[call-overload]
     if examples:
         lines += ["", "One failing state of each anchor exploration, as the checker reported it:", ""]
         lines += [f"- {lib} {wl} [{prof}]: {str(x).splitlines()[0][:220]}" for lib, wl, prof, x in examples]
@@ -67,7 +86,9 @@ def main(argv: list[str]) -> int:
         print(f"{log}: no explorations recorded", file=sys.stderr)
         return 1
     try:
-        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        revision = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         revision = "unknown"
     text = doc.read_text()

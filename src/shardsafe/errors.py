@@ -81,7 +81,8 @@ class LeaseLostError(ShardsafeError):
 
 
 class NoLoadableCheckpointError(ShardsafeError):
-    """``restore`` loaded nothing although the root holds committed checkpoints (names each, who wrote it and why it failed).
+    """``restore`` loaded nothing although the root holds committed checkpoints (names each, who wrote it and why it
+    failed).
 
     Raised instead of returning None, so a run does not silently start from scratch over a history it could not read."""
 

@@ -286,7 +286,9 @@ def _check_strict(report: dict[str, Any], what: str) -> None:
     for problem in EXPECTED_PROBLEMS:  # all of them, in one error
         assert problem in message, f"{what}: {problem!r} not reported in:\n{message}"
     assert_tensors_equal(report["after"]["model"], report["before"]["model"], f"{what}: model changed by a failed load")
-    assert_optimizer_equal(report["after"]["optim"], report["before"]["optim"], f"{what}: optimizer changed by a failed load")
+    assert_optimizer_equal(
+        report["after"]["optim"], report["before"]["optim"], f"{what}: optimizer changed by a failed load"
+    )
 
 
 def test_strict_load_reports_all_problems_before_modifying_anything(base: tuple[Path, dict[str, Any]]) -> None:

@@ -93,7 +93,11 @@ def train_and_save(rank: int, world_size: int, path: str) -> dict[str, Any]:
                 "step": step,
             }
             shardsafe.save(path, state, metadata={"run": "roundtrip", "step": step})
-            at_save = _snapshot(model, optimizer, scheduler) | {"counter": counter.clone(), "extra": extra_values(step), "step": step}
+            at_save = _snapshot(model, optimizer, scheduler) | {
+                "counter": counter.clone(),
+                "extra": extra_values(step),
+                "step": step,
+            }
     return {"losses": losses, "at_save": at_save, "final": full_model_state(model)}
 
 
@@ -111,16 +115,30 @@ def load_and_resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
         "step": -1,
     }
     metadata = shardsafe.load(path, state)
-    loaded = _snapshot(model, optimizer, scheduler) | {"counter": counter.clone(), "extra": state["extra"], "step": state["step"]}
-    losses = [train_step(model, optimizer, *rank_batch(rank, step), scheduler) for step in range(SAVE_AT + 1, N_STEPS + 1)]
-    return {"before": before, "loaded": loaded, "metadata": metadata, "losses": losses, "final": full_model_state(model)}
+    loaded = _snapshot(model, optimizer, scheduler) | {
+        "counter": counter.clone(),
+        "extra": state["extra"],
+        "step": state["step"],
+    }
+    losses = [
+        train_step(model, optimizer, *rank_batch(rank, step), scheduler) for step in range(SAVE_AT + 1, N_STEPS + 1)
+    ]
+    return {
+        "before": before,
+        "loaded": loaded,
+        "metadata": metadata,
+        "losses": losses,
+        "final": full_model_state(model),
+    }
 
 
 def _assert_rng_equal(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
     assert got["python"] == expected["python"], f"{what}: python random state differs"
     assert torch.equal(got["torch"], expected["torch"]), f"{what}: torch RNG state differs"
     g, e = got["numpy"], expected["numpy"]
-    assert g[0] == e[0] and np.array_equal(g[1], e[1]) and tuple(g[2:]) == tuple(e[2:]), f"{what}: numpy RNG state differs"
+    assert g[0] == e[0] and np.array_equal(g[1], e[1]) and tuple(g[2:]) == tuple(e[2:]), (
+        f"{what}: numpy RNG state differs"
+    )
 
 
 def test_exact_round_trip_and_bit_exact_resume(tmp_path: Path) -> None:
@@ -144,7 +162,9 @@ def test_exact_round_trip_and_bit_exact_resume(tmp_path: Path) -> None:
         assert typed(got["sched"]) == typed(ref["sched"]), f"{what}: scheduler state differs"
         _assert_rng_equal(got["rng"], ref["rng"], what)
         assert torch.equal(got["counter"], ref["counter"])
-        assert typed(got["extra"]) == typed(ref["extra"]), f"{what}: JSON values changed type or value: {got['extra']!r}"
+        assert typed(got["extra"]) == typed(ref["extra"]), (
+            f"{what}: JSON values changed type or value: {got['extra']!r}"
+        )
         assert typed(got["step"]) == typed(ref["step"])
         assert second[rank]["metadata"] == {"run": "roundtrip", "step": SAVE_AT}
 

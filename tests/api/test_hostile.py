@@ -128,7 +128,8 @@ def _call(fn: Callable[[], Any], fifos: list[Path]) -> BaseException | None:
 
 
 # ----------------------------------------------------------------------------- the cases
-# Each takes the checkpoint folder, damages it, and returns (expected error classes, regex the message must match, FIFOs).
+# Each takes the checkpoint folder, damages it, and returns (expected error classes, regex the message must match,
+# FIFOs).
 
 
 def state_file_outside(path: Path) -> Any:
@@ -210,7 +211,11 @@ def duplicate_file_key(path: Path) -> Any:
 
 
 def duplicate_key_in_state(path: Path) -> Any:
-    data = (path / "state.json").read_bytes().replace(b'"note": {', b'"note": {"kind": "value", "state": "evil"}, "note": {', 1)
+    data = (
+        (path / "state.json")
+        .read_bytes()
+        .replace(b'"note": {', b'"note": {"kind": "value", "state": "evil"}, "note": {', 1)
+    )
     _set_state(path, data)
     return FormatError, "duplicate", []
 
@@ -454,17 +459,18 @@ def checkpoint_is_a_pickle_file(path: Path) -> Any:
 
 
 CASES: dict[str, Callable[[Path], Any]] = {f.__name__: f for f in [
-    state_file_outside, state_file_absolute, chunk_file_outside, chunk_checkpoint_parent, chunk_checkpoint_symlink_out,
-    state_symlink_to_fifo, manifest_symlink_out, shard_symlink_to_fifo, shard_is_fifo, state_is_fifo,
-    duplicate_tensor_key, duplicate_file_key, duplicate_key_in_state, offsets_past_end, offsets_past_end_and_size_lie,
-    header_length_past_end, dtype_relabelled, shape_transposed, deep_state, huge_manifest, huge_state_claim, huge_integer,
-    created_not_a_number, unhashable_pair_key, state_refers_to_missing_tensor, overlapping_chunks_beyond_64,
-    manifest_is_a_pickle, state_is_a_pickle, shard_is_a_pickle_of_the_same_size, checkpoint_is_a_pickle_file,
-    header_dtype_relabelled, header_shape_transposed, header_entry_renamed_and_moved, header_names_metadata_twice,
-    header_not_utf8, chunk_in_sibling_without_manifest, chunk_in_hidden_sibling, chunk_in_sibling_not_listing_it,
-    hash_block_size_not_a_power_of_two, hash_block_size_beyond_a_gib, two_tensors_share_bytes, tensor_key_is_header_metadata,
-    tensor_key_lone_surrogate, state_reference_not_a_string, state_entry_not_an_object, state_per_rank_without_ranks,
-    state_bad_dtype_tag,
+    state_file_outside, state_file_absolute, chunk_file_outside, chunk_checkpoint_parent,
+    chunk_checkpoint_symlink_out, state_symlink_to_fifo, manifest_symlink_out, shard_symlink_to_fifo, shard_is_fifo,
+    state_is_fifo, duplicate_tensor_key, duplicate_file_key, duplicate_key_in_state, offsets_past_end,
+    offsets_past_end_and_size_lie, header_length_past_end, dtype_relabelled, shape_transposed, deep_state,
+    huge_manifest, huge_state_claim, huge_integer, created_not_a_number, unhashable_pair_key,
+    state_refers_to_missing_tensor, overlapping_chunks_beyond_64, manifest_is_a_pickle, state_is_a_pickle,
+    shard_is_a_pickle_of_the_same_size, checkpoint_is_a_pickle_file, header_dtype_relabelled,
+    header_shape_transposed, header_entry_renamed_and_moved, header_names_metadata_twice, header_not_utf8,
+    chunk_in_sibling_without_manifest, chunk_in_hidden_sibling, chunk_in_sibling_not_listing_it,
+    hash_block_size_not_a_power_of_two, hash_block_size_beyond_a_gib, two_tensors_share_bytes,
+    tensor_key_is_header_metadata, tensor_key_lone_surrogate, state_reference_not_a_string,
+    state_entry_not_an_object, state_per_rank_without_ranks, state_bad_dtype_tag,
 ]}  # fmt: skip
 # Damage that load does not read: load may succeed, exactly. None left since load checks every
 # header it opens (it used to hold header_length_past_end).
@@ -519,7 +525,14 @@ def _absurd_tensor(path: Path, elements: int) -> None:
         "dtype": "uint8",
         "shape": [elements],
         "chunks": [
-            {"offsets": [0], "shape": [elements], "file": SHARD, "begin": size, "end": size + elements, "hashes": ["0"] * num_blocks(elements)}
+            {
+                "offsets": [0],
+                "shape": [elements],
+                "file": SHARD,
+                "begin": size,
+                "end": size + elements,
+                "hashes": ["0"] * num_blocks(elements),
+            }
         ],
     }
     _write_manifest(path, manifest)
@@ -528,7 +541,8 @@ def _absurd_tensor(path: Path, elements: int) -> None:
 
 
 def _bounded_load(path: str, queue: Any) -> None:
-    """In a child: cap the address space at 2 GiB above what it uses, load, report the outcome and the peak RSS growth."""
+    """In a child: cap the address space at 2 GiB above what it uses, load, report the outcome and the peak RSS
+    growth."""
     with open("/proc/self/statm") as f:
         vm_bytes = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     resource.setrlimit(resource.RLIMIT_AS, (vm_bytes + (2 << 30), resource.RLIM_INFINITY))
@@ -542,7 +556,9 @@ def _bounded_load(path: str, queue: Any) -> None:
     queue.put((*outcome, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024))
 
 
-@pytest.mark.parametrize("elements, expected", [(10**15, "FormatError"), (1 << 40, "IntegrityError"), (1 << 34, "IntegrityError")])
+@pytest.mark.parametrize(
+    "elements, expected", [(10**15, "FormatError"), (1 << 40, "IntegrityError"), (1 << 34, "IntegrityError")]
+)
 def test_absurd_sizes_keep_memory_bounded(ckpt: Path, elements: int, expected: str) -> None:
     if elements > 1 << 48:  # beyond MAX_NUMEL: refused by the parser; the hashes list would be absurd too
         _edit(ckpt, lambda m: m["tensors"][KEY].update(shape=[elements]))

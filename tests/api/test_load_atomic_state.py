@@ -247,12 +247,13 @@ def entry_without_kind(tree: dict[str, Any]) -> Any:
 
 
 CASES: dict[str, Callable[[dict[str, Any]], Any]] = {f.__name__: f for f in [
-    optim_lr_is_a_string, optim_betas_one_element, optim_weight_decay_a_list, optim_extra_group, optim_params_reordered,
-    optim_groups_not_a_list, optim_group_params_not_names, optim_state_for_unknown_parameter,
-    optim_state_refers_to_a_model_tensor, optim_step_is_a_string, optim_state_entry_not_an_object,
-    sched_last_epoch_a_string, sched_state_a_list_raises_in_load_state_dict, guard_raises_after_changing_itself,
-    counter_history_a_number, rng_torch_state_wrong_tensor, rng_python_state_too_short, rng_numpy_keys_too_short,
-    rng_missing_torch, rng_no_ranks, value_bad_dtype_tag, value_unlisted_tensor, sched_saved_as_a_value, entry_without_kind,
+    optim_lr_is_a_string, optim_betas_one_element, optim_weight_decay_a_list, optim_extra_group,
+    optim_params_reordered, optim_groups_not_a_list, optim_group_params_not_names,
+    optim_state_for_unknown_parameter, optim_state_refers_to_a_model_tensor, optim_step_is_a_string,
+    optim_state_entry_not_an_object, sched_last_epoch_a_string, sched_state_a_list_raises_in_load_state_dict,
+    guard_raises_after_changing_itself, counter_history_a_number, rng_torch_state_wrong_tensor,
+    rng_python_state_too_short, rng_numpy_keys_too_short, rng_missing_torch, rng_no_ranks, value_bad_dtype_tag,
+    value_unlisted_tensor, sched_saved_as_a_value, entry_without_kind,
 ]}  # fmt: skip
 
 
@@ -269,7 +270,9 @@ def craft(source: Path, dest: Path, edit: Callable[[dict[str, Any]], Any]) -> An
     return outcome
 
 
-def load_and_compare(rank: int, world_size: int, path: str, strict: bool, only_rank: int | None = None, fresh: bool = False) -> dict[str, Any]:
+def load_and_compare(
+    rank: int, world_size: int, path: str, strict: bool, only_rank: int | None = None, fresh: bool = False
+) -> dict[str, Any]:
     model = make_model(11)
     if world_size > 1:
         shard(model, world_size)
@@ -310,7 +313,9 @@ def test_bad_state_changes_nothing(saved: Path, tmp_path: Path, name: str) -> No
     record("atomic load: crafted non-tensor state (everything bit-identical after)", faults=1, checked=1)
 
 
-@pytest.mark.parametrize("name", ["guard_raises_after_changing_itself", "optim_lr_is_a_string", "rng_torch_state_wrong_tensor"])
+@pytest.mark.parametrize(
+    "name", ["guard_raises_after_changing_itself", "optim_lr_is_a_string", "rng_torch_state_wrong_tensor"]
+)
 def test_bad_state_leaves_a_fresh_optimizer_fresh(saved: Path, tmp_path: Path, name: str) -> None:
     cls, _, strict = craft(saved, tmp_path / "crafted", CASES[name])
     report = load_and_compare(0, 1, str(tmp_path / "crafted"), strict, fresh=True)
@@ -325,7 +330,9 @@ def test_one_rank_refusing_restores_every_rank(saved: Path, tmp_path: Path) -> N
     craft(saved, tmp_path / "crafted", guard_raises_after_changing_itself)
     reports = run_ranks(load_and_compare, 2, str(tmp_path / "crafted"), True, 1, work_dir=tmp_path)
     for rank, report in enumerate(reports):
-        assert report["error"] is not None and report["error"][0] == "StateMismatchError", f"rank {rank}: {report['error']}"
+        assert report["error"] is not None and report["error"][0] == "StateMismatchError", (
+            f"rank {rank}: {report['error']}"
+        )
         assert "count must not be negative" in report["error"][1], report["error"]
         assert report["unchanged"], f"rank {rank}: the failed load changed the state"
     record("atomic load: crafted non-tensor state (everything bit-identical after)", faults=1, checked=2)

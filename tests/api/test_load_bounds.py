@@ -99,12 +99,18 @@ def test_one_tensor_referenced_10000_times_is_read_once(big: Path) -> None:
         state: dict[str, Any] = {"weights": None, "note": None}
         shardsafe.load(big, state)
         refs = state["note"]
-        return len(refs), all(r is refs[0] for r in refs), bool(torch.equal(refs[0], torch.arange(BIG, dtype=torch.float32)))
+        return (
+            len(refs),
+            all(r is refs[0] for r in refs),
+            bool(torch.equal(refs[0], torch.arange(BIG, dtype=torch.float32))),
+        )
 
     name, result, growth = run_bounded(load)
     assert name == "ok", result
     assert result == (10_000, True, True)
-    assert growth - baseline < 4 * BIG * 4, f"peak memory grew by {(growth - baseline) >> 20} MiB more than a plain load, for an 8 MiB tensor"
+    assert growth - baseline < 4 * BIG * 4, (
+        f"peak memory grew by {(growth - baseline) >> 20} MiB more than a plain load, for an 8 MiB tensor"
+    )
     record("hostile checkpoint folders (load and verify)", faults=1)
 
 
@@ -237,8 +243,10 @@ def header_offsets_past_end(path: Path) -> str:
     return "do not fit"
 
 
-HEADERS = {f.__name__: f for f in [header_dtype_relabelled, header_shape_changed, header_entry_missing, header_not_json,
-                                   header_duplicate_key, header_length_beyond_file, header_length_absurd, header_offsets_past_end]}  # fmt: skip
+HEADERS = {f.__name__: f for f in [
+    header_dtype_relabelled, header_shape_changed, header_entry_missing, header_not_json, header_duplicate_key,
+    header_length_beyond_file, header_length_absurd, header_offsets_past_end,
+]}  # fmt: skip
 
 
 @pytest.mark.parametrize("verify", [True, False])
@@ -338,9 +346,11 @@ def sibling_manifest_a_symlink_out(path: Path) -> Any:
     return FormatError, "symbolic link|outside"
 
 
-SIBLINGS = {f.__name__: f for f in [sibling_committed, sibling_retained, sibling_without_manifest, sibling_missing,
-                                    sibling_not_listing_the_file, sibling_listing_another_size, sibling_hidden_temporary,
-                                    sibling_manifest_garbage, sibling_is_a_file, sibling_manifest_a_symlink_out]}  # fmt: skip
+SIBLINGS = {f.__name__: f for f in [
+    sibling_committed, sibling_retained, sibling_without_manifest, sibling_missing, sibling_not_listing_the_file,
+    sibling_listing_another_size, sibling_hidden_temporary, sibling_manifest_garbage, sibling_is_a_file,
+    sibling_manifest_a_symlink_out,
+]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SIBLINGS))

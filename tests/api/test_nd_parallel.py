@@ -83,7 +83,8 @@ def test_reshard_every_direction(tmp_path: Path, saved: tuple[str, int]) -> None
         assert placements["layers.0.w1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
         assert placements["layers.0.w2.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert any(k.startswith("optim/") and k.endswith("exp_avg_sq") for k in reference)
-    assert len(reference) == len([k for k in reference if not k.startswith("optim/")]) * 4  # param + exp_avg, exp_avg_sq, step
+    # param + exp_avg, exp_avg_sq, step
+    assert len(reference) == len([k for k in reference if not k.startswith("optim/")]) * 4
     assert shardsafe.verify(path)["world_size"] == world
     for load_world, layouts in MATRIX[saved].items():
         loaded = _run(load_jobs, load_world, layouts, str(path), work_dir=tmp_path)
@@ -132,7 +133,9 @@ def continue_job(rank: int, world_size: int, layout: str, path: str, load: bool,
     return {"losses": losses, "state": nd_utils.whole_state(model, optimizer)}
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [(("2d", 4), ("fsdp", 2)), (("fsdp", 3), ("2d", 4))], ids=["2d4-fsdp2", "fsdp3-2d4"])
+@pytest.mark.parametrize(
+    ("saved", "resumed"), [(("2d", 4), ("fsdp", 2)), (("fsdp", 3), ("2d", 4))], ids=["2d4-fsdp2", "fsdp3-2d4"]
+)
 def test_training_continues_on_another_layout(tmp_path: Path, saved: tuple[str, int], resumed: tuple[str, int]) -> None:
     """Three steps in one layout, a save, three more after loading into another: the losses and the
     final state are those of one uninterrupted run in one process (up to the reduction order of
@@ -189,14 +192,18 @@ def test_ranks_that_disagree_are_refused_before_writing(tmp_path: Path, what: st
     assert all(("rank 0" in m and "rank 1" in m) for m in messages), messages
     expected = {"counter": "state['sched']/state/value", "lr": "param group 0/lr", "shape": "tensor 'extra'"}[what]
     assert expected in messages[0], messages[0]
-    assert not path.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".ck")], sorted(p.name for p in tmp_path.iterdir())
+    assert not path.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".ck")], sorted(
+        p.name for p in tmp_path.iterdir()
+    )
 
 
 def stage_values_job(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """Pipeline stages, each with its own counter under its own name and a shared one that agrees."""
     model, optimizer = nd_utils.build("pp", rank, world_size)
     nd_utils.step(model, optimizer, 0)
-    shardsafe.save(path, {"model": model, "optim": optimizer, f"counter{rank}": StageCounter(rank + 5), "shared": StageCounter(3)})
+    shardsafe.save(
+        path, {"model": model, "optim": optimizer, f"counter{rank}": StageCounter(rank + 5), "shared": StageCounter(3)}
+    )
     fresh, fresh_optimizer = nd_utils.build("pp", rank, world_size, seed=7)
     mine, shared = StageCounter(0), StageCounter(0)
     shardsafe.load(path, {"model": fresh, "optim": fresh_optimizer, f"counter{rank}": mine, "shared": shared})
@@ -286,7 +293,12 @@ def stack_job(rank: int, world_size: int, root: str, out: str) -> dict[str, Any]
     manager.close()
     shardsafe.save_pretrained(model, out, dtype=None)
     weights = load_file(str(Path(out) / "model.safetensors")) if rank == 0 else {}
-    return {"saved": saved, "restored": nd_utils.whole_state(restored_into, fresh_optimizer), "step": step, "weights": weights}
+    return {
+        "saved": saved,
+        "restored": nd_utils.whole_state(restored_into, fresh_optimizer),
+        "step": step,
+        "weights": weights,
+    }
 
 
 def test_manager_and_save_pretrained_take_an_nd_model(tmp_path: Path) -> None:
@@ -294,7 +306,8 @@ def test_manager_and_save_pretrained_take_an_nd_model(tmp_path: Path) -> None:
     assert all(r["step"] == 3 for r in results)
     saved = _merged([r["saved"] for r in results])
     assert_tensors_equal(_merged([r["restored"] for r in results]), saved, "2d@4 async manager save -> hsdp@4 restore")
-    assert [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")] == ["step-0000000003"]  # keep_last=1
+    # keep_last=1
+    assert [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")] == ["step-0000000003"]
     weights = results[0]["weights"]
     params = {k: v for k, v in saved.items() if not k.startswith("optim/")}
     assert_tensors_equal(weights, params, "save_pretrained of a 2d model")

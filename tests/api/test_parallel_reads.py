@@ -162,12 +162,19 @@ def test_an_intact_checkpoint_loads_bit_identically(saved: Path) -> None:
 
 
 def test_the_first_damaged_block_in_file_order_is_reported_every_time(saved: Path) -> None:
-    damaged = [_flip(saved, "t/big", 20 * BLOCK + 9), _flip(saved, "t/big", 3 * BLOCK + 1), _flip(saved, "t/bf16", 2 * BLOCK)]
+    damaged = [
+        _flip(saved, "t/big", 20 * BLOCK + 9),
+        _flip(saved, "t/big", 3 * BLOCK + 1),
+        _flip(saved, "t/bf16", 2 * BLOCK),
+    ]
     first = min(damaged, key=lambda d: d[1])
     expected_key = "t/big" if first == damaged[1] else "t/bf16"
     seen = set()
     for _ in range(20):
-        for call in (lambda: shardsafe.verify(saved), lambda: shardsafe.load(saved, {"t": _sentinels(), "note": None}, atomic=False)):
+        for call in (
+            lambda: shardsafe.verify(saved),
+            lambda: shardsafe.load(saved, {"t": _sentinels(), "note": None}, atomic=False),
+        ):
             with pytest.raises(IntegrityError) as err:
                 call()
             seen.add(str(err.value))
@@ -275,7 +282,10 @@ def test_a_shard_replaced_by_a_fifo_a_symlink_or_a_folder(saved: Path) -> None:
     os.rename(shard_file, moved)
     for make, pattern in [
         (lambda: os.mkfifo(shard_file), "cannot open shard file|not a regular file"),  # and never blocks
-        (lambda: os.symlink(moved, shard_file), "cannot open shard file|symbolic link|not a regular file|leads outside the checkpoint"),
+        (
+            lambda: os.symlink(moved, shard_file),
+            "cannot open shard file|symbolic link|not a regular file|leads outside the checkpoint",
+        ),
         (lambda: os.mkdir(shard_file), "cannot open shard file|not a regular file|directory"),
     ]:
         make()
@@ -314,13 +324,21 @@ def load_damaged_at_3(rank: int, world_size: int, paths: dict[str, str]) -> dict
             optimizer = make_optimizer(model)
             if not fresh:
                 seeded_step(model, optimizer, DIMS, rank, 11)
-            before = (full_model_state(model), full_optimizer_state(model, optimizer), dict(optimizer.state_dict()["param_groups"][0]))
+            before = (
+                full_model_state(model),
+                full_optimizer_state(model, optimizer),
+                dict(optimizer.state_dict()["param_groups"][0]),
+            )
             try:
                 shardsafe.load(path, {"model": model, "optim": optimizer})
                 error = None
             except IntegrityError as exc:
                 error = str(exc)
-            after = (full_model_state(model), full_optimizer_state(model, optimizer), dict(optimizer.state_dict()["param_groups"][0]))
+            after = (
+                full_model_state(model),
+                full_optimizer_state(model, optimizer),
+                dict(optimizer.state_dict()["param_groups"][0]),
+            )
             assert_tensors_equal(after[0], before[0], f"{name} fresh={fresh} model")
             assert_optimizer_equal(after[1], before[1], f"{name} fresh={fresh} optimizer")
             assert after[2] == before[2]
@@ -353,8 +371,12 @@ def test_damage_shared_by_two_ranks_reads_when_resharding_2_to_3(tmp_path: Path)
         _flip(dest, key, at, chunk)
         paths[name] = str(dest)
     results = run_ranks(load_damaged_at_3, 3, paths, work_dir=tmp_path)
-    for name, key, block in [("model", "'model/layers.0.weight'", 2), ("fresh_state", "'optim/state/layers.0.weight/exp_avg'", 2),
-                             ("state_tail", "'optim/state/layers.0.weight/exp_avg_sq'", 3)]:  # fmt: skip
+    cases = [
+        ("model", "'model/layers.0.weight'", 2),
+        ("fresh_state", "'optim/state/layers.0.weight/exp_avg'", 2),
+        ("state_tail", "'optim/state/layers.0.weight/exp_avg_sq'", 3),
+    ]
+    for name, key, block in cases:
         for fresh in (True, False):
             errors = [r[f"{name}/{fresh}"][0] for r in results]
             assert all(e is not None for e in errors), (name, fresh, errors)
@@ -363,7 +385,9 @@ def test_damage_shared_by_two_ranks_reads_when_resharding_2_to_3(tmp_path: Path)
             message = plain.pop()
             assert f"tensor {key}" in message and _block_of(message) == block, message
             if fresh:
-                assert all(r[f"{name}/{fresh}"][1] == 0 for r in results), "a fresh optimizer kept state after a failed load"
+                assert all(r[f"{name}/{fresh}"][1] == 0 for r in results), (
+                    "a fresh optimizer kept state after a failed load"
+                )
     assert_tensors_equal(results[0]["intact"][0], reference["model"], "model loaded at 3")
     assert_optimizer_equal(results[0]["intact"][1], reference["optim"], "optimizer loaded at 3")
     cast = {k: v.to(torch.bfloat16) for k, v in reference["model"].items()}
@@ -389,7 +413,8 @@ state = {"t": Holder({f"w{i}": torch.full((1024, 2048), -1, dtype=torch.bfloat16
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 shardsafe.load(sys.argv[1], state, strict=False)
 growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) << 10
-assert all(torch.equal(getattr(state["t"], f"w{i}"), torch.full((1024, 2048), i, dtype=torch.bfloat16)) for i in range(n))
+assert all(torch.equal(getattr(state["t"], f"w{i}"), torch.full((1024, 2048), i, dtype=torch.bfloat16)) for i in
+range(n))
 print(growth)
 """
 
@@ -399,9 +424,17 @@ def test_staged_reads_are_batched(tmp_path: Path, small_blocks: None) -> None:
     blocks keep the reading threads' scratch negligible, so what grows is the slabs. Measured in a
     fresh interpreter (a forked child inherits the test process's heap)."""
     path = tmp_path / "staged"
-    shardsafe.save(path, {"t": Holder({f"w{i}": torch.full((1024, 2048), float(i)) for i in range(STAGED_TENSORS)})}, fsync=False)
+    shardsafe.save(
+        path, {"t": Holder({f"w{i}": torch.full((1024, 2048), float(i)) for i in range(STAGED_TENSORS)})}, fsync=False
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", STAGED_CHILD, str(path), str(STAGED_TENSORS)], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", STAGED_CHILD, str(path), str(STAGED_TENSORS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     growth = int(done.stdout.split()[-1])
     # one batch of slabs (STAGED_BATCH_BYTES, 64 MiB) and the next slab, not all 160 MiB
@@ -420,7 +453,8 @@ def test_a_fresh_optimizer_stays_stateless_when_the_last_pass_fails(tmp_path: Pa
     shard_file = next(path.glob("*.safetensors"))
     fresh = torch.optim.AdamW(model.parameters())
     with pytest.raises(IntegrityError, match=re.escape(str(shard_file))):
-        shardsafe.load(path, {"model": model, "optim": fresh, "job": Truncator(shard_file, keep=1 / 8)})  # into the weight
+        # into the weight
+        shardsafe.load(path, {"model": model, "optim": fresh, "job": Truncator(shard_file, keep=1 / 8)})
     assert not fresh.state
 
 

@@ -142,7 +142,12 @@ def _block_of(message: str) -> int:
 
 def _tensor_bytes(model: Any, optimizer: Any) -> tuple[int, int]:
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
     return model_bytes, state_bytes
 
 
@@ -161,7 +166,9 @@ def saved(s3_bucket: str, tmp_path: Path, small_blocks: None) -> tuple[str, Path
     return url, local, model, optimizer
 
 
-def test_s3_loads_equal_local_loads_and_download_each_byte_once(saved: tuple[str, Path, Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_loads_equal_local_loads_and_download_each_byte_once(
+    saved: tuple[str, Path, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, local, model, optimizer = saved
     total = sum(len(data) for data in _objects(url).values())
     chunks = sum(len(stored_chunks(url, key)) for key in transfer_keys(url))
@@ -230,7 +237,9 @@ def _load_failures(url: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("key", "at", "block"), DAMAGE, ids=[f"{k.rsplit('/', 1)[-1]}-{a}" for k, a, _ in DAMAGE])
-def test_a_flipped_byte_in_an_object_is_named_and_changes_nothing(saved: tuple[str, Path, Any, Any], key: str, at: int, block: int) -> None:
+def test_a_flipped_byte_in_an_object_is_named_and_changes_nothing(
+    saved: tuple[str, Path, Any, Any], key: str, at: int, block: int
+) -> None:
     url = saved[0]
     obj = _damage(url, key, at)
     objects = _objects(url)

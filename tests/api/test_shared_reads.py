@@ -100,7 +100,8 @@ def test_hsdp_restore_reads_each_byte_once(tmp_path: Path) -> None:
     for shard in path.glob("shard-*.safetensors"):
         with shard.open("rb") as f:
             shard_bytes += shard.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
-    expected = {"True": 1.0, "False": 2.0, "default, one node": 2.0, "default, two nodes": 1.0}  # 1: once per job; 2: per replica
+    # 1: once per job; 2: per replica
+    expected = {"True": 1.0, "False": 2.0, "default, one node": 2.0, "default, two nodes": 1.0}
     for way in WAYS:
         assert all(r[f"equal {way}"] for r in results)
         assert sum(r[f"read {way}"] for r in results) / shard_bytes == expected[way], (way, results)
@@ -135,5 +136,7 @@ def test_a_damaged_shared_chunk_fails_on_every_rank(tmp_path: Path) -> None:
     assert result.ok, result.describe()
     for atomic_outcome, plain_outcome in result.results:
         # the reader's own error on every rank (not a stand-in PeerFailedError)
-        assert atomic_outcome.startswith("IntegrityError|") and plain_outcome.startswith("IntegrityError|"), result.results
+        assert atomic_outcome.startswith("IntegrityError|") and plain_outcome.startswith("IntegrityError|"), (
+            result.results
+        )
         assert atomic_outcome.endswith("|True"), result.results  # verified before anything is written

@@ -29,7 +29,9 @@ SHARD = "shard-00000.safetensors"
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardsafe.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shardsafe.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_clean_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -53,7 +55,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         p.grad = torch.ones_like(p)
     optim.step()
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
-    state = {"model": model, "optim": optim, "sched": sched, "rng": shardsafe.RNGState(), "step": 7, "scale": torch.arange(4)}
+    state = {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "rng": shardsafe.RNGState(),
+        "step": 7,
+        "scale": torch.arange(4),
+    }
     path = tmp_path_factory.mktemp("cli") / "ckpt"
     shardsafe.save(path, state, metadata={"loss": 1.25, "note": "from test_cli"})
     return path
@@ -158,7 +167,9 @@ def test_missing_path_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFix
     assert captured.err.startswith("error: ") and str(missing) in captured.err and not captured.out
 
 
-def test_inspect_refuses_a_tampered_state_file(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_refuses_a_tampered_state_file(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import shutil
 
     damaged = tmp_path / "damaged"
@@ -194,7 +205,10 @@ def test_demo_rejects_a_schedule_that_does_not_fit(tmp_path: Path, capsys: pytes
     assert cli.main(["demo", "--steps", "4", "--save-every", "4", "--out", str(tmp_path / "d")]) == 1
     err = capsys.readouterr().err
     assert "--crash-after" in err and "--preempt-at" in err
-    assert cli.main(["demo", "--steps", "12", "--preempt-at", "8", "--crash-after", "6", "--out", str(tmp_path / "d")]) == 1
+    assert (
+        cli.main(["demo", "--steps", "12", "--preempt-at", "8", "--crash-after", "6", "--out", str(tmp_path / "d")])
+        == 1
+    )
     assert "must come before the crash" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
 
@@ -257,7 +271,8 @@ def test_demo_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> N
     assert [i.step for i in infos if i.best] == [best] == [summary["best_step"]]
     assert [i.step for i in infos if i.latest] == [12] == [summary["latest_step"]]
     assert summary["retired_steps"] == sorted(set(eval_loss) - set(expected))
-    assert not [p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR]  # nothing half-written or half-deleted left
+    # nothing half-written or half-deleted left
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR]
 
     # The final checkpoint verifies, and as a 2-rank one loads into a plain module, giving the same loss.
     assert summary["verify_passed"] is True and summary["final_checkpoint"] == step_name(12)

@@ -200,7 +200,12 @@ def odd_metrics(metrics: Any) -> Callable[[Path], None]:
         shutil.copytree(folder, second)
         for f in (folder, second):
             manifest = load_json(f / "manifest.json")
-            manifest["metadata"]["shardsafe.manager"] = {"step": 1, "metrics": metrics, "best_metric": "loss", "best_mode": "min"}
+            manifest["metadata"]["shardsafe.manager"] = {
+                "step": 1,
+                "metrics": metrics,
+                "best_metric": "loss",
+                "best_mode": "min",
+            }
             (f / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
     return damage
@@ -220,9 +225,19 @@ MODEL_STATE: Callable[[dict[str, Any]], dict[str, Any]] = lambda s: s["model"]["
 
 
 CASES = [
-    Case("sound-control", nothing, refused=(), accepted=("inspect", "inspect-json", "verify", "export", "list", "list-json", "gc")),
+    Case(
+        "sound-control",
+        nothing,
+        refused=(),
+        accepted=("inspect", "inspect-json", "verify", "export", "list", "list-json", "gc"),
+    ),
     # --- manifest fields of the wrong type, out of range, malformed
-    Case("world-size-string", edit_manifest(set_(TOP, "world_size", "2")), refused=("inspect", "verify", "export"), tolerated=("list", "gc")),
+    Case(
+        "world-size-string",
+        edit_manifest(set_(TOP, "world_size", "2")),
+        refused=("inspect", "verify", "export"),
+        tolerated=("list", "gc"),
+    ),
     Case("world-size-zero", edit_manifest(set_(TOP, "world_size", 0))),
     Case("world-size-bool", edit_manifest(set_(TOP, "world_size", True))),
     Case("format-version-float", edit_manifest(set_(TOP, "format_version", 1.0))),
@@ -242,11 +257,18 @@ CASES = [
         tolerated=("verify",),
     ),
     Case("created-string", edit_manifest(set_(TOP, "created", "yesterday"))),
-    Case("file-size-huge", edit_manifest(set_(FILE, "size", 10**400)), refused=("inspect", "verify", "export"), tolerated=("list",)),
+    Case(
+        "file-size-huge",
+        edit_manifest(set_(FILE, "size", 10**400)),
+        refused=("inspect", "verify", "export"),
+        tolerated=("list",),
+    ),
     Case("file-size-negative", edit_manifest(set_(FILE, "size", -1))),
     Case("file-rank-string", edit_manifest(set_(FILE, "rank", "0"))),
     Case("file-entry-string", edit_manifest(lambda m: m["files"].__setitem__(SHARD, "big"))),
-    Case("file-name-traversal", edit_manifest(lambda m: m["files"].__setitem__("../secret.bin", {"size": 1, "rank": 0}))),
+    Case(
+        "file-name-traversal", edit_manifest(lambda m: m["files"].__setitem__("../secret.bin", {"size": 1, "rank": 0}))
+    ),
     Case("files-list", edit_manifest(set_(TOP, "files", [SHARD]))),
     Case("tensors-list", edit_manifest(set_(TOP, "tensors", []))),
     Case("tensor-shape-huge", edit_manifest(set_(first_tensor, "shape", [1 << 40, 1 << 40]))),
@@ -274,14 +296,33 @@ CASES = [
     # --- the manifest file itself
     Case("manifest-empty", raw_manifest(b""), refused=("inspect", "verify", "export"), tolerated=("list", "gc")),
     Case("manifest-not-json", raw_manifest(b"\x00\x01manifest?"), refused=("inspect", "verify"), tolerated=("list",)),
-    Case("manifest-non-utf8", raw_manifest(b'{"format": "shardsafe\xff\xfe", "world_size": 1}'), refused=("inspect", "verify"), tolerated=("list",)),
-    Case("manifest-deep-nesting", raw_manifest(b"[" * 200_000 + b"]" * 200_000), refused=("inspect", "verify"), tolerated=("list",)),
+    Case(
+        "manifest-non-utf8",
+        raw_manifest(b'{"format": "shardsafe\xff\xfe", "world_size": 1}'),
+        refused=("inspect", "verify"),
+        tolerated=("list",),
+    ),
+    Case(
+        "manifest-deep-nesting",
+        raw_manifest(b"[" * 200_000 + b"]" * 200_000),
+        refused=("inspect", "verify"),
+        tolerated=("list",),
+    ),
     Case("manifest-duplicate-key", raw_manifest(b'{"format": "shardsafe", "format": "shardsafe", "world_size": 1}')),
     Case("manifest-top-level-list", raw_manifest(b'["shardsafe"]')),
     Case("manifest-too-large", sparse_manifest, refused=("inspect", "verify"), tolerated=("list",)),
-    Case("manifest-is-directory", replace_with_dir("manifest.json"), refused=("inspect", "verify", "export"), tolerated=("list", "gc")),
-    Case("manifest-is-fifo", replace_with_fifo("manifest.json"), refused=("inspect", "verify"), tolerated=("list", "gc")),
-    Case("manifest-missing", remove("manifest.json"), refused=("inspect", "verify", "export"), tolerated=("list", "gc")),
+    Case(
+        "manifest-is-directory",
+        replace_with_dir("manifest.json"),
+        refused=("inspect", "verify", "export"),
+        tolerated=("list", "gc"),
+    ),
+    Case(
+        "manifest-is-fifo", replace_with_fifo("manifest.json"), refused=("inspect", "verify"), tolerated=("list", "gc")
+    ),
+    Case(
+        "manifest-missing", remove("manifest.json"), refused=("inspect", "verify", "export"), tolerated=("list", "gc")
+    ),
     Case(
         "manifest-symlink-outside",
         replace_with_symlink("manifest.json", "manifest.json"),
@@ -292,15 +333,27 @@ CASES = [
     Case("state-missing", remove("state.json")),
     Case("state-symlink-outside", replace_with_symlink("state.json", "state.json")),
     Case("state-is-fifo", replace_with_fifo("state.json")),
-    Case("state-hash-mismatch", lambda f: (f / "state.json").write_text((f / "state.json").read_text().replace("step", "stop"))),
+    Case(
+        "state-hash-mismatch",
+        lambda f: (f / "state.json").write_text((f / "state.json").read_text().replace("step", "stop")),
+    ),
     Case("state-top-level-list", raw_state(b"[1, 2]"), refused=("inspect", "verify", "export")),
     Case("state-non-utf8", raw_state(b'{"step": {"kind": "value", "state": "\xff\xfe"}}')),
     Case("state-deep-nesting", raw_state(json.dumps({"step": {"kind": "value", "state": nested(200)}}).encode())),
     Case("state-kind-number", edit_state(lambda s: s["step"].__setitem__("kind", 5))),
     Case("state-kind-missing", edit_state(lambda s: s["step"].pop("kind"))),
     Case("state-entry-number", edit_state(lambda s: s.__setitem__("step", 5))),
-    Case("state-ranks-number", edit_state(lambda s: s["rng"].__setitem__("ranks", 5)), refused=("inspect",), tolerated=("verify",)),
-    Case("state-tensor-ref-number", edit_state(set_(MODEL_STATE, "0.weight", {"__tensor__": 7})), refused=("inspect", "verify", "export")),
+    Case(
+        "state-ranks-number",
+        edit_state(lambda s: s["rng"].__setitem__("ranks", 5)),
+        refused=("inspect",),
+        tolerated=("verify",),
+    ),
+    Case(
+        "state-tensor-ref-number",
+        edit_state(set_(MODEL_STATE, "0.weight", {"__tensor__": 7})),
+        refused=("inspect", "verify", "export"),
+    ),
     Case(
         "state-tensor-ref-unknown",
         edit_state(set_(MODEL_STATE, "0.weight", {"__tensor__": "model/nope"})),
@@ -318,19 +371,34 @@ CASES = [
     Case("state-engine-meta-number", engine_entry({"fp32": {}}, 5), refused=(), tolerated=("inspect", "verify")),
     Case(
         "state-engine-optim-numbers",
-        engine_entry({"fp32": {"w": {"__tensor__": "model/0.weight"}}, "optim": [1, 2]}, {"params": {"w": {"group": 0, "shape": [2, 3]}}}),
+        engine_entry(
+            {"fp32": {"w": {"__tensor__": "model/0.weight"}}, "optim": [1, 2]},
+            {"params": {"w": {"group": 0, "shape": [2, 3]}}},
+        ),
         refused=("inspect",),
         tolerated=("verify",),
     ),
     # --- shard files (what verify and export read)
     Case("shard-missing", remove(SHARD), refused=("verify", "export"), tolerated=("inspect",)),
-    Case("shard-symlink-outside", replace_with_symlink(SHARD, "secret.bin"), refused=("verify", "export"), tolerated=("inspect",)),
+    Case(
+        "shard-symlink-outside",
+        replace_with_symlink(SHARD, "secret.bin"),
+        refused=("verify", "export"),
+        tolerated=("inspect",),
+    ),
     Case("shard-is-directory", replace_with_dir(SHARD), refused=("verify", "export"), tolerated=("inspect",)),
     Case("shard-is-fifo", replace_with_fifo(SHARD), refused=("verify", "export"), tolerated=("inspect",)),
     Case("shard-truncated", truncate_shard, refused=("verify", "export"), tolerated=("inspect",)),
-    Case("shard-header-length-huge", patch_shard(0, (1 << 62).to_bytes(8, "little")), refused=("verify",), tolerated=("inspect",)),
+    Case(
+        "shard-header-length-huge",
+        patch_shard(0, (1 << 62).to_bytes(8, "little")),
+        refused=("verify",),
+        tolerated=("inspect",),
+    ),
     Case("shard-header-non-utf8", patch_shard(9, b"\xff\xfe\xfd"), refused=("verify",), tolerated=("inspect",)),
-    Case("chunk-in-sibling-folder", chunk_in_sibling, refused=("verify", "export"), tolerated=("inspect", "list", "gc")),
+    Case(
+        "chunk-in-sibling-folder", chunk_in_sibling, refused=("verify", "export"), tolerated=("inspect", "list", "gc")
+    ),
     # --- names and text meant for the terminal
     Case("names-with-escapes", hostile_names, refused=(), accepted=("inspect", "inspect-json", "verify", "list")),
     Case("name-lone-surrogate", lone_surrogate_name, refused=("inspect", "inspect-json", "verify", "export")),
@@ -341,11 +409,26 @@ CASES = [
         refused=(),
         tolerated=("list", "list-json", "gc"),
     ),
-    Case("metrics-escapes", odd_metrics({"loss\x1b[2J": 1.0, "\u202eevil": "\x1b[31m"}), refused=(), tolerated=("list", "gc")),
+    Case(
+        "metrics-escapes",
+        odd_metrics({"loss\x1b[2J": 1.0, "\u202eevil": "\x1b[31m"}),
+        refused=(),
+        tolerated=("list", "gc"),
+    ),
     Case("manager-meta-number", odd_metrics(5), refused=(), tolerated=("list",)),
     # --- arguments
-    Case("path-non-utf8", nothing, refused=("inspect", "verify"), argument=lambda f: os.fsencode(str(f.parent)) + b"/\xff\xfe-missing"),
-    Case("path-with-escapes", nothing, refused=("inspect", "verify"), argument=lambda f: str(f.parent / "x\x1b[2J\u202e-missing")),
+    Case(
+        "path-non-utf8",
+        nothing,
+        refused=("inspect", "verify"),
+        argument=lambda f: os.fsencode(str(f.parent)) + b"/\xff\xfe-missing",
+    ),
+    Case(
+        "path-with-escapes",
+        nothing,
+        refused=("inspect", "verify"),
+        argument=lambda f: str(f.parent / "x\x1b[2J\u202e-missing"),
+    ),
     Case("path-is-a-file", nothing, refused=("inspect", "verify", "export"), argument=lambda f: str(f / "state.json")),
 ]
 
@@ -364,7 +447,14 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     optim.step()
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
     path = tmp_path_factory.mktemp("pristine") / "ckpt"
-    state = {"model": model, "optim": optim, "sched": sched, "rng": shardsafe.RNGState(), "step": 7, "scale": torch.arange(4)}
+    state = {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "rng": shardsafe.RNGState(),
+        "step": 7,
+        "scale": torch.arange(4),
+    }
     shardsafe.save(path, state, metadata={"note": "pristine"})
     return path
 

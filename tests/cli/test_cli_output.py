@@ -46,7 +46,13 @@ def test_inspect_lists_keys_in_natural_order(layered: Path, capsys: pytest.Captu
     assert shown == [f"model/{i}.weight" for i in range(12)]
     code, out, _ = run(["inspect", str(layered), "--json"], capsys)
     keys = [t["key"] for t in json.loads(out)["tensors"]]
-    assert keys == ["model/0.weight", "model/1.weight", "model/2.weight", *[f"model/{i}.weight" for i in range(3, 12)], "one"]
+    assert keys == [
+        "model/0.weight",
+        "model/1.weight",
+        "model/2.weight",
+        *[f"model/{i}.weight" for i in range(3, 12)],
+        "one",
+    ]
 
 
 def test_inspect_and_verify_count_files_alike(layered: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,7 +71,9 @@ def test_inspect_and_verify_count_files_alike(layered: Path, capsys: pytest.Capt
     assert [f["kind"] for f in info["files"]] == ["shard", "state", "manifest"] and info["shard_files"] == 1
 
 
-def test_list_and_inspect_print_sizes_with_one_formatter(layered: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_and_inspect_print_sizes_with_one_formatter(
+    layered: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = tmp_path / "root"
     root.mkdir()
     import shutil
@@ -76,12 +84,20 @@ def test_list_and_inspect_print_sizes_with_one_formatter(layered: Path, tmp_path
     _, inspected, _ = run(["inspect", str(layered)], capsys)
     shard = next(iter(manifest.files))
     assert f"  {format_bytes(manifest.total_bytes)}  " in listed
-    assert f"1 shard file ({format_bytes(manifest.total_bytes)})" in inspected  # the size list gives, shown by inspect too
+    # the size list gives, shown by inspect too
+    assert f"1 shard file ({format_bytes(manifest.total_bytes)})" in inspected
     assert re.search(rf"{re.escape(shard)} +0 +{re.escape(format_bytes(manifest.files[shard].size))}$", inspected, re.M)
 
 
 def test_format_bytes() -> None:
-    assert [format_bytes(n) for n in (0, 1, 999, 1000, 1_234_567, 10**18)] == ["0 B", "1 B", "999 B", "1.0 kB", "1.2 MB", "1.0 EB"]
+    assert [format_bytes(n) for n in (0, 1, 999, 1000, 1_234_567, 10**18)] == [
+        "0 B",
+        "1 B",
+        "999 B",
+        "1.0 kB",
+        "1.2 MB",
+        "1.0 EB",
+    ]
     # Sizes read from a hostile manifest: beyond a float's range, negative, not finite; never an exception.
     assert format_bytes(10**400) == "~1e400 B"
     assert format_bytes(-(10**30)) == "-~1e30 B"
@@ -119,7 +135,9 @@ def test_stdout_of_every_command_is_escaped(layered: Path, tmp_path: Path, capsy
     assert code == 0 and "loss\\x1b[2J\\x0d=0.5" in out and "\x1b" not in out and "\r" not in out
 
 
-def test_state_entry_names_and_values_are_escaped(layered: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_state_entry_names_and_values_are_escaped(
+    layered: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import shutil
 
     folder = tmp_path / "ckpt"
@@ -139,9 +157,9 @@ def test_state_entry_names_and_values_are_escaped(layered: Path, tmp_path: Path,
 
 def test_error_boundary_rule(tmp_path: Path) -> None:
     """Shardsafe and OS errors print their message; anything else is an internal error naming the place."""
-    assert cli.describe_error(FormatError("x/manifest.json: field 'world_size' has the wrong type (str)"), "inspect") == (
-        "x/manifest.json: field 'world_size' has the wrong type (str)"
-    )
+    assert cli.describe_error(
+        FormatError("x/manifest.json: field 'world_size' has the wrong type (str)"), "inspect"
+    ) == ("x/manifest.json: field 'world_size' has the wrong type (str)")
     try:
         open(tmp_path / "missing")
     except OSError as exc:
@@ -151,13 +169,17 @@ def test_error_boundary_rule(tmp_path: Path) -> None:
     except TypeError as exc:
         text = cli.describe_error(exc, "list")
     assert text.startswith("list: internal error TypeError: ")
-    assert re.search(r"\(at shardsafe/cli/formatting\.py:\d+\); please report it \(SHARDSAFE_DEBUG=1 shows the traceback\)$", text), text
+    assert re.search(
+        r"\(at shardsafe/cli/formatting\.py:\d+\); please report it \(SHARDSAFE_DEBUG=1 shows the traceback\)$", text
+    ), text
     long = ValueError("line one\nline two \x1b[2J " + "x" * 500)
     text = cli.describe_error(long, "inspect")
     assert "line one line two \\x1b[2J xxx" in text and "\n" not in text and len(text) < 300
 
 
-def test_debug_switch_re_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_debug_switch_re_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "nowhere"
     assert cli.main(["inspect", str(missing)]) == 1
     assert capsys.readouterr().err == f"error: {missing}: no such checkpoint folder\n"

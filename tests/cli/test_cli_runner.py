@@ -57,12 +57,17 @@ json.dump(codes, open(sys.argv[2], "w"))
 
 def cli_env() -> dict[str, str]:
     """The environment of a CLI run: this checkout's shardsafe first, no debug switch."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(shardsafe.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(shardsafe.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("SHARDSAFE_DEBUG", None)
     return env
 
 
-def run_forked(argvs: list[list[str | bytes]], scratch: Path, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[bytes]]:
+def run_forked(
+    argvs: list[list[str | bytes]], scratch: Path, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[bytes]]:
     """``python -m shardsafe.cli`` for each argv, each in its own (forked) process; files go in ``scratch``."""
     jobs = [
         {
@@ -89,7 +94,9 @@ def run_forked(argvs: list[list[str | bytes]], scratch: Path, env: dict[str, str
 
 def run_real(argv: list[str | bytes]) -> subprocess.CompletedProcess[bytes]:
     """``python -m shardsafe.cli ARGV`` in a fresh interpreter, exactly as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "shardsafe.cli", *argv], capture_output=True, timeout=TIMEOUT, env=cli_env())
+    return subprocess.run(
+        [sys.executable, "-m", "shardsafe.cli", *argv], capture_output=True, timeout=TIMEOUT, env=cli_env()
+    )
 
 
 def test_forked_runs_match_real_interpreters(tmp_path: Path) -> None:
@@ -125,7 +132,9 @@ def test_an_uncaught_exception_shows_as_the_interpreter_shows_it(tmp_path: Path)
     argv: list[str | bytes] = ["inspect", str(tmp_path / "missing")]
     debug_env = dict(cli_env(), SHARDSAFE_DEBUG="1")
     (got,) = run_forked([argv], tmp_path, env=debug_env)
-    real = subprocess.run([sys.executable, "-m", "shardsafe.cli", *argv], capture_output=True, timeout=TIMEOUT, env=debug_env)
+    real = subprocess.run(
+        [sys.executable, "-m", "shardsafe.cli", *argv], capture_output=True, timeout=TIMEOUT, env=debug_env
+    )
     assert got.returncode == real.returncode == 1
     assert b"Traceback (most recent call last)" in got.stderr and b"CheckpointNotFoundError" in got.stderr
     assert got.stderr.splitlines()[-1] == real.stderr.splitlines()[-1]

@@ -42,7 +42,9 @@ def layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], list[obj
     return shape, mesh, placements
 
 
-def _steps(shape: tuple[int, ...], mesh: tuple[int, ...], placements: list[object], coordinate: tuple[int, ...]) -> tuple[tuple[DimSplit, ...], ...]:
+def _steps(
+    shape: tuple[int, ...], mesh: tuple[int, ...], placements: list[object], coordinate: tuple[int, ...]
+) -> tuple[tuple[DimSplit, ...], ...]:
     steps: list[list[DimSplit]] = [[] for _ in shape]
     for m, p in enumerate(placements):
         if isinstance(p, _StridedShard):
@@ -52,7 +54,9 @@ def _steps(shape: tuple[int, ...], mesh: tuple[int, ...], placements: list[objec
     return tuple(tuple(s) for s in steps)
 
 
-def _oracle(index: torch.Tensor, mesh: tuple[int, ...], placements: list[object], coordinate: tuple[int, ...]) -> torch.Tensor:
+def _oracle(
+    index: torch.Tensor, mesh: tuple[int, ...], placements: list[object], coordinate: tuple[int, ...]
+) -> torch.Tensor:
     local = index
     for m, p in enumerate(placements):
         if isinstance(p, (Shard, _StridedShard)):
@@ -63,7 +67,9 @@ def _oracle(index: torch.Tensor, mesh: tuple[int, ...], placements: list[object]
 
 @settings(max_examples=150, deadline=None)
 @given(layouts())
-def test_boxes_match_torch_and_tile_once_per_replica(layout: tuple[tuple[int, ...], tuple[int, ...], list[object]]) -> None:
+def test_boxes_match_torch_and_tile_once_per_replica(
+    layout: tuple[tuple[int, ...], tuple[int, ...], list[object]],
+) -> None:
     shape, mesh, placements = layout
     total = 1
     for n in shape:

@@ -29,7 +29,9 @@ def _calls() -> list[tuple[str, int, ast.Call]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module == faults.__name__:
                 aliased = [a.name for a in node.names if a.asname is not None]
-                assert not aliased, f"{path}:{node.lineno}: {aliased} imported under another name would hide from this scan"
+                assert not aliased, (
+                    f"{path}:{node.lineno}: {aliased} imported under another name would hide from this scan"
+                )
             if isinstance(node, ast.Call):
                 func = node.func
                 name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
@@ -44,14 +46,18 @@ def _used() -> dict[str, list[str]]:
         if where == "core/faults.py":
             continue
         first = call.args[0] if call.args else None
-        assert isinstance(first, ast.Constant) and isinstance(first.value, str), f"{where}:{line}: crash_point needs a literal point name"
+        assert isinstance(first, ast.Constant) and isinstance(first.value, str), (
+            f"{where}:{line}: crash_point needs a literal point name"
+        )
         used.setdefault(first.value, []).append(f"{where}:{line}")
     return used
 
 
 def test_the_scan_finds_the_calls() -> None:
     used = _used()
-    assert len(used) >= 10 and "save:mid-write" in used and any(w.startswith("storage/") for w in used["save:mid-write"])
+    assert (
+        len(used) >= 10 and "save:mid-write" in used and any(w.startswith("storage/") for w in used["save:mid-write"])
+    )
 
 
 def test_every_point_used_is_registered() -> None:

@@ -41,7 +41,11 @@ def test_shard_files_are_readable_by_safetensors(tmp_path: Path) -> None:
 
 
 def test_header_round_trip_and_alignment() -> None:
-    entries = [HeaderEntry("a", torch.float32, (3, 2)), HeaderEntry("b", torch.bfloat16, (5,)), HeaderEntry("c", torch.int64, ())]
+    entries = [
+        HeaderEntry("a", torch.float32, (3, 2)),
+        HeaderEntry("b", torch.bfloat16, (5,)),
+        HeaderEntry("c", torch.int64, ()),
+    ]
     prefix, ranges = build_safetensors_header(entries)
     assert len(prefix) % 8 == 0
     size = ranges[-1][1]
@@ -81,11 +85,19 @@ def _manifest_bytes(tmp_path: Path) -> bytes:
         (lambda m: m.update(format_version=99), "newer than"),
         (lambda m: m.update(format="pickle"), "not a shardsafe manifest"),
         (lambda m: m["files"].update({"x/../y": {"size": 1, "rank": 0}}), "unsafe"),
-        (lambda m: m["tensors"]["model/0.weight"]["chunks"].append(dict(m["tensors"]["model/0.weight"]["chunks"][0])), "elements"),
+        (
+            lambda m: m["tensors"]["model/0.weight"]["chunks"].append(
+                dict(m["tensors"]["model/0.weight"]["chunks"][0])
+            ),
+            "elements",
+        ),
         (lambda m: m.update(hash_block_size=2048), "not a power of two between"),
         (lambda m: m.update(hash_block_size=(1 << 20) + 4096), "not a power of two between"),
         (lambda m: m.update(hash_block_size=1 << 31), "not a power of two between"),
-        (lambda m: m["tensors"]["model/0.weight"]["chunks"][0].update(checkpoint=".step-1.shardsafe-tmp-abc"), "hidden folder"),
+        (
+            lambda m: m["tensors"]["model/0.weight"]["chunks"][0].update(checkpoint=".step-1.shardsafe-tmp-abc"),
+            "hidden folder",
+        ),
         (lambda m: m["tensors"]["model/0.weight"]["chunks"][0].update(checkpoint="a/b"), "unsafe"),
         (lambda m: m["tensors"].update({"model/copy": m["tensors"]["model/0.weight"]}), "claim the same bytes"),
         (lambda m: m["tensors"].update({"__metadata__": m["tensors"].pop("model/0.weight")}), "invalid tensor key"),
@@ -96,11 +108,31 @@ def _manifest_bytes(tmp_path: Path) -> bytes:
         (lambda m: m["files"].update({"a\nb/c": {"size": 1, "rank": 0}}), "unsafe"),
         (lambda m: m["files"].update({"x": {"size": -1, "rank": 0}}), "negative size"),
         (lambda m: m["files"].update({"x": {"size": True, "rank": 0}}), "wrong type"),
-        (lambda m: m["files"].update({"x": {"size": 1, "rank": 0, "index": {"file": "../x.index.json", "size": 1, "hash": "0"}}}), "unsafe"),
-        (lambda m: m["files"].update({"x": {"size": 1, "rank": 0, "index": {"file": "x.json", "size": 1, "hash": "0"}}}), "must be named"),
-        (lambda m: m["files"].update({"x": {"size": 1, "rank": 0, "index": {"file": "x.index.json", "size": -1, "hash": "0"}}}), "must be named"),
+        (
+            lambda m: m["files"].update(
+                {"x": {"size": 1, "rank": 0, "index": {"file": "../x.index.json", "size": 1, "hash": "0"}}}
+            ),
+            "unsafe",
+        ),
+        (
+            lambda m: m["files"].update(
+                {"x": {"size": 1, "rank": 0, "index": {"file": "x.json", "size": 1, "hash": "0"}}}
+            ),
+            "must be named",
+        ),
+        (
+            lambda m: m["files"].update(
+                {"x": {"size": 1, "rank": 0, "index": {"file": "x.index.json", "size": -1, "hash": "0"}}}
+            ),
+            "must be named",
+        ),
         # depth: checked where the manifest keeps free-form values (metadata)
-        (lambda m: m.update(metadata={"deep": __import__("functools").reduce(lambda inner, _: [inner], range(80), [])}), "nested deeper"),
+        (
+            lambda m: m.update(
+                metadata={"deep": __import__("functools").reduce(lambda inner, _: [inner], range(80), [])}
+            ),
+            "nested deeper",
+        ),
     ],
 )
 def test_hostile_manifests_are_refused(tmp_path: Path, edit, message: str) -> None:
@@ -188,13 +220,19 @@ def test_a_newline_in_a_file_name_is_accepted_as_check_component_accepts_it(tmp_
     """The one-pass name check accepts what check_component accepts (a newline included); deep junk
     in an entry's unknown field is dropped."""
     raw = json.loads(_manifest_bytes(tmp_path))
-    raw["files"]["odd\nname"] = {"size": 1, "rank": 0, "junk": __import__("functools").reduce(lambda inner, _: [inner], range(80), [])}
+    raw["files"]["odd\nname"] = {
+        "size": 1,
+        "rank": 0,
+        "junk": __import__("functools").reduce(lambda inner, _: [inner], range(80), []),
+    }
     parsed = parse_manifest(json.dumps(raw).encode())
     assert parsed.files["odd\nname"].size == 1 and parsed.files["odd\nname"].index is None
 
 
 @hypothesis.settings(max_examples=300, deadline=None)
-@hypothesis.given(st.lists(st.text(alphabet=st.sampled_from(["a", ".", "~", "/", "\\", "\x00", "\n", "é"]), max_size=6), max_size=4))
+@hypothesis.given(
+    st.lists(st.text(alphabet=st.sampled_from(["a", ".", "~", "/", "\\", "\x00", "\n", "é"]), max_size=6), max_size=4)
+)
 def test_the_one_pass_name_check_accepts_exactly_what_check_component_accepts(names: list[str]) -> None:
     """core/fields.all_safe_components (the manifest's files section) and check_component are one rule."""
     from shardsafe.core.fields import _SAFE_COMPONENT, all_safe_components

@@ -66,7 +66,12 @@ def test_sixteen_ranks_list_no_per_rank_chunks(tmp_path: Path) -> None:
         manifest = _manifest(path)
         assert manifest["format_version"] == 2 and manifest["world_size"] == world
         for key, entry in manifest["tensors"].items():
-            if entry["shape"] and key.rsplit("/", 1)[-1].rsplit(".", 1)[-1] in ("weight", "bias", "exp_avg", "exp_avg_sq"):
+            if entry["shape"] and key.rsplit("/", 1)[-1].rsplit(".", 1)[-1] in (
+                "weight",
+                "bias",
+                "exp_avg",
+                "exp_avg_sq",
+            ):
                 assert entry["split"] == {"dim": 0, "parts": world, "size": -(-entry["shape"][0] // world)}, key
                 assert "chunks" not in entry, key
             else:  # replicated: the buffer, the step counters - one chunk each, whatever the world size
@@ -184,7 +189,9 @@ def _unknown_tensor(index: dict[str, Any]) -> None:
     ],
     ids=lambda v: getattr(v, "__name__", "").strip("_") or None,
 )
-def test_hostile_index_is_refused(saved: tuple[Path, dict[str, Any]], tmp_path: Path, edit: Any, error: Any, names: Any) -> None:
+def test_hostile_index_is_refused(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path, edit: Any, error: Any, names: Any
+) -> None:
     path = _copy(saved, tmp_path)
     _rewrite_index(path, edit)
     _refused(path, error, *names)
@@ -206,7 +213,9 @@ def test_hostile_index_is_refused(saved: tuple[Path, dict[str, Any]], tmp_path: 
         ),
     ],
 )
-def test_hostile_split_rules_are_refused(saved: tuple[Path, dict[str, Any]], tmp_path: Path, edit: Any, message: str) -> None:
+def test_hostile_split_rules_are_refused(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path, edit: Any, message: str
+) -> None:
     path = _copy(saved, tmp_path)
     manifest = _manifest(path)
     edit(manifest)

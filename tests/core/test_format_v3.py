@@ -149,7 +149,9 @@ def _twice(boxes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ],
     ids=lambda v: getattr(v, "__name__", "").strip("_") or None,
 )
-def test_hostile_index_boxes_are_refused(saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, edit: Any, match: str) -> None:
+def test_hostile_index_boxes_are_refused(
+    saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, edit: Any, match: str
+) -> None:
     path = _copy(saved, tmp_path)
     name = _rewrite_index(path, STRIDED, edit)
     _refused(path, name, match)
@@ -168,7 +170,9 @@ def _both_rules(manifest: dict[str, Any]) -> None:
 
 def _not_a_box(manifest: dict[str, Any]) -> None:
     shard = sorted(manifest["files"])[0]
-    manifest["tensors"][NORM]["chunks"] = [{"offsets": [1], "shape": [3], "file": shard, "begin": 0, "end": 12, "hashes": ["0"]}]
+    manifest["tensors"][NORM]["chunks"] = [
+        {"offsets": [1], "shape": [3], "file": shard, "begin": 0, "end": 12, "hashes": ["0"]}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -185,7 +189,9 @@ def _not_a_box(manifest: dict[str, Any]) -> None:
         (_not_a_box, "not a part of its layout rule"),
     ],
 )
-def test_hostile_layout_rules_are_refused(saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, edit: Any, match: str) -> None:
+def test_hostile_layout_rules_are_refused(
+    saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, edit: Any, match: str
+) -> None:
     path = _copy(saved, tmp_path)
     manifest = _manifest(path)
     edit(manifest)
@@ -193,7 +199,9 @@ def test_hostile_layout_rules_are_refused(saved: tuple[Path, dict[str, torch.Ten
     _refused(path, "manifest.json", match)
 
 
-def test_a_writer_that_is_not_the_rule_s_is_refused(saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+def test_a_writer_that_is_not_the_rule_s_is_refused(
+    saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
     """The manifest names other replicas as writers than the ranks whose indexes hold the parts."""
     path = _copy(saved, tmp_path)
     manifest = _manifest(path)

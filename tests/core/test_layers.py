@@ -28,7 +28,9 @@ def graph():  # type: ignore[no-untyped-def]
 def _cycles(graph) -> list[list[str]]:  # type: ignore[no-untyped-def]
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     modules = sorted(m for m in graph.modules if m.startswith("shardsafe"))
-    edges = {m: sorted(x for x in graph.find_modules_directly_imported_by(m) if x.startswith("shardsafe")) for m in modules}
+    edges = {
+        m: sorted(x for x in graph.find_modules_directly_imported_by(m) if x.startswith("shardsafe")) for m in modules
+    }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

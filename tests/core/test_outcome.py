@@ -27,7 +27,11 @@ from shardsafe.core.comm import Comm, Outcome, get_comm
 from shardsafe.errors import ShardsafeError
 
 CLASSES = sorted(
-    (c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, ShardsafeError) and c.__module__ == errors.__name__),
+    (
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, ShardsafeError) and c.__module__ == errors.__name__
+    ),
     key=lambda c: c.__name__,
 )
 OTHERS = [ValueError, KeyError, OSError, RuntimeError, TypeError, ZeroDivisionError]
@@ -46,7 +50,9 @@ def test_every_error_class_is_covered() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(CLASSES), messages, st.integers(0, 1 << 16), st.sampled_from(CLASSES))
-def test_shardsafe_errors_keep_class_and_message(cls: type[ShardsafeError], message: str, rank: int, default: type[ShardsafeError]) -> None:
+def test_shardsafe_errors_keep_class_and_message(
+    cls: type[ShardsafeError], message: str, rank: int, default: type[ShardsafeError]
+) -> None:
     outcome = pickle.loads(pickle.dumps(Outcome.failure(cls(message), rank, default)))
     assert not outcome.ok and outcome.rank == rank
     raised = _raised(outcome, default)
@@ -55,7 +61,9 @@ def test_shardsafe_errors_keep_class_and_message(cls: type[ShardsafeError], mess
 
 @settings(max_examples=100, deadline=None)
 @given(st.sampled_from(OTHERS), messages, st.integers(0, 1 << 16), st.sampled_from(CLASSES))
-def test_other_errors_become_the_default(cls: type[Exception], message: str, rank: int, default: type[ShardsafeError]) -> None:
+def test_other_errors_become_the_default(
+    cls: type[Exception], message: str, rank: int, default: type[ShardsafeError]
+) -> None:
     original = cls(message)
     outcome = pickle.loads(pickle.dumps(Outcome.failure(original, rank, default)))
     raised = _raised(outcome, default)
@@ -70,7 +78,8 @@ def test_values_round_trip(value: object) -> None:
 
 
 def test_an_unknown_class_name_falls_back_to_the_default() -> None:
-    """A name that is not a shardsafe error (a peer on another version, a forged record) is never looked up elsewhere."""
+    """A name that is not a shardsafe error (a peer on another version, a forged record) is never looked up
+    elsewhere."""
     for name in ("Exception", "SystemExit", "Comm", "no such class"):
         raised = _raised(Outcome(error=name, message="m", rank=1), errors.SaveError)
         assert type(raised) is errors.SaveError and str(raised) == "m"
@@ -93,7 +102,8 @@ def test_single_process_collectives_follow_the_rule(cls: type[Exception]) -> Non
 
 
 def _every_class_on_two_ranks(rank: int, world_size: int) -> list[tuple[str, str, str, str]]:
-    """For each class: raised on rank 1 in ``agree``, and on the coordinator in ``on_coordinator``; what this rank raised."""
+    """For each class: raised on rank 1 in ``agree``, and on the coordinator in ``on_coordinator``; what this rank
+    raised."""
     comm = get_comm()
     seen = []
     for cls in CLASSES + OTHERS:
@@ -118,7 +128,15 @@ def test_two_gloo_ranks_raise_the_same_error(tmp_path: Path) -> None:
     by_rank = run_ranks(_every_class_on_two_ranks, 2, work_dir=tmp_path)
     for i, cls in enumerate(CLASSES + OTHERS):
         name = cls.__name__ if issubclass(cls, ShardsafeError) else "SaveError"
-        sent = f"boom {cls.__name__}" if issubclass(cls, ShardsafeError) else f"rank 1: {cls.__name__}: {cls(f'boom {cls.__name__}')}"
-        shared = f"bang {cls.__name__}" if issubclass(cls, ShardsafeError) else f"rank 0: {cls.__name__}: {cls(f'bang {cls.__name__}')}"
+        sent = (
+            f"boom {cls.__name__}"
+            if issubclass(cls, ShardsafeError)
+            else f"rank 1: {cls.__name__}: {cls(f'boom {cls.__name__}')}"
+        )
+        shared = (
+            f"bang {cls.__name__}"
+            if issubclass(cls, ShardsafeError)
+            else f"rank 0: {cls.__name__}: {cls(f'bang {cls.__name__}')}"
+        )
         assert by_rank[1][i] == (name, sent, name, shared)
         assert by_rank[0][i] == (name, f"(reported by rank 1) {sent}", name, shared)

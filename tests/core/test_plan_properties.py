@@ -41,7 +41,8 @@ from shardsafe.errors import SaveError
 DTYPES = ["torch.float32", "torch.bfloat16", "torch.int64", "torch.uint8"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
-Holdings = tuple[int, dict[str, tuple[str, tuple[int, ...], list[Box]]], list[list[ChunkSpec]]]  # world, key -> (dtype, shape, boxes), specs
+# world, key -> (dtype, shape, boxes), specs
+Holdings = tuple[int, dict[str, tuple[str, tuple[int, ...], list[Box]]], list[list[ChunkSpec]]]
 
 
 def _elements(offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -107,7 +108,9 @@ def test_every_box_has_one_writer_and_the_writes_tile(
             if s.key == key:
                 for index in _elements(s.offsets, s.shape):
                     covered[index] = covered.get(index, 0) + 1
-        assert covered == dict.fromkeys(_elements((0,) * len(shape), shape), 1), f"{key}: written boxes do not tile {shape}"
+        assert covered == dict.fromkeys(_elements((0,) * len(shape), shape), 1), (
+            f"{key}: written boxes do not tile {shape}"
+        )
 
 
 @settings(max_examples=100, deadline=None)
@@ -124,7 +127,9 @@ def test_each_box_goes_to_a_least_loaded_holder(case: Holdings) -> None:
         before = sum(t.nbytes for r, t in written if r == rank and t.nbytes > s.nbytes)
         for other, rank_specs in enumerate(specs):
             if other != rank and any((t.key, t.offsets, t.shape) == (s.key, s.offsets, s.shape) for t in rank_specs):
-                assert before <= load[other], f"{s.key} {s.offsets} went to rank {rank} though rank {other} was less loaded"
+                assert before <= load[other], (
+                    f"{s.key} {s.offsets} went to rank {rank} though rank {other} was less loaded"
+                )
 
 
 @settings(max_examples=80, deadline=None)
@@ -142,16 +147,23 @@ def test_gaps_overlaps_and_disagreements_are_refused(case: Holdings, data: st.Da
         gone = data.draw(st.sampled_from(boxes))
         broken = [[s for s in rank_specs if (s.key, s.offsets, s.shape) != (key, *gone)] for rank_specs in broken]
     elif mutation == "overlap":
-        assume(all(shape) and len(boxes) > 1)  # no elements to overlap, or the whole-tensor box would be the same box again
-        broken[rank].append(ChunkSpec(key, dtype, shape, (0,) * len(shape), shape))  # the whole tensor, next to its parts
+        # no elements to overlap, or the whole-tensor box would be the same box again
+        assume(all(shape) and len(boxes) > 1)
+        # the whole tensor, next to its parts
+        broken[rank].append(ChunkSpec(key, dtype, shape, (0,) * len(shape), shape))
     elif mutation == "dtype":
         assume(any(i != rank for i in held))  # another rank holds it, to disagree with
         other = data.draw(st.sampled_from([d for d in DTYPES if d != dtype]))
-        broken[rank] = [ChunkSpec(s.key, other, s.global_shape, s.offsets, s.shape) if s.key == key else s for s in broken[rank]]
+        broken[rank] = [
+            ChunkSpec(s.key, other, s.global_shape, s.offsets, s.shape) if s.key == key else s for s in broken[rank]
+        ]
     else:
         assume(any(i != rank for i in held))
         bigger = (*shape, 1)
-        broken[rank] = [ChunkSpec(s.key, s.dtype, bigger, (*s.offsets, 0), (*s.shape, 1)) if s.key == key else s for s in broken[rank]]
+        broken[rank] = [
+            ChunkSpec(s.key, s.dtype, bigger, (*s.offsets, 0), (*s.shape, 1)) if s.key == key else s
+            for s in broken[rank]
+        ]
     with pytest.raises(SaveError, match=repr(key)):
         assign_writers(broken)
 

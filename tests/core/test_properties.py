@@ -54,13 +54,27 @@ from shardsafe.errors import FormatError, ShardsafeError
 
 EXAMPLES = 200
 STRESS_EXAMPLES = 2000
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8, torch.bool, torch.float64, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float64,
+    torch.complex64,
+]
 
 # ----------------------------------------------------------------------------- strategies
 
-json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
+json_scalars = (
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
+)
 json_values = st.recursive(
-    json_scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5), max_leaves=30
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=30,
 )
 
 
@@ -76,7 +90,13 @@ def _tagged(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 tagged_json = st.recursive(json_scalars | st.sampled_from(["float32", "bfloat16", "bogus"]), _tagged, max_leaves=25)
 
-python_keys = st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+python_keys = (
+    st.none()
+    | st.booleans()
+    | st.integers(-1000, 1000)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
 python_values = st.recursive(
     json_scalars | st.sampled_from(DTYPES) | st.integers(0, 3).map(lambda i: TensorMarker(i)),
     lambda inner: (
@@ -84,7 +104,9 @@ python_values = st.recursive(
         | st.lists(inner, max_size=4).map(tuple)
         | st.dictionaries(st.text(max_size=8), inner, max_size=4)
         | st.dictionaries(python_keys, inner, max_size=4)
-        | st.dictionaries(st.sampled_from(["__tensor__", "__tuple__", "__pairs__", "__dtype__", "x"]), inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["__tensor__", "__tuple__", "__pairs__", "__dtype__", "x"]), inner, max_size=3
+        )
     ),
     max_leaves=25,
 )
@@ -114,11 +136,17 @@ def _valid_manifest() -> Manifest:
     chunks_a = []
     for row in range(3):
         nbytes = 5 * 4
-        chunks_a.append(ChunkEntry((row * 2, 0), (2, 5), "shard-00000.safetensors", offset, offset + 2 * nbytes, ("0123456789abcdef",)))
+        chunks_a.append(
+            ChunkEntry(
+                (row * 2, 0), (2, 5), "shard-00000.safetensors", offset, offset + 2 * nbytes, ("0123456789abcdef",)
+            )
+        )
         offset += 2 * nbytes
     tensors["model/w"] = TensorEntry(torch.float32, (6, 5), tuple(chunks_a))
     tensors["model/b"] = TensorEntry(
-        torch.bfloat16, (3,), (ChunkEntry((0,), (3,), "shard-00000.safetensors", offset, offset + 6, ("fedcba9876543210",)),)
+        torch.bfloat16,
+        (3,),
+        (ChunkEntry((0,), (3,), "shard-00000.safetensors", offset, offset + 6, ("fedcba9876543210",)),),
     )
     offset += 6
     big = 3 * block // 4 + 1
@@ -141,7 +169,9 @@ def _valid_manifest() -> Manifest:
 
 
 VALID_MANIFEST = _valid_manifest().to_bytes()
-VALID_HEADER, _ = build_safetensors_header([HeaderEntry("a", torch.float32, (3, 2)), HeaderEntry("b@2,0", torch.bfloat16, (5,))])
+VALID_HEADER, _ = build_safetensors_header(
+    [HeaderEntry("a", torch.float32, (3, 2)), HeaderEntry("b@2,0", torch.bfloat16, (5,))]
+)
 
 
 def _mutations(seed: bytes) -> st.SearchStrategy[bytes]:
@@ -195,7 +225,9 @@ def _json_mutations(seed: bytes) -> st.SearchStrategy[bytes]:
         return json.dumps(doc).encode()
 
     return st.builds(
-        apply, st.integers(0, 10**6), json_values | st.integers(-(2**64), 2**64) | st.sampled_from(["", "..", "/etc/passwd", "a/b", -1, 1e300])
+        apply,
+        st.integers(0, 10**6),
+        json_values | st.integers(-(2**64), 2**64) | st.sampled_from(["", "..", "/etc/passwd", "a/b", -1, 1e300]),
     )
 
 
@@ -286,7 +318,9 @@ def _typed(value: Any) -> Any:
 
 header_entries = st.lists(
     st.tuples(
-        st.text(min_size=1, max_size=12).filter(lambda s: s != "__metadata__"), st.sampled_from(DTYPES), st.lists(st.integers(0, 6), max_size=4)
+        st.text(min_size=1, max_size=12).filter(lambda s: s != "__metadata__"),
+        st.sampled_from(DTYPES),
+        st.lists(st.integers(0, 6), max_size=4),
     ),
     max_size=6,
     unique_by=lambda e: e[0],
@@ -327,7 +361,8 @@ PROPERTIES: list[tuple[str, tuple[st.SearchStrategy[Any], ...], Callable[..., No
     ("decode_value-json", (tagged_json,), prop_decode_value_never_crashes),
     ("encode-decode-round-trip", (python_values,), prop_value_round_trip),
     ("header-round-trip", (header_entries,), prop_header_round_trip),
-    ("manifest-round-trip", (metadata, st.floats(allow_nan=False, allow_infinity=False), st.integers(1, 1 << 20)), prop_manifest_round_trip),
+    ("manifest-round-trip", (metadata, st.floats(allow_nan=False, allow_infinity=False), st.integers(1, 1 << 20)),
+     prop_manifest_round_trip),
 ]  # fmt: skip
 
 
@@ -365,14 +400,18 @@ def test_property_sweep(name: str, strategies: tuple[st.SearchStrategy[Any], ...
 
 # ----------------------------------------------------------------------------- save: refuse or round-trip
 
-odd_text = st.sampled_from(["\ud800", "\udfff", "\ud83d\ude00", "a\udc80b", "\x00", "\u2028", "\U0001f600", "__tensor__", "__pairs__"])
+odd_text = st.sampled_from(
+    ["\ud800", "\udfff", "\ud83d\ude00", "a\udc80b", "\x00", "\u2028", "\U0001f600", "__tensor__", "__pairs__"]
+)
 save_text = (
     st.text(max_size=12)
     | st.builds(lambda a, odd, b: a + odd + b, st.text(max_size=4), odd_text, st.text(max_size=4))
     | st.integers(0, 300_000).map(lambda n: "y" * n)
 )
 # digits around the 4300 that Python's int <-> str conversion allows (json refuses more, both ways)
-big_ints = st.builds(lambda digits, sign: sign * 10 ** (digits - 1), st.sampled_from([4299, 4300, 4301, 5000]), st.sampled_from([1, -1]))
+big_ints = st.builds(
+    lambda digits, sign: sign * 10 ** (digits - 1), st.sampled_from([4299, 4300, 4301, 5000]), st.sampled_from([1, -1])
+)
 save_ints = st.integers(-(2**70), 2**70) | big_ints
 save_scalars = st.none() | st.booleans() | save_ints | st.floats() | save_text
 save_keys = st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats() | save_text
@@ -387,7 +426,11 @@ def _nested(depth: int, kind: str, inner: Any) -> Any:
 
 def _values(leaves: st.SearchStrategy[Any], keys: st.SearchStrategy[Any], tuples: bool) -> st.SearchStrategy[Any]:
     def extend(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-        out = st.lists(inner, max_size=4) | st.dictionaries(save_text, inner, max_size=4) | st.dictionaries(keys, inner, max_size=4)
+        out = (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(save_text, inner, max_size=4)
+            | st.dictionaries(keys, inner, max_size=4)
+        )
         return out | st.lists(inner, max_size=4).map(tuple) if tuples else out
 
     shallow = st.recursive(leaves, extend, max_leaves=30)
@@ -397,7 +440,9 @@ def _values(leaves: st.SearchStrategy[Any], keys: st.SearchStrategy[Any], tuples
 
 
 save_values = _values(save_scalars, save_keys, tuples=True)
-metadata_values = st.dictionaries(save_text, _values(save_scalars, save_text | st.integers(0, 3), tuples=False), max_size=4)
+metadata_values = st.dictionaries(
+    save_text, _values(save_scalars, save_text | st.integers(0, 3), tuples=False), max_size=4
+)
 
 
 def _scratch() -> Iterator[Path]:
@@ -438,5 +483,7 @@ def test_save_property(name: str, strategies: tuple[st.SearchStrategy[Any], ...]
 
 @pytest.mark.stress
 @pytest.mark.parametrize("name, strategies, prop", SAVE_PROPERTIES, ids=[p[0] for p in SAVE_PROPERTIES])
-def test_save_property_sweep(name: str, strategies: tuple[st.SearchStrategy[Any], ...], prop: Callable[..., None]) -> None:
+def test_save_property_sweep(
+    name: str, strategies: tuple[st.SearchStrategy[Any], ...], prop: Callable[..., None]
+) -> None:
     _run(prop, strategies, STRESS_EXAMPLES, name, SAVE_CATEGORY)

@@ -34,11 +34,15 @@ def _tree(module: str) -> ast.Module:
 
 def _declared(module: str) -> list[str] | None:
     for node in _tree(module).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
             assert node.value is not None, f"{module}: __all__ without a value"
             value = ast.literal_eval(node.value)
-            assert isinstance(value, list) and all(isinstance(n, str) for n in value), f"{module}: __all__ must be a literal list of names"
+            assert isinstance(value, list) and all(isinstance(n, str) for n in value), (
+                f"{module}: __all__ must be a literal list of names"
+            )
             return value
     return None
 
@@ -91,7 +95,12 @@ def test_every_name_imported_across_modules_is_declared() -> None:
     undeclared: dict[str, set[str]] = {}
     for importer in MODULES:
         for node in ast.walk(_tree(importer)):
-            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in MODULES or node.module == importer:
+            if (
+                not isinstance(node, ast.ImportFrom)
+                or node.level
+                or node.module not in MODULES
+                or node.module == importer
+            ):
                 continue
             declared = set(_declared(node.module) or [])
             for alias in node.names:

@@ -31,7 +31,9 @@ def rules(draw: st.DrawFn) -> tuple[tuple[int, ...], LayoutRule]:
     for _ in mesh:
         kind = draw(st.sampled_from(["r", "s", "ss"]))
         dim = draw(st.integers(0, len(shape) - 1))
-        placements.append(Placement(None) if kind == "r" else Placement(dim, draw(st.integers(2, 4)) if kind == "ss" else 1))
+        placements.append(
+            Placement(None) if kind == "r" else Placement(dim, draw(st.integers(2, 4)) if kind == "ss" else 1)
+        )
     if all(p.dim is None for p in placements):
         placements[0] = Placement(0)
     rule = LayoutRule(mesh, tuple(placements))
@@ -96,14 +98,20 @@ def test_version_2_split_is_the_one_dim_rule() -> None:
     rule = LayoutRule.split(3)
     assert rule.is_v2_split and rule.parts == 3 and rule.replicas == 1
     # torch.chunk of 7 rows over 3: 3, 3, 1
-    assert [[(b.offsets, b.shape) for b in rule.boxes((7, 2), p)] for p in range(3)] == [[((0, 0), (3, 2))], [((3, 0), (3, 2))], [((6, 0), (1, 2))]]
+    assert [[(b.offsets, b.shape) for b in rule.boxes((7, 2), p)] for p in range(3)] == [
+        [((0, 0), (3, 2))],
+        [((3, 0), (3, 2))],
+        [((6, 0), (1, 2))],
+    ]
     # 2 rows over 3: the last part is empty
     assert rule.boxes((2, 2), 2) == [] and rule.parts_overlapping((2, 2), (0, 0), (2, 2)) == [0, 1]
 
 
 def test_hsdp_writers_spread_over_replicas() -> None:
     hsdp = LayoutRule((4, 2), (Placement(None), Placement(0)))  # 4 replicas of a 2-way shard
-    spread = spread_writers([(f"w{i}", (100 - i) << 20, hsdp) for i in range(4)] + [(f"n{i}", 1024, hsdp) for i in range(4)])
+    spread = spread_writers(
+        [(f"w{i}", (100 - i) << 20, hsdp) for i in range(4)] + [(f"n{i}", 1024, hsdp) for i in range(4)]
+    )
     written = {k: sorted(r for r in range(8) if spread[k].writes(r)) for k in spread}
     assert len({tuple(written[f"w{i}"]) for i in range(4)}) == 4  # each large tensor written by other replicas
     assert all(len(v) == 2 for v in written.values())

@@ -113,7 +113,15 @@ def setup(project: Path, init_seed: int, scheduler_kind: str) -> dict[str, Any]:
     accelerator.register_for_checkpointing(sampler, counter)
     torch.manual_seed(init_seed + 100 + accelerator.process_index)
     data = torch.randn(64, 9, generator=torch.Generator().manual_seed(1))
-    return {"acc": accelerator, "model": model, "opt": optimizer, "sched": scheduler, "sampler": sampler, "counter": counter, "data": data}
+    return {
+        "acc": accelerator,
+        "model": model,
+        "opt": optimizer,
+        "sched": scheduler,
+        "sampler": sampler,
+        "counter": counter,
+        "data": data,
+    }
 
 
 def train(s: dict[str, Any], steps: int) -> list[float]:
@@ -171,7 +179,10 @@ def phase_save(out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for kind in SCHEDULERS:
         a = setup(out / "project", SEED, kind)
-        r: dict[str, Any] = {"distributed_type": str(a["acc"].distributed_type), "types": [type(a[k]).__name__ for k in ("model", "opt", "sched")]}
+        r: dict[str, Any] = {
+            "distributed_type": str(a["acc"].distributed_type),
+            "types": [type(a[k]).__name__ for k in ("model", "opt", "sched")],
+        }
         r["losses_before"] = train(a, SAVE_AT)
         ss.save_state(a["acc"], out / f"ss_{kind}")
         a["acc"].save_state(str(out / f"acc_{kind}"))
@@ -234,7 +245,9 @@ def phase_reshard(out: Path) -> dict[str, Any]:
         result["zero2_folder_exists"] = (out / "ss_zero2").exists()
         train(z2, 1)
         z2["acc"].save_state(str(out / "acc_zero2"))  # what the error points to; the test converts it
-        result["zero2_fp32"] = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in z2["model"].module.named_parameters()}
+        result["zero2_fp32"] = {
+            n: safe_get_full_fp32_param(p).detach().clone() for n, p in z2["model"].module.named_parameters()
+        }
         AcceleratorState().select_deepspeed_plugin("zero3")
     return result
 

@@ -1,4 +1,5 @@
-"""Hand-made ``torch.save`` archives and DeepSpeed ZeRO folders, sound or hostile, for the reader's hostile tests and fuzzing.
+"""Hand-made ``torch.save`` archives and DeepSpeed ZeRO folders, sound or hostile, for the reader's hostile tests and
+fuzzing.
 
 :func:`save_crafted` writes what ``torch.save`` writes (a zip of ``archive/data.pkl``, a protocol-2
 pickle, and one stored record per tensor storage, aligned to 64 bytes), but every tensor may be a
@@ -43,7 +44,8 @@ STORAGE_TYPES: dict[torch.dtype, Any] = {
 
 
 class Call:
-    """Pickles as ``REDUCE(func, args)`` (then ``BUILD(state)`` when given): whatever global ``func`` is, with any arguments."""
+    """Pickles as ``REDUCE(func, args)`` (then ``BUILD(state)`` when given): whatever global ``func`` is, with any
+    arguments."""
 
     def __init__(self, func: Any, *args: Any, state: Any = None) -> None:
         self.func, self.args, self.state = func, args, state
@@ -94,7 +96,11 @@ def crafted_pickle(value: Any) -> tuple[bytes, dict[str, bytes]]:
             if key not in records:
                 records[key] = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
             count = obj.numel if obj.numel is not None else tensor.numel()
-            pid = obj.pid if obj.pid is not None else ("storage", obj.stype or STORAGE_TYPES[tensor.dtype], key, obj.location, count)
+            pid = (
+                obj.pid
+                if obj.pid is not None
+                else ("storage", obj.stype or STORAGE_TYPES[tensor.dtype], key, obj.location, count)
+            )
             size = obj.size if obj.size is not None else tuple(tensor.shape)
             stride = obj.stride if obj.stride is not None else tuple(tensor.stride())
             hooks = obj.hooks if obj.hooks is not None else OrderedDict()
@@ -116,9 +122,16 @@ def write_archive(
     extra: dict[str, bytes] | None = None,
     byteorder: bytes = b"little",
 ) -> Path:
-    """A torch.save-style zip: ``prefix/data.pkl``, ``prefix/data/<key>`` (64-byte aligned unless ``misalign``), version, byteorder."""
-    entries = [("data.pkl", data_pkl), *((f"data/{k}", v) for k, v in records.items()), ("version", b"3\n"), ("byteorder", byteorder)]
-    named = [(f"{prefix}/{name}", data) for name, data in entries] + list((extra or {}).items())  # extra: full names, as given
+    """A torch.save-style zip: ``prefix/data.pkl``, ``prefix/data/<key>`` (64-byte aligned unless ``misalign``),
+    version, byteorder."""
+    entries = [
+        ("data.pkl", data_pkl),
+        *((f"data/{k}", v) for k, v in records.items()),
+        ("version", b"3\n"),
+        ("byteorder", byteorder),
+    ]
+    # extra: full names, as given
+    named = [(f"{prefix}/{name}", data) for name, data in entries] + list((extra or {}).items())
     with open(path, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
         for name, data in named:
             record = name.startswith(f"{prefix}/data/")
@@ -165,7 +178,8 @@ class DSFolder:
     states: dict[str, dict[str, Any]]  # file name -> the value written (mutate and rewrite with `rewrite`)
 
     def rewrite(self, name: str, change: Callable[[dict[str, Any]], None] | None = None, **archive: Any) -> Path:
-        """Apply ``change`` to a copy of file ``name``'s value and write it again (crafted, so Forged/Call values are allowed)."""
+        """Apply ``change`` to a copy of file ``name``'s value and write it again (crafted, so Forged/Call values are
+        allowed)."""
         state = _copy(self.states[name])
         if change is not None:
             change(state)
@@ -188,7 +202,8 @@ def _split(full: torch.Tensor, world: int) -> list[torch.Tensor]:
 
 
 def zero3_folder(root: Path, world: int = 2, tag: str = "global_step2") -> DSFolder:
-    """A ZeRO-3 checkpoint of a trained ``w`` [3, 5] and ``b`` [5] (fp32 master, Adam state), a frozen bf16 ``f`` [4], a buffer ``buf``."""
+    """A ZeRO-3 checkpoint of a trained ``w`` [3, 5] and ``b`` [5] (fp32 master, Adam state), a frozen bf16 ``f`` [4], a
+    buffer ``buf``."""
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(3, 5, generator=gen), "b": torch.randn(5, generator=gen)}
     avg = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
@@ -211,7 +226,9 @@ def zero3_folder(root: Path, world: int = 2, tag: str = "global_step2") -> DSFol
                 "fp32_flat_groups": [flat],
                 "optimizer_state_dict": {
                     "state": {0: {"step": torch.tensor(2.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg.abs()}},
-                    "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}],
+                    "param_groups": [
+                        {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}
+                    ],
                 },
             }
         }
@@ -247,7 +264,8 @@ def zero3_folder(root: Path, world: int = 2, tag: str = "global_step2") -> DSFol
 
 
 def zero2_folder(root: Path, world: int = 2, tag: str = "global_step2") -> DSFolder:
-    """A ZeRO-2 checkpoint of one trained ``w`` [3, 5] (15 elements + 1 alignment padding, cut into 8 per rank) and its model file."""
+    """A ZeRO-2 checkpoint of one trained ``w`` [3, 5] (15 elements + 1 alignment padding, cut into 8 per rank) and its
+    model file."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(3, 5, generator=gen)
     concat = torch.cat([w.reshape(-1), torch.zeros(1)])

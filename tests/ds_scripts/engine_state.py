@@ -76,7 +76,9 @@ def build(precision: str, seed: int, model: nn.Module | None = None, stage: int 
     model = model if model is not None else Tiny()
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(precision, stage), lr_scheduler=scheduler)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config(precision, stage), lr_scheduler=scheduler
+    )
     return engine
 
 
@@ -116,7 +118,11 @@ def snapshot(engine: Any) -> dict[str, Any]:
             tensors[f"lp/{name}"] = p.data.detach().clone()
     for name, b in engine.module.named_buffers():
         tensors[f"buffer/{name}"] = b.detach().clone()
-    steps = [s["step"].clone() for s in (inner.state.get(flat, {}) for flat in engine.optimizer.fp32_partitioned_groups_flat) if "step" in s]
+    steps = [
+        s["step"].clone()
+        for s in (inner.state.get(flat, {}) for flat in engine.optimizer.fp32_partitioned_groups_flat)
+        if "step" in s
+    ]
     return {
         "tensors": tensors,
         "steps": steps,

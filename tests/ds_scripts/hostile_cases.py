@@ -1,4 +1,5 @@
-"""The hostile DeepSpeed folders of tests/interop/test_deepspeed_hostile.py: each breaks one thing of a sound crafted folder.
+"""The hostile DeepSpeed folders of tests/interop/test_deepspeed_hostile.py: each breaks one thing of a sound crafted
+folder.
 
 ``CASES`` maps a case name to (folder kind: ``z3`` or ``z2``, what to break, the expected outcome:
 an error class name or ``read``, a regex its message must match). :func:`build` writes one.
@@ -166,33 +167,50 @@ def _latest(how: str) -> Callable[[DSFolder], None]:
 
 _GLOBAL = b"c%s\n%s\n"
 FLAT = 11  # elements of each rank's flat group in the ZeRO-3 folder
-Case = tuple[str, Callable[[DSFolder], None], str, str]  # (folder kind, break it, outcome or error class, message regex)
+# (folder kind, break it, outcome or error class, message regex)
+Case = tuple[str, Callable[[DSFolder], None], str, str]
 
 CASES: dict[str, Case] = {
     # --- globals and opcodes, refused by the pre-scan before anything is unpickled
     "eval": (
         "z3",
-        _raw_optim(raw_pickle(_GLOBAL % (b"builtins", b"eval"), unicode("__import__('os').system('touch MARKER')"), b"\x85R")),
+        _raw_optim(
+            raw_pickle(_GLOBAL % (b"builtins", b"eval"), unicode("__import__('os').system('touch MARKER')"), b"\x85R")
+        ),
         "FormatError",
         "global 'builtins.eval' is not allowed",
     ),
-    "os_system": ("z3", _in_state(Call(os.system, "touch MARKER")), "FormatError", r"global '(posix|os)\.system' is not allowed"),
+    "os_system": (
+        "z3",
+        _in_state(Call(os.system, "touch MARKER")),
+        "FormatError",
+        r"global '(posix|os)\.system' is not allowed",
+    ),
     "subprocess": (
         "z3",
         _in_state(Call(subprocess.call, ["touch", "MARKER"])),
         "FormatError",
         r"global '(subprocess|commands)\.call' is not allowed",
     ),
-    "getattr": ("z3", _in_state(Call(getattr, "os", "system")), "FormatError", "global '(__builtin__|builtins).getattr' is not allowed"),
+    "getattr": (
+        "z3",
+        _in_state(Call(getattr, "os", "system")),
+        "FormatError",
+        "global '(__builtin__|builtins).getattr' is not allowed",
+    ),
     "bytearray_bomb": (
         "z3",
-        _raw_optim(raw_pickle(_GLOBAL % (b"builtins", b"bytearray"), b"\x8a\x05" + (10**11).to_bytes(5, "little"), b"\x85R")),
+        _raw_optim(
+            raw_pickle(_GLOBAL % (b"builtins", b"bytearray"), b"\x8a\x05" + (10**11).to_bytes(5, "little"), b"\x85R")
+        ),
         "FormatError",
         "global 'builtins.bytearray' is not allowed",
     ),
     "meta_tensor_global": (
         "z3",
-        _optim(_set_flat(lambda f: Call(torch._utils._rebuild_meta_tensor_no_storage, torch.float32, (FLAT,), (1,), False))),
+        _optim(
+            _set_flat(lambda f: Call(torch._utils._rebuild_meta_tensor_no_storage, torch.float32, (FLAT,), (1,), False))
+        ),
         "FormatError",
         "_rebuild_meta_tensor_no_storage' is not allowed",
     ),
@@ -201,7 +219,15 @@ CASES: dict[str, Case] = {
         _optim(
             _set_flat(
                 lambda f: Call(
-                    torch._utils._rebuild_wrapper_subclass, torch.Tensor, torch.float32, (FLAT,), (1,), 0, None, torch.device("cuda"), False
+                    torch._utils._rebuild_wrapper_subclass,
+                    torch.Tensor,
+                    torch.float32,
+                    (FLAT,),
+                    (1,),
+                    0,
+                    None,
+                    torch.device("cuda"),
+                    False,
                 )
             )
         ),
@@ -241,11 +267,29 @@ CASES: dict[str, Case] = {
     ),
     "build_on_tensor": (
         "z3",
-        _optim(_set_flat(lambda f: Call(torch._utils._rebuild_tensor_v2, Forged(f), 0, (FLAT,), (1,), False, OrderedDict(), state={"data": 1}))),
+        _optim(
+            _set_flat(
+                lambda f: Call(
+                    torch._utils._rebuild_tensor_v2,
+                    Forged(f),
+                    0,
+                    (FLAT,),
+                    (1,),
+                    False,
+                    OrderedDict(),
+                    state={"data": 1},
+                )
+            )
+        ),
         "FormatError",
         "BUILD of the result of torch._utils._rebuild_tensor_v2",
     ),
-    "build_dict_methods": ("z3", _in_state(Call(OrderedDict, state={"items": 1})), "FormatError", "attributes other than a state dict's _metadata"),
+    "build_dict_methods": (
+        "z3",
+        _in_state(Call(OrderedDict, state={"items": 1})),
+        "FormatError",
+        "attributes other than a state dict's _metadata",
+    ),
     "build_dunder": (
         "z3",
         _raw_optim(
@@ -268,7 +312,13 @@ CASES: dict[str, Case] = {
     ),
     "rebuild_from_type_parameter": (
         "z3",
-        _optim(_set_flat(lambda f: Call(torch._tensor._rebuild_from_type_v2, torch._utils._rebuild_tensor_v2, torch.nn.Parameter, (), {}))),
+        _optim(
+            _set_flat(
+                lambda f: Call(
+                    torch._tensor._rebuild_from_type_v2, torch._utils._rebuild_tensor_v2, torch.nn.Parameter, (), {}
+                )
+            )
+        ),
         "FormatError",
         "torch.nn.parameter.Parameter' is not allowed",
     ),
@@ -278,8 +328,18 @@ CASES: dict[str, Case] = {
         "FormatError",
         "rebuilt by anything but torch's own tensor rebuild",
     ),
-    "opcode_inst": ("z3", _raw_optim(raw_pickle(b"(", unicode("1"), b"ibuiltins\neval\n")), "FormatError", "opcode INST is not allowed"),
-    "opcode_obj": ("z3", _raw_optim(raw_pickle(b"(", _GLOBAL % (b"collections", b"OrderedDict"), b"o")), "FormatError", "opcode OBJ is not allowed"),
+    "opcode_inst": (
+        "z3",
+        _raw_optim(raw_pickle(b"(", unicode("1"), b"ibuiltins\neval\n")),
+        "FormatError",
+        "opcode INST is not allowed",
+    ),
+    "opcode_obj": (
+        "z3",
+        _raw_optim(raw_pickle(b"(", _GLOBAL % (b"collections", b"OrderedDict"), b"o")),
+        "FormatError",
+        "opcode OBJ is not allowed",
+    ),
     "opcode_ext1": ("z3", _raw_optim(raw_pickle(b"\x82\x01")), "FormatError", "opcode EXT1 is not allowed"),
     "opcode_stack_global": (
         "z3",
@@ -294,11 +354,21 @@ CASES: dict[str, Case] = {
         "FormatError",
         "opcode BYTEARRAY8 is not allowed",
     ),
-    "opcode_long4": ("z3", _raw_optim(raw_pickle(b"\x8b" + (4).to_bytes(4, "little") + b"\xff" * 4)), "FormatError", "opcode LONG4 is not allowed"),
+    "opcode_long4": (
+        "z3",
+        _raw_optim(raw_pickle(b"\x8b" + (4).to_bytes(4, "little") + b"\xff" * 4)),
+        "FormatError",
+        "opcode LONG4 is not allowed",
+    ),
     "opcode_pop_dup": ("z3", _raw_optim(raw_pickle(b"N2")), "FormatError", "opcode DUP is not allowed"),
     "protocol_5": ("z3", _raw_optim(b"\x80\x05N."), "FormatError", "pickle protocol 5"),
     "int_wider_than_64_bits": ("z3", _in_state(1 << 70), "FormatError", "an integer wider than 64 bits"),
-    "memo_bomb": ("z3", _raw_optim(raw_pickle(b"]r\xff\xff\xff\xff")), "FormatError", "memo index 4294967295 out of sequence"),
+    "memo_bomb": (
+        "z3",
+        _raw_optim(raw_pickle(b"]r\xff\xff\xff\xff")),
+        "FormatError",
+        "memo index 4294967295 out of sequence",
+    ),
     "memo_never_stored": ("z3", _raw_optim(raw_pickle(b"h\x05")), "FormatError", "memo index 5 was never stored"),
     "surrogate_string": ("z3", _raw_optim(raw_pickle(unicode("\udc80"))), "FormatError", "not valid UTF-8"),
     "bytes_after_stop": ("z3", _raw_optim(raw_pickle(b"N") + b"N."), "FormatError", "bytes after STOP"),
@@ -306,7 +376,12 @@ CASES: dict[str, Case] = {
     "values_left": ("z3", _raw_optim(raw_pickle(b"NN")), "FormatError", "2 values left at STOP"),
     "append_on_dict": ("z3", _raw_optim(raw_pickle(b"}Na")), "FormatError", "APPEND on a dict, not a list"),
     "setitems_odd": ("z3", _raw_optim(raw_pickle(b"}(Nu")), "FormatError", "SETITEMS with a key and no value"),
-    "persid_not_5_tuple": ("z3", _raw_optim(raw_pickle(b"NNN\x87Q")), "FormatError", "persistent id that is not a 5-tuple"),
+    "persid_not_5_tuple": (
+        "z3",
+        _raw_optim(raw_pickle(b"NNN\x87Q")),
+        "FormatError",
+        "persistent id that is not a 5-tuple",
+    ),
     "mark_depth": ("z3", _raw_optim(raw_pickle(b"(" * 100)), "FormatError", "MARKs nested more than 64 deep"),
     "nested_lists": ("z3", _in_state(_nested(200)), "FormatError", "nested more than 64 deep"),
     "self_containing_list": ("z3", _in_state(_self_list()), "FormatError", "a container holding itself"),
@@ -314,20 +389,60 @@ CASES: dict[str, Case] = {
     "expansion_bomb": ("z3", _in_state(_dag(40)), "FormatError", "shared values expand to more than"),
     # --- storages and tensors: every one a memmove/madvise candidate in a reader that trusted them
     "meta_location": ("z3", _optim(_set_flat(lambda f: Forged(f, location="meta"))), "FormatError", "on device 'meta'"),
-    "unknown_location": ("z3", _optim(_set_flat(lambda f: Forged(f, location="file:/etc/passwd"))), "FormatError", "on device 'file:/etc/passwd'"),
+    "unknown_location": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, location="file:/etc/passwd"))),
+        "FormatError",
+        "on device 'file:/etc/passwd'",
+    ),
     "stride_zero_broadcast": (
         "z3",
         _optim(_set_flat(lambda f: Forged(f[:1], size=(FLAT,), stride=(0,)))),
         "FormatError",
         "is not a contiguous tensor",
     ),
-    "negative_stride": ("z3", _optim(_set_flat(lambda f: Forged(f, offset=FLAT - 1, stride=(-1,)))), "FormatError", "negative or mismatched"),
-    "negative_size": ("z3", _optim(_set_flat(lambda f: Forged(f, size=(-1,)))), "FormatError", "negative or mismatched"),
-    "size_stride_mismatch": ("z3", _optim(_set_flat(lambda f: Forged(f, stride=(1, 1)))), "FormatError", "negative or mismatched"),
-    "too_many_dims": ("z3", _optim(_set_flat(lambda f: Forged(f, size=(1,) * 100, stride=(1,) * 100))), "FormatError", "not a tuple of at most 64"),
-    "offset_not_int": ("z3", _optim(_set_flat(lambda f: Forged(f, offset=0.5))), "FormatError", "the storage offset is a float"),
-    "offset_past_end": ("z3", _optim(_set_flat(lambda f: Forged(f, offset=10**6))), "FormatError", "extends past its 44-byte record"),
-    "extent_past_end": ("z3", _optim(_set_flat(lambda f: Forged(f[:4], size=(FLAT,)))), "FormatError", "extends past its 16-byte record"),
+    "negative_stride": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, offset=FLAT - 1, stride=(-1,)))),
+        "FormatError",
+        "negative or mismatched",
+    ),
+    "negative_size": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, size=(-1,)))),
+        "FormatError",
+        "negative or mismatched",
+    ),
+    "size_stride_mismatch": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, stride=(1, 1)))),
+        "FormatError",
+        "negative or mismatched",
+    ),
+    "too_many_dims": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, size=(1,) * 100, stride=(1,) * 100))),
+        "FormatError",
+        "not a tuple of at most 64",
+    ),
+    "offset_not_int": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, offset=0.5))),
+        "FormatError",
+        "the storage offset is a float",
+    ),
+    "offset_past_end": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, offset=10**6))),
+        "FormatError",
+        "extends past its 44-byte record",
+    ),
+    "extent_past_end": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f[:4], size=(FLAT,)))),
+        "FormatError",
+        "extends past its 16-byte record",
+    ),
     "numel_overflow": (
         "z3",
         _optim(_set_flat(lambda f: Forged(f, size=(1 << 31, 1 << 31, 1 << 31), stride=(1 << 62, 1 << 31, 1)))),
@@ -364,28 +479,60 @@ CASES: dict[str, Case] = {
         "FormatError",
         "not a torch storage",
     ),
-    "quantized_storage": ("z3", _optim(_set_flat(lambda f: Forged(f, stype=torch.QInt8Storage))), "FormatError", "QInt8Storage' is not allowed"),
+    "quantized_storage": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, stype=torch.QInt8Storage))),
+        "FormatError",
+        "QInt8Storage' is not allowed",
+    ),
     "storage_named_twice": (
         "z3",
         _optim(_set_flat(lambda f: [Forged(f, key="0"), Forged(f.view(torch.int32), key="0")])),
         "FormatError",
         "storage 0: named twice with different types or sizes",
     ),
-    "backward_hooks": ("z3", _optim(_set_flat(lambda f: Forged(f, hooks=OrderedDict(hook=1)))), "FormatError", "backward hooks or metadata"),
-    "misaligned_record": ("z3", _optim(lambda s: None, misalign=True), "FormatError", "not aligned to its 4-byte elements"),
+    "backward_hooks": (
+        "z3",
+        _optim(_set_flat(lambda f: Forged(f, hooks=OrderedDict(hook=1)))),
+        "FormatError",
+        "backward hooks or metadata",
+    ),
+    "misaligned_record": (
+        "z3",
+        _optim(lambda s: None, misalign=True),
+        "FormatError",
+        "not aligned to its 4-byte elements",
+    ),
     "compressed_record": ("z3", _optim(lambda s: None, compress=True), "FormatError", "is compressed or encrypted"),
-    "two_folders": ("z3", _optim(lambda s: None, extra={"other/data.pkl": b""}), "FormatError", "not a torch.save archive"),
+    "two_folders": (
+        "z3",
+        _optim(lambda s: None, extra={"other/data.pkl": b""}),
+        "FormatError",
+        "not a torch.save archive",
+    ),
     "big_endian": ("z3", _optim(lambda s: None, byteorder=b"big"), "FormatError", "saved on a big-endian machine"),
-    "duplicate_names": ("z3", _optim(lambda s: None, extra={"archive/version": b"4\n"}), "FormatError", "no duplicate names"),
+    "duplicate_names": (
+        "z3",
+        _optim(lambda s: None, extra={"archive/version": b"4\n"}),
+        "FormatError",
+        "no duplicate names",
+    ),
     "damaged_pickle": ("z3", _file_op("crc"), "FormatError", "CRC does not match"),
     "truncated_file": ("z3", _file_op("truncate"), "FormatError", "not a readable zip archive|past the end"),
     "empty_file": ("z3", _file_op("empty"), "FormatError", "not in torch's zip format"),
     "legacy_format": ("z3", _file_op("legacy"), "FormatError", "legacy format"),
-    "rank_file_symlink": ("z3", _file_op("symlink"), "FormatError", "symbolic link|leads outside the checkpoint folder"),
+    "rank_file_symlink": (
+        "z3",
+        _file_op("symlink"),
+        "FormatError",
+        "symbolic link|leads outside the checkpoint folder",
+    ),
     "rank_file_fifo": ("z3", _file_op("fifo"), "FormatError", "not a regular file"),
     "meta_frozen_fragment": (
         "z3",
-        _model(lambda s: s["frozen_param_fragments"].update(f=Forged(s["frozen_param_fragments"]["f"], location="meta"))),
+        _model(
+            lambda s: s["frozen_param_fragments"].update(f=Forged(s["frozen_param_fragments"]["f"], location="meta"))
+        ),
         "FormatError",
         "on device 'meta'",
     ),
@@ -414,13 +561,33 @@ CASES: dict[str, Case] = {
         "FormatError",
         "flat sub-group 0 holds 11 elements, but its parameters need",
     ),
-    "shape_negative": ("z3", _model_all(lambda s: s["param_shapes"][0].update(w=torch.Size([-3, 5]))), "FormatError", "bad shape"),
+    "shape_negative": (
+        "z3",
+        _model_all(lambda s: s["param_shapes"][0].update(w=torch.Size([-3, 5]))),
+        "FormatError",
+        "bad shape",
+    ),
     "shape_bools": ("z3", _model_all(lambda s: s["param_shapes"][0].update(w=(True, 5))), "FormatError", "bad shape"),
-    "shape_huge_dims": ("z3", _model_all(lambda s: s["frozen_param_shapes"].update(f=(1 << 40, 1 << 40))), "FormatError", "bad shape"),
-    "z2_uncovered_elements": ("z2", lambda ds: _z2_short(ds), "FormatError", "param group 0 needs 16 elements, the ranks hold 14"),
+    "shape_huge_dims": (
+        "z3",
+        _model_all(lambda s: s["frozen_param_shapes"].update(f=(1 << 40, 1 << 40))),
+        "FormatError",
+        "bad shape",
+    ),
+    "z2_uncovered_elements": (
+        "z2",
+        lambda ds: _z2_short(ds),
+        "FormatError",
+        "param group 0 needs 16 elements, the ranks hold 14",
+    ),
     "zero_stage_7": ("z3", _optim(lambda s: _opt(s).update(zero_stage=7)), "FormatError", "unknown ZeRO stage 7"),
     "zero_stage_str": ("z3", _optim(lambda s: _opt(s).update(zero_stage="3")), "FormatError", "'zero_stage' is a str"),
-    "zero_stage_2_63": ("z3", _optim(lambda s: _opt(s).update(zero_stage=(1 << 63) + 3)), "FormatError", "unknown ZeRO stage"),
+    "zero_stage_2_63": (
+        "z3",
+        _optim(lambda s: _opt(s).update(zero_stage=(1 << 63) + 3)),
+        "FormatError",
+        "unknown ZeRO stage",
+    ),
     "module_not_dict": ("z3", _model(lambda s: s.update(module=[1, 2])), "FormatError", "'module' is a list"),
     "param_groups_not_list": (
         "z3",
@@ -446,14 +613,34 @@ CASES: dict[str, Case] = {
         "FormatError",
         "exp_avg",
     ),
-    "counters_not_ints": ("z3", _model(lambda s: s.update(global_steps={"x": [1]}, global_samples=(1 << 64) - 1)), "read", ""),
+    "counters_not_ints": (
+        "z3",
+        _model(lambda s: s.update(global_steps={"x": [1]}, global_samples=(1 << 64) - 1)),
+        "read",
+        "",
+    ),
     "cuda_location_is_read_on_cpu": ("z3", _optim(_set_flat(lambda f: Forged(f, location="cuda:0"))), "read", ""),
     # --- `latest`: a small regular file inside the folder, never echoed
     "latest_symlink_passwd": ("z3", _latest("symlink_passwd"), "FormatError", "latest: is a symbolic link"),
     "latest_symlink_secret": ("z3", _latest("symlink_secret"), "FormatError", "latest: is a symbolic link"),
-    "latest_hardlink_secret": ("z3", _latest("hardlink_secret"), "CheckpointNotFoundError", "the tag folder 'latest' names: tag folder is missing"),
-    "latest_secret_content": ("z3", _latest("secret_content"), "CheckpointNotFoundError", "the tag folder 'latest' names: tag folder is missing"),
-    "latest_secret_multiline": ("z3", _latest("secret_multiline"), "FormatError", "latest: bad checkpoint tag: not a valid tag name"),
+    "latest_hardlink_secret": (
+        "z3",
+        _latest("hardlink_secret"),
+        "CheckpointNotFoundError",
+        "the tag folder 'latest' names: tag folder is missing",
+    ),
+    "latest_secret_content": (
+        "z3",
+        _latest("secret_content"),
+        "CheckpointNotFoundError",
+        "the tag folder 'latest' names: tag folder is missing",
+    ),
+    "latest_secret_multiline": (
+        "z3",
+        _latest("secret_multiline"),
+        "FormatError",
+        "latest: bad checkpoint tag: not a valid tag name",
+    ),
     "latest_binary": ("z3", _latest("binary"), "FormatError", "not a valid tag name \\(not UTF-8 text\\)"),
     "latest_traversal": ("z3", _latest("../x"), "FormatError", "latest: bad checkpoint tag: not a valid tag name"),
     "latest_absolute": ("z3", _latest("/etc"), "FormatError", "not a valid tag name"),
@@ -463,7 +650,12 @@ CASES: dict[str, Case] = {
     "latest_oversized": ("z3", _latest("oversized"), "FormatError", "latest: 1048576 bytes"),
     "latest_fifo": ("z3", _latest("fifo"), "FormatError", "latest: not a regular file"),
     "latest_directory": ("z3", _latest("directory"), "FormatError", "latest: not a regular file"),
-    "tag_folder_symlink": ("z3", _latest("tag_symlink_outside"), "FormatError", "global_step2: is a symbolic link or leads outside"),
+    "tag_folder_symlink": (
+        "z3",
+        _latest("tag_symlink_outside"),
+        "FormatError",
+        "global_step2: is a symbolic link or leads outside",
+    ),
     "secret_tag_folder_symlink": (
         "z3",
         _latest("secret_tag_symlink"),
@@ -475,7 +667,8 @@ SECRET_CASES = {name for name in CASES if "secret" in name or "passwd" in name o
 
 
 def _z2_short(ds: DSFolder) -> None:
-    """ZeRO-2 ranks holding 7 + 7 elements for a 16-element parameter: zero_to_fp32's rounding check passes, 2 elements are nowhere."""
+    """ZeRO-2 ranks holding 7 + 7 elements for a 16-element parameter: zero_to_fp32's rounding check passes, 2 elements
+    are nowhere."""
     for r, name in enumerate(ds.optim):
 
         def change(state: dict[str, Any], r: int = r) -> None:

@@ -124,7 +124,11 @@ def case_fp32_module(r: dict[str, Any], tied: str, rank: int) -> None:
 
     engine = engine_of(build_model(tied, seed=21 + rank), "fp32")
     result = shardsafe.load_pretrained(engine.module, tied)
-    r["fp32_module"] = {"bytes_read": result["bytes_read"], "weights": weights(engine.module), "masters": masters(engine.module)}
+    r["fp32_module"] = {
+        "bytes_read": result["bytes_read"],
+        "weights": weights(engine.module),
+        "masters": masters(engine.module),
+    }
     r["fp32_module"]["loss"] = [train(engine, 0), train(engine, 1)]
     r["fp32_module"]["after_step"] = masters(engine.module)
     del engine
@@ -136,7 +140,11 @@ def case_bf16_into_fp32(r: dict[str, Any], untied_bf16: str, rank: int) -> None:
     engine = engine_of(build_model(untied_bf16, seed=31 + rank), "fp32")
     train(engine, 0)  # mid-training: optimizer moments exist
     result = shardsafe.load_pretrained(engine, untied_bf16)
-    r["bf16_into_fp32"] = {"bytes_read": result["bytes_read"], "weights": weights(engine.module), "masters": masters(engine.module)}
+    r["bf16_into_fp32"] = {
+        "bytes_read": result["bytes_read"],
+        "weights": weights(engine.module),
+        "masters": masters(engine.module),
+    }
 
 
 def case_bf16_engine(r: dict[str, Any], tied: str, rank: int) -> None:

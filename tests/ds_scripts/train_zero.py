@@ -128,7 +128,8 @@ def run_variant(out: Path, variant: str) -> None:
     groups = param_groups(model)
     group_names = [[names[id(p)] for p in g["params"]] for g in groups]
     optimizer = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if kind == "tiny" else None  # saved in model_states
+    # saved in model_states
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if kind == "tiny" else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
     gen = torch.Generator().manual_seed(99 + rank)
     for _ in range(2):
@@ -142,7 +143,8 @@ def run_variant(out: Path, variant: str) -> None:
 
     # What DeepSpeed holds, gathered by its own helpers (collective: every rank calls them).
     if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        # ZeRO-1/2 link each parameter to its optimizer state once, at the first step, before AdamW has created any: link again.
+        # ZeRO-1/2 link each parameter to its optimizer state once, at the first step, before AdamW has created any:
+        # link again.
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
     ref: dict[str, torch.Tensor] = {}
@@ -166,7 +168,9 @@ def run_variant(out: Path, variant: str) -> None:
         ref["__step__"] = torch.tensor(steps.pop())
         save_file({k: v.contiguous() for k, v in ref.items()}, str(out / f"{variant}.ref_optim.safetensors"))
         full = get_fp32_state_dict_from_zero_checkpoint(str(folder))
-        save_file({k: v.detach().clone().contiguous() for k, v in full.items()}, str(out / f"{variant}.ref_fp32.safetensors"))
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in full.items()}, str(out / f"{variant}.ref_fp32.safetensors")
+        )
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         meta = {
             "variant": variant,
@@ -211,14 +215,21 @@ def synthesize_fp16(out: Path, source: str = "tiny_bf16_z3", variant: str = "tin
             path = path.with_name(path.name.removeprefix("bf16_"))
         else:
             for key in ("module", "frozen_param_fragments"):
-                state[key] = type(state[key])((k, v.half() if v.dtype == torch.bfloat16 else v) for k, v in state[key].items())
+                state[key] = type(state[key])(
+                    (k, v.half() if v.dtype == torch.bfloat16 else v) for k, v in state[key].items()
+                )
         torch.save(state, path)
     full = get_fp32_state_dict_from_zero_checkpoint(str(dst))
-    save_file({k: v.detach().clone().contiguous() for k, v in full.items()}, str(out / f"{variant}.ref_fp32.safetensors"))
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in full.items()}, str(out / f"{variant}.ref_fp32.safetensors")
+    )
     shutil.copy(out / f"{source}.ref_optim.safetensors", out / f"{variant}.ref_optim.safetensors")
     meta = json.loads((out / f"{source}.ref.json").read_text())
     meta.update(
-        variant=variant, precision="fp16", state_dict_keys=list(full), dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in full.items()}
+        variant=variant,
+        precision="fp16",
+        state_dict_keys=list(full),
+        dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in full.items()},
     )
     (out / f"{variant}.ref.json").write_text(json.dumps(meta, indent=1, default=str))
 

@@ -49,7 +49,11 @@ COORDINATOR_ONLY = {"save:before-manifest", "save:before-publish", "save:after-p
 # RENAME_EXCHANGE (test_faults_crash.py simulates one).
 SAVE_POINTS = [point for point in POINTS if point.startswith("save:") and point != "save:between-renames"]
 # (point, rank) - rank None: the spec names no rank, so every rank dies there.
-CASES = [(point, 0) for point in SAVE_POINTS] + [(point, 1) for point in SAVE_POINTS if point not in COORDINATOR_ONLY] + [("save:mid-write", None)]
+CASES = (
+    [(point, 0) for point in SAVE_POINTS]
+    + [(point, 1) for point in SAVE_POINTS if point not in COORDINATOR_ONLY]
+    + [("save:mid-write", None)]
+)
 
 
 def crash_spec(point: str, rank: int | None) -> str:
@@ -141,9 +145,21 @@ def test_sigkill_during_save(tmp_path: Path, point: str, rank: int | None, targe
 def test_sigkill_under_torchrun_does_not_hang(tmp_path: Path) -> None:
     """The same, with the real launcher: torchrun ends the surviving rank and exits with an error."""
     root, out = tmp_path / "root", tmp_path / "out"
-    cmd = torchrun_command(crash_worker, out, (str(root), "overwrite", "save:mid-write@1"), ["--standalone", "--nproc_per_node", str(WORLD)])
+    cmd = torchrun_command(
+        crash_worker,
+        out,
+        (str(root), "overwrite", "save:mid-write@1"),
+        ["--standalone", "--nproc_per_node", str(WORLD)],
+    )
     try:
-        proc = subprocess.run(cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, start_new_session=True)
+        proc = subprocess.run(
+            cmd,
+            env=torchrun_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+            start_new_session=True,
+        )
     finally:
         leftovers = kill_leftover_workers(out)  # never leave a rank behind, whatever happened
     log = proc.stdout.decode(errors="replace")

@@ -105,7 +105,9 @@ def test_cases_cover_every_manager_point() -> None:
     assert used == set(PER_RANK + COORDINATOR)
     # save:between-renames is armed below (no RENAME_EXCHANGE), push:before-marker in tests/hf/test_push.py,
     # tier:before-copy in tests/manager/test_tier.py
-    assert set(POINTS) - used - {"save:between-renames", "push:before-marker", "tier:before-copy"} == set(), "a fault point no test arms"
+    assert set(POINTS) - used - {"save:between-renames", "push:before-marker", "tier:before-copy"} == set(), (
+        "a fault point no test arms"
+    )
     assert {rank for _, _, _, rank in DEFAULT} == {0, 1, None}
 
 
@@ -113,7 +115,9 @@ def _run_crash(tmp_path: Path, root: str, case: tuple[Any, bool, str, int | None
     mode, dedup, point, rank = case
     spec = point if rank is None else f"{point}@{rank}"
     options = {"async_save": mode, "dedup": dedup}
-    result = launch(manager_job, WORLD, root, options, ("SHARDSAFE_CRASH_AT", spec), 3, dedup, env, work_dir=tmp_path, timeout=120)
+    result = launch(
+        manager_job, WORLD, root, options, ("SHARDSAFE_CRASH_AT", spec), 3, dedup, env, work_dir=tmp_path, timeout=120
+    )
     assert not result.timed_out, result.describe()
     killed = [r for r, code in enumerate(result.exitcodes) if code == -signal.SIGKILL]
     # (after a retention point, the other ranks may have finished: retention runs on the coordinator alone)
@@ -139,13 +143,17 @@ def _s3_env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case", S3_DEFAULT, ids=[case_id(c) for c in S3_DEFAULT])
-def test_sigkill_during_s3_manager_save(s3_bucket: str, tmp_path: Path, case: tuple[Any, bool, str, int | None]) -> None:
+def test_sigkill_during_s3_manager_save(
+    s3_bucket: str, tmp_path: Path, case: tuple[Any, bool, str, int | None]
+) -> None:
     _run_crash(tmp_path, f"s3://{s3_bucket}/run", case, _s3_env())
 
 
 @pytest.mark.stress
 @pytest.mark.parametrize("case", S3_STRESS, ids=[case_id(c) for c in S3_STRESS])
-def test_sigkill_during_s3_manager_save_sweep(s3_bucket: str, tmp_path: Path, case: tuple[Any, bool, str, int | None]) -> None:
+def test_sigkill_during_s3_manager_save_sweep(
+    s3_bucket: str, tmp_path: Path, case: tuple[Any, bool, str, int | None]
+) -> None:
     _run_crash(tmp_path, f"s3://{s3_bucket}/run", case, _s3_env())
 
 
@@ -192,7 +200,9 @@ def test_sigkill_between_the_renames_of_an_overwrite(tmp_path: Path) -> None:
     record("SIGKILL between the two renames of an overwrite (no RENAME_EXCHANGE)", faults=1, checked=1)
 
 
-def test_failure_between_the_renames_puts_the_old_checkpoint_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failure_between_the_renames_puts_the_old_checkpoint_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _no_exchange_here(monkeypatch)
     model = make_model(0)
     set_model_values(model, seeded_values(model, "A", 0))

@@ -95,19 +95,40 @@ def test_io_errors_at_every_save_step(tmp_path: Path) -> None:
         else:
             with pytest.raises(CheckpointNotFoundError):
                 shardsafe.load(folder / "new", {"model": make_model(1)})
-        assert sorted(p.name for p in folder.iterdir()) == (["ckpt", "new"] if published else ["ckpt"]), "a failed save left something behind"
+        assert sorted(p.name for p in folder.iterdir()) == (["ckpt", "new"] if published else ["ckpt"]), (
+            "a failed save left something behind"
+        )
         assert shardsafe.collect_garbage(folder) == []
         checked += 1
-    record("EIO (SHARDSAFE_FAIL_AT) at each step of a save, 2 ranks", cases=2 * len(EIO_CASES), faults=2 * len(EIO_CASES), checked=checked)
+    record(
+        "EIO (SHARDSAFE_FAIL_AT) at each step of a save, 2 ranks",
+        cases=2 * len(EIO_CASES),
+        faults=2 * len(EIO_CASES),
+        checked=checked,
+    )
 
 
 def test_io_errors_in_retention(tmp_path: Path) -> None:
     """Retention failing on the coordinator (after the save committed) is logged and retried later,
     never raised on that rank alone, which would leave the other ranks waiting in the next collective."""
-    cases = (("retention:before-rename@0", [1, 2, 3]), ("retention:after-rename@0", [2, 3]), ("retention:mid-delete@0", [2, 3]))
+    cases = (
+        ("retention:before-rename@0", [1, 2, 3]),
+        ("retention:after-rename@0", [2, 3]),
+        ("retention:mid-delete@0", [2, 3]),
+    )
     for i, (spec, expected) in enumerate(cases):
         root = tmp_path / f"ckpt-{i}"
-        results = run_ranks(manager_job, WORLD, str(root), {"async_save": True}, ("SHARDSAFE_FAIL_AT", spec), 3, False, {}, work_dir=tmp_path)
+        results = run_ranks(
+            manager_job,
+            WORLD,
+            str(root),
+            {"async_save": True},
+            ("SHARDSAFE_FAIL_AT", spec),
+            3,
+            False,
+            {},
+            work_dir=tmp_path,
+        )
         assert results == ["survived", "survived"]
         check_root_after_fault(str(root), expected, False)
     record("EIO in manager retention (coordinator)", cases=len(cases), faults=len(cases), checked=7)
@@ -123,7 +144,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root")
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -146,7 +169,9 @@ def test_full_disk_single_process(small_disk: Path) -> None:
     with pytest.raises(SaveError) as error:
         shardsafe.save(small_disk / "big", big)
     message = str(error.value)
-    assert "No space left on device" in message and "rank 0" in message and "shard-00000.safetensors" in message, message
+    assert "No space left on device" in message and "rank 0" in message and "shard-00000.safetensors" in message, (
+        message
+    )
     assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt"], "the failed save left files on the full disk"
     assert _free(small_disk) == free_before
     assert_checkpoint_is(small_disk / "ckpt", "A")
@@ -244,7 +269,9 @@ EXPECTED_SAVE = {
 }
 
 
-def _save_through_faults(proxy: FlakyProxy, bucket: str, faults: list[tuple[str, tuple[str, ...], str | None, int | None]]) -> None:
+def _save_through_faults(
+    proxy: FlakyProxy, bucket: str, faults: list[tuple[str, tuple[str, ...], str | None, int | None]]
+) -> None:
     root = f"s3://{bucket}/run"
     shardsafe.save(f"{root}/{step_name(1)}", _remote_state(1))
     committed = [1]
@@ -269,9 +296,16 @@ def _save_through_faults(proxy: FlakyProxy, bucket: str, faults: list[tuple[str,
             with pytest.raises(CheckpointNotFoundError):
                 shardsafe.load(f"{root}/{step_name(step)}", {"model": make_model(1)})
         expected = EXPECTED_SAVE.get((mode, methods, path, count))
-        assert expected is None or (raised, visible) == expected, f"{mode} {methods} {path} {count}: raised={raised} committed={visible}"
+        assert expected is None or (raised, visible) == expected, (
+            f"{mode} {methods} {path} {count}: raised={raised} committed={visible}"
+        )
     checked = check_root_after_fault(root, committed, False)
-    record("S3 save through a proxy that drops or cuts connections", cases=len(faults), faults=proxy.injected, checked=checked)
+    record(
+        "S3 save through a proxy that drops or cuts connections",
+        cases=len(faults),
+        faults=proxy.injected,
+        checked=checked,
+    )
 
 
 def test_s3_save_through_a_flaky_endpoint(flaky_s3: tuple[FlakyProxy, str]) -> None:
@@ -284,7 +318,10 @@ def test_s3_save_through_a_flaky_endpoint_sweep(flaky_s3: tuple[FlakyProxy, str]
 
 
 ALL_LOAD_FAULTS = [
-    (mode, path, count) for mode in ("drop", "cut", "truncate", "lie") for path in (r"shard-", MANIFEST_PATH, r"state-") for count in (1, None)
+    (mode, path, count)
+    for mode in ("drop", "cut", "truncate", "lie")
+    for path in (r"shard-", MANIFEST_PATH, r"state-")
+    for count in (1, None)
 ]
 LOAD_FAULTS = [
     ("drop", r"shard-", 1),  # retried: loads exactly
@@ -324,7 +361,12 @@ def _load_through_faults(proxy: FlakyProxy, bucket: str, faults: list[tuple[str,
             proxy.disarm()
         assert proxy.injected > injected, f"{mode} {pattern}: no fault was injected"
     assert_step(f"s3://{bucket}/run", 1, False)
-    record("S3 load through a proxy that drops, cuts or truncates responses", cases=len(faults), faults=proxy.injected, checked=1)
+    record(
+        "S3 load through a proxy that drops, cuts or truncates responses",
+        cases=len(faults),
+        faults=proxy.injected,
+        checked=1,
+    )
 
 
 def test_s3_load_through_a_flaky_endpoint(flaky_s3: tuple[FlakyProxy, str]) -> None:

@@ -52,7 +52,12 @@ def race_worker(rank: int, world_size: int, root: str, saves: int, tag: str) -> 
         state = {"model": model, "counter": counter, "meta": {"step": i, "tag": tag}}
         shardsafe.save(Path(root) / step_name(i), state)
         shardsafe.save(Path(root) / LATEST, state, overwrite=True)
-    return {"rank": rank, "world_size": world_size, "local_rank": int(os.environ.get("LOCAL_RANK", -1)), "pid": os.getpid()}
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": int(os.environ.get("LOCAL_RANK", -1)),
+        "pid": os.getpid(),
+    }
 
 
 def check_root(root: Path, saves: int, tag: str, world_size: int) -> None:
@@ -102,11 +107,24 @@ def _run_two_nodes(base: Path) -> tuple[list[int | None], str]:
             race_worker,
             base / "out",
             (str(base / "root"), SAVES, "two-nodes"),
-            ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)],
+            [
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+            ],
         )
         log = open(base / f"node{node}.log", "wb")  # noqa: SIM115 - closed below
         logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=torchrun_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(cmd, env=torchrun_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
     codes: list[int | None] = []
     try:
         for p in procs:
@@ -119,7 +137,9 @@ def _run_two_nodes(base: Path) -> tuple[list[int | None], str]:
         kill_leftover_workers(base / "out")
         for log in logs:
             log.close()
-    return codes, "\n".join(f"--- node {n} ---\n" + (base / f"node{n}.log").read_text(errors="replace")[-5000:] for n in range(2))
+    return codes, "\n".join(
+        f"--- node {n} ---\n" + (base / f"node{n}.log").read_text(errors="replace")[-5000:] for n in range(2)
+    )
 
 
 def test_two_nodes_sharing_one_root(tmp_path: Path) -> None:

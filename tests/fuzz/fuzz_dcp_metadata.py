@@ -93,7 +93,8 @@ def _int(fdp: atheris.FuzzedDataProvider) -> int:
 
 
 def _mutated(fdp: atheris.FuzzedDataProvider) -> bytes:
-    """The seed's metadata with one field changed (the seed is this run's own file: unpickled here to build the variant)."""
+    """The seed's metadata with one field changed (the seed is this run's own file: unpickled here to build the
+    variant)."""
     meta = pickle.loads(SEED_METADATA)  # noqa: S301 - this run's own dcp.save output, never an input
     entries, infos = list(meta.state_dict_metadata.items()), list(meta.storage_data.items())
     field = fdp.ConsumeIntInRange(0, 8)
@@ -105,7 +106,9 @@ def _mutated(fdp: atheris.FuzzedDataProvider) -> bytes:
     elif field == 1:
         info.length = _int(fdp)
     elif field == 2:
-        info.relative_path = fdp.PickValueInList([*DATA_FILES, ".metadata", "../x.distcp", "a/b.distcp", fdp.ConsumeUnicode(12)])
+        info.relative_path = fdp.PickValueInList(
+            [*DATA_FILES, ".metadata", "../x.distcp", "a/b.distcp", fdp.ConsumeUnicode(12)]
+        )
     elif field == 3 and chunks:
         chunk = chunks[fdp.ConsumeIntInRange(0, len(chunks) - 1)]
         dims = [_int(fdp) if fdp.ConsumeBool() else d for d in chunk.sizes] or [_int(fdp)]
@@ -116,9 +119,13 @@ def _mutated(fdp: atheris.FuzzedDataProvider) -> bytes:
     elif field == 4 and chunks:
         entry.size = torch.Size([max(_int(fdp), 0) for _ in range(fdp.ConsumeIntInRange(0, 3))])
     elif field == 5 and chunks:
-        entry.properties.dtype = fdp.PickValueInList([torch.float16, torch.int64, torch.bool, torch.float64, torch.uint8])
+        entry.properties.dtype = fdp.PickValueInList(
+            [torch.float16, torch.int64, torch.bool, torch.float64, torch.uint8]
+        )
     elif field == 6:
-        meta.planner_data[fqn] = tuple(fdp.PickValueInList(["model", "optim", "state", "0", 0, 1, "n", fdp.ConsumeUnicode(6)]) for _ in range(3))
+        meta.planner_data[fqn] = tuple(
+            fdp.PickValueInList(["model", "optim", "state", "0", 0, 1, "n", fdp.ConsumeUnicode(6)]) for _ in range(3)
+        )
     elif field == 7:
         meta.storage_data[type(index)(fdp.PickValueInList([e[0] for e in entries]), index.offset, index.index)] = info
         if fdp.ConsumeBool():
@@ -137,7 +144,8 @@ def _read_as_load_does() -> None:
 
 
 def _load() -> None:
-    """``shardsafe.load`` of the folder; a ShardsafeError wrapping anything else (the agreement of ranks does that) is a crash."""
+    """``shardsafe.load`` of the folder; a ShardsafeError wrapping anything else (the agreement of ranks does that) is a
+    crash."""
     try:
         load(FOLDER, {"model": MODEL, "optim": OPTIM, "n": 0})
     except ShardsafeError as exc:
@@ -159,7 +167,9 @@ def test_one_input(data: bytes) -> None:
         if target == 4:
             raw = (SOUND / DATA_FILES[0]).read_bytes()
             at = fdp.ConsumeIntInRange(0, len(raw) - 1)
-            data_file.write_bytes(raw[:at] + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 8)).ljust(1, b"\0") + raw[at + 1 :])
+            data_file.write_bytes(
+                raw[:at] + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 8)).ljust(1, b"\0") + raw[at + 1 :]
+            )
             _load()
             return
         stream = splice(SEED_METADATA, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes())

@@ -73,8 +73,12 @@ def _seed_manifest() -> bytes:
 
 
 SEED_MANIFEST = _seed_manifest()
-SEED_HEADER, _ = build_safetensors_header([HeaderEntry("a", torch.float32, (3, 2)), HeaderEntry("b@2,0", torch.bfloat16, (5,))])
-SEED_STATE = json.dumps({"x": {"__pairs__": [[1, {"__tuple__": [1, {"__dtype__": "float32"}]}]]}, "t": {"__tensor__": "k"}}).encode()
+SEED_HEADER, _ = build_safetensors_header(
+    [HeaderEntry("a", torch.float32, (3, 2)), HeaderEntry("b@2,0", torch.bfloat16, (5,))]
+)
+SEED_STATE = json.dumps(
+    {"x": {"__pairs__": [[1, {"__tuple__": [1, {"__dtype__": "float32"}]}]]}, "t": {"__tensor__": "k"}}
+).encode()
 
 
 def _seed_checkpoint() -> Path:
@@ -89,17 +93,24 @@ def _seed_checkpoint() -> Path:
 CHECKPOINT = _seed_checkpoint()
 SEED_CKPT_MANIFEST = (CHECKPOINT / "manifest.json").read_bytes()
 SEED_CKPT_STATE = (CHECKPOINT / "state.json").read_bytes()
-ARGV_WORDS = "inspect verify list gc export convert push demo --json --dry-run --min-age --steps --save-every --nproc --timeout "
+ARGV_WORDS = (
+    "inspect verify list gc export convert push demo --json --dry-run --min-age --steps --save-every --nproc --timeout "
+)
 ARGV_WORDS += "--max-shard-size --dtype --key --tag --for-engine --revision -m --help --version 5GB 0 -1 nan 1e309 x"
 WORDS = ARGV_WORDS.split()
 # What must never reach a terminal from a checkpoint: controls (newline aside), unpaired surrogates, bidi overrides.
-UNSAFE_OUTPUT = {chr(c) for c in [*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000), 0x61C, 0x200E, 0x200F]} - {"\n"}
+UNSAFE_OUTPUT = {chr(c) for c in [*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000), 0x61C, 0x200E, 0x200F]} - {
+    "\n"
+}
 UNSAFE_OUTPUT |= {chr(c) for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]}
 
 
 def _fuzz_argv(fdp: atheris.FuzzedDataProvider) -> None:
     """Parse (never run) a fuzzed ``shardsafe`` command line; argparse may exit on bad usage."""
-    argv = [fdp.PickValueInList(WORDS) if fdp.ConsumeBool() else fdp.ConsumeUnicode(12) for _ in range(fdp.ConsumeIntInRange(0, 8))]
+    argv = [
+        fdp.PickValueInList(WORDS) if fdp.ConsumeBool() else fdp.ConsumeUnicode(12)
+        for _ in range(fdp.ConsumeIntInRange(0, 8))
+    ]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             build_parser().parse_args(argv)
@@ -135,7 +146,9 @@ def test_one_input(data: bytes) -> None:
             parse_manifest(splice(SEED_MANIFEST, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
         elif target == 2:
             size = fdp.ConsumeIntInRange(0, 1 << 20)
-            parse_safetensors_header(splice(SEED_HEADER, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), size, "fuzz")
+            parse_safetensors_header(
+                splice(SEED_HEADER, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), size, "fuzz"
+            )
         elif target == 3:
             value = parse_json(splice(SEED_STATE, fdp) if spliced else fdp.ConsumeBytes(fdp.remaining_bytes()), "fuzz")
             decode_value(value, lambda key: key)

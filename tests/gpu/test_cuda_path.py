@@ -26,9 +26,12 @@ from dist_utils import make_model, make_optimizer, run_ranks, save_trained
 from shardsafe.core.format import MANIFEST_NAME, parse_manifest
 from shardsafe.storage.pinned import pinned_pool
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the host side is tested in test_pinned_pool.py)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the host side is tested in test_pinned_pool.py)"
+)
 
-SLEEP_CYCLES = 500_000_000  # torch.cuda._sleep: a few hundred milliseconds of GPU spinning queued ahead of the work under test
+# torch.cuda._sleep: a few hundred milliseconds of GPU spinning queued ahead of the work under test
+SLEEP_CYCLES = 500_000_000
 
 
 def _cuda_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -74,7 +77,13 @@ def test_cuda_state_round_trips_and_is_stored_as_a_cpu_save_stores_it(tmp_path: 
     fresh = make_model(1).cuda()
     fresh_optimizer = make_optimizer(fresh)
     into_view = torch.zeros(300, 700, device="cuda", dtype=torch.bfloat16).t()  # a non-contiguous destination
-    loaded: dict[str, Any] = {"model": fresh, "optim": fresh_optimizer, "big": torch.zeros_like(big), "view": into_view, "step": 0}
+    loaded: dict[str, Any] = {
+        "model": fresh,
+        "optim": fresh_optimizer,
+        "big": torch.zeros_like(big),
+        "view": into_view,
+        "step": 0,
+    }
     shardsafe.load(tmp_path / "gpu", loaded)
     _assert_equal(fresh.state_dict(), model.state_dict(), "model")
     _assert_equal({"big": loaded["big"], "view": loaded["view"]}, {"big": big, "view": wide.t()}, "tensors")

@@ -63,7 +63,9 @@ def test_pool_buffers_go_back_when_the_user_fails() -> None:
         pool.give_back([torch.empty(64, dtype=torch.uint8)])
 
 
-@pytest.mark.parametrize(("size", "count", "what"), [(100, 2, "multiple of 64"), (0, 2, "multiple of 64"), (4096, 0, "positive integer")])
+@pytest.mark.parametrize(
+    ("size", "count", "what"), [(100, 2, "multiple of 64"), (0, 2, "multiple of 64"), (4096, 0, "positive integer")]
+)
 def test_pool_refuses_a_bad_configuration(size: int, count: int, what: str) -> None:
     with pytest.raises(ValueError, match=what):
         PinnedPool(size, count, pin=False)
@@ -75,7 +77,9 @@ def test_configure_replaces_the_process_pool_lazily() -> None:
     try:
         pinned.configure(1 << 20, 3)
         pool = pinned.pinned_pool()
-        assert (pool.buffer_bytes, pool.limit, pool.stats().allocated) == (1 << 20, 3, 0), "configured, nothing pinned yet"
+        assert (pool.buffer_bytes, pool.limit, pool.stats().allocated) == (1 << 20, 3, 0), (
+            "configured, nothing pinned yet"
+        )
         assert pinned.pinned_pool() is pool
     finally:
         pinned.configure()
@@ -86,7 +90,8 @@ def test_configure_replaces_the_process_pool_lazily() -> None:
 
 
 @pytest.mark.parametrize(
-    ("lo", "hi", "piece", "align"), [(0, 10, 3, 1), (5, 100, 16, 4), (7, 7, 4, 1), (3, 1000, 64, 16), (0, 50, 8, 32), (13, 200, 50, 7)]
+    ("lo", "hi", "piece", "align"),
+    [(0, 10, 3, 1), (5, 100, 16, 4), (7, 7, 4, 1), (3, 1000, 64, 16), (0, 50, 8, 32), (13, 200, 50, 7)],
 )
 def test_split_range_covers_the_range_in_bounded_aligned_pieces(lo: int, hi: int, piece: int, align: int) -> None:
     parts = split_range(lo, hi, piece, align)
@@ -138,7 +143,13 @@ def _saved(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> tuple[Path, obje
 
 
 def _read_box(
-    path: Path, manifest: object, key: str, offsets: tuple[int, ...], dest: torch.Tensor, dest_offsets: tuple[int, ...], pool: PinnedPool
+    path: Path,
+    manifest: object,
+    key: str,
+    offsets: tuple[int, ...],
+    dest: torch.Tensor,
+    dest_offsets: tuple[int, ...],
+    pool: PinnedPool,
 ) -> None:
     with ChunkReader(path, manifest) as reader:  # type: ignore[arg-type]
         entry = reader.manifest.tensors[key]
@@ -202,4 +213,6 @@ def test_read_into_device_verifies_before_copying(tmp_path: Path) -> None:
     dest = torch.full((1000, 4), -1.0)
     with pytest.raises(IntegrityError, match="hash mismatch"):
         _read_box(path, manifest, "w", (0, 0), dest, (0, 0), PinnedPool(512, 2, pin=False))
-    assert torch.equal(dest, torch.full((1000, 4), -1.0)), "no byte of a piece that fails its hash is copied to the destination"
+    assert torch.equal(dest, torch.full((1000, 4), -1.0)), (
+        "no byte of a piece that fails its hash is copied to the destination"
+    )

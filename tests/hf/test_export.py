@@ -37,7 +37,9 @@ os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 
 MAX_SHARD = "20KB"
 # A weights file in Hugging Face naming (safetensors or pickle), or its index.
-HF_WEIGHTS = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$|\.bin$")
+HF_WEIGHTS = re.compile(
+    r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$|\.bin$"
+)
 
 
 def llama_config(tie: bool) -> Any:
@@ -78,9 +80,13 @@ def _rank_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         optim.step()
         optim.zero_grad()
 
-        whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+        whole = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()
+        }
         shardsafe.save_pretrained(model, out / f"gathered-{tie}", max_shard_size=MAX_SHARD)
-        push_to = None if tie else f"file://{out}/pushed"  # push_to: collective, the coordinator uploads after publishing
+        # push_to: collective, the coordinator uploads after publishing
+        push_to = None if tie else f"file://{out}/pushed"
         shardsafe.save_pretrained(model, out / f"single-{tie}", dtype=None, push_to=push_to)
         if tie:
             shardsafe.save_pretrained(model, out / "nogather" / "model", gather_16bit=False)
@@ -130,7 +136,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def expected(whole: dict[str, torch.Tensor], dtype: torch.dtype | None, tie: bool) -> dict[str, torch.Tensor]:
     out = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in whole.items()}
     if tie:
-        assert torch.equal(out.pop("lm_head.weight"), out["model.embed_tokens.weight"])  # written once, under the embedding's name
+        # written once, under the embedding's name
+        assert torch.equal(out.pop("lm_head.weight"), out["model.embed_tokens.weight"])
     return out
 
 
@@ -138,7 +145,9 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
     assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
     for name, w in want.items():
         g = got[name]
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}[{name}]: {g.dtype}{list(g.shape)} vs {w.dtype}{list(w.shape)}"
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{what}[{name}]: {g.dtype}{list(g.shape)} vs {w.dtype}{list(w.shape)}"
+        )
         assert torch.equal(g, w), f"{what}[{name}]: values differ"
 
 
@@ -146,7 +155,9 @@ def hf_split(tensors: dict[str, torch.Tensor], max_shard_size: str) -> dict[str,
     """The weight_map huggingface_hub (what transformers' save_pretrained uses) would make."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
     return split.tensor_to_filename
 
 
@@ -163,11 +174,19 @@ def test_gathered_save_from_fsdp2(runs: dict[str, Any], tie: bool) -> None:
     assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert index["weight_map"] == hf_split(want, MAX_SHARD), "files split as transformers would split them"
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in want.values())
-    assert sorted(p.name for p in folder.iterdir()) == sorted([*files, INDEX_FILE, "config.json", "generation_config.json"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [*files, INDEX_FILE, "config.json", "generation_config.json"]
+    )
     config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is tie
+    assert (
+        config["architectures"] == ["LlamaForCausalLM"]
+        and config["dtype"] == "bfloat16"
+        and config["tie_word_embeddings"] is tie
+    )
     assert not [p for p in folder.parent.iterdir() if ".shardsafe-tmp-" in p.name], "no temporary folder is left behind"
-    assert check_model_folder(folder).architecture == "names and shapes of LlamaForCausalLM", "the guard compared it with its config"
+    assert check_model_folder(folder).architecture == "names and shapes of LlamaForCausalLM", (
+        "the guard compared it with its config"
+    )
 
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.dtype == torch.bfloat16
@@ -190,10 +209,19 @@ def test_gathered_save_single_file_keeps_dtype(runs: dict[str, Any], tie: bool) 
 
 def test_no_weights_file_without_gather(runs: dict[str, Any], tmp_path: Path) -> None:
     watcher = runs["watcher"]
-    assert watcher.violations == [], f"a weights file appeared during save_pretrained(gather_16bit=False): {sorted(set(watcher.violations))}"
-    assert watcher.polls > 100 and watcher.saw_temp > 0 and watcher.saw_shards > 0, "the watcher saw the save in progress"
+    assert watcher.violations == [], (
+        f"a weights file appeared during save_pretrained(gather_16bit=False): {sorted(set(watcher.violations))}"
+    )
+    assert watcher.polls > 100 and watcher.saw_temp > 0 and watcher.saw_shards > 0, (
+        "the watcher saw the save in progress"
+    )
     folder = runs["root"] / "nogather" / "model"
-    assert sorted(p.name for p in folder.iterdir()) == ["EXPORT.md", "checkpoint", "config.json", "generation_config.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "EXPORT.md",
+        "checkpoint",
+        "config.json",
+        "generation_config.json",
+    ]
     assert not [p for p in folder.rglob("*") if HF_WEIGHTS.search(p.name)]
     assert "shardsafe export" in (folder / "EXPORT.md").read_text()
     assert check_model_folder(folder).kind == "shardsafe-checkpoint"
@@ -215,8 +243,11 @@ def test_export_training_checkpoint_in_one_process(runs: dict[str, Any], tmp_pat
     whole = runs["whole"][f"tie={tie}"]
     config = runs["root"] / f"gathered-{tie}" / "config.json"
 
-    out = shardsafe.export_hf(ckpt, tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size="30KB", config=config, progress=False)
-    assert_same(dict(iter_output(out)), expected(whole, torch.bfloat16, tie), "export bf16")  # optimizer and step left out
+    out = shardsafe.export_hf(
+        ckpt, tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size="30KB", config=config, progress=False
+    )
+    # optimizer and step left out
+    assert_same(dict(iter_output(out)), expected(whole, torch.bfloat16, tie), "export bf16")
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(model.lm_head.weight, whole["lm_head.weight"].to(torch.bfloat16))
@@ -224,11 +255,15 @@ def test_export_training_checkpoint_in_one_process(runs: dict[str, Any], tmp_pat
     # the command line: stored dtype by default, --dtype casts, one file when it fits
     parser = argparse.ArgumentParser(prog="shardsafe")
     add_export_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["export", str(ckpt), str(tmp_path / "cli"), "--dtype", "float16", "--config", str(config), "--no-progress"])
+    args = parser.parse_args(
+        ["export", str(ckpt), str(tmp_path / "cli"), "--dtype", "float16", "--config", str(config), "--no-progress"]
+    )
     assert args.func(args) == 0
     assert (tmp_path / "cli" / SINGLE_FILE).is_file() and not (tmp_path / "cli" / INDEX_FILE).exists()
     assert_same(dict(iter_output(tmp_path / "cli")), expected(whole, torch.float16, tie), "export fp16")
-    args = parser.parse_args(["export", str(ckpt), str(tmp_path / "nofsync"), "--config", str(config), "--no-progress", "--no-fsync"])
+    args = parser.parse_args(
+        ["export", str(ckpt), str(tmp_path / "nofsync"), "--config", str(config), "--no-progress", "--no-fsync"]
+    )
     assert args.no_fsync and args.func(args) == 0  # same files, only not fsynced
     fsynced = shardsafe.export_hf(ckpt, tmp_path / "fsynced", config=config, progress=False)
     assert_same(dict(iter_output(tmp_path / "nofsync")), dict(iter_output(fsynced)), "export --no-fsync")
@@ -259,7 +294,9 @@ def test_guard_refuses_broken_model_folders(runs: dict[str, Any], tmp_path: Path
         check_model_folder(empty)
     dummy = tmp_path / "dummy"
     dummy.mkdir()
-    save_file({"model.embed_tokens.weight": torch.empty(0), "lm_head.weight": torch.empty(0, 32)}, str(dummy / SINGLE_FILE))
+    save_file(
+        {"model.embed_tokens.weight": torch.empty(0), "lm_head.weight": torch.empty(0, 32)}, str(dummy / SINGLE_FILE)
+    )
     with pytest.raises(ModelFolderError, match="empty"):
         check_model_folder(dummy)
     (dummy / SINGLE_FILE).write_bytes(b"")
@@ -299,8 +336,12 @@ def test_save_pretrained_one_process_plain_module(tmp_path: Path) -> None:
     net = Net()
     out = shardsafe.save_pretrained(net, tmp_path / "net", dtype=torch.float16)
     got = dict(iter_output(out))
-    assert sorted(got) == ["count", "embed.weight", "steps"], "tie written once (first name), non-persistent buffer skipped"
-    assert got["embed.weight"].dtype == torch.float16 and torch.equal(got["embed.weight"], net.embed.weight.detach().half())
+    assert sorted(got) == ["count", "embed.weight", "steps"], (
+        "tie written once (first name), non-persistent buffer skipped"
+    )
+    assert got["embed.weight"].dtype == torch.float16 and torch.equal(
+        got["embed.weight"], net.embed.weight.detach().half()
+    )
     assert got["count"].dtype == torch.int64, "integer buffers keep their dtype"
     assert sorted(p.name for p in out.iterdir()) == [SINGLE_FILE], "no transformers config: weights only"
     with pytest.raises(CheckpointExistsError):
@@ -310,7 +351,9 @@ def test_save_pretrained_one_process_plain_module(tmp_path: Path) -> None:
     assert (tmp_path / "pushed" / SINGLE_FILE).read_bytes() == (out / SINGLE_FILE).read_bytes()
 
     # without gathering: the pushed folder (config-less here) holds the checkpoint, and exports to the same weights
-    shardsafe.save_pretrained(net, tmp_path / "sharded", gather_16bit=False, dtype=None, push_to=f"file://{tmp_path}/pushed-sharded")
+    shardsafe.save_pretrained(
+        net, tmp_path / "sharded", gather_16bit=False, dtype=None, push_to=f"file://{tmp_path}/pushed-sharded"
+    )
     assert sorted(p.name for p in (tmp_path / "pushed-sharded").iterdir()) == ["EXPORT.md", "checkpoint"]
     again = shardsafe.export_hf(tmp_path / "pushed-sharded", tmp_path / "again", progress=False)
     assert (again / SINGLE_FILE).read_bytes() == (out / SINGLE_FILE).read_bytes()
@@ -353,7 +396,9 @@ def test_every_folder_export_writes_opens_with_safetensors(runs: dict[str, Any],
         "export bf16 sharded": shardsafe.export_hf(
             root / "ckpt-True", tmp_path / "b", dtype="bfloat16", max_shard_size="8KB", config=config, progress=False
         ),
-        "export untied": shardsafe.export_hf(root / "ckpt-False", tmp_path / "c", config=root / "gathered-False", progress=False),
+        "export untied": shardsafe.export_hf(
+            root / "ckpt-False", tmp_path / "c", config=root / "gathered-False", progress=False
+        ),
         "export without config": shardsafe.export_hf(root / "ckpt-False", tmp_path / "d", progress=False),
     }
     for what, folder in written.items():
@@ -363,7 +408,9 @@ def test_every_folder_export_writes_opens_with_safetensors(runs: dict[str, Any],
             weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
             assert weight_map == {n: file for file, ns in names.items() for n in ns}, what
         how = check_model_folder(folder).architecture
-        assert how == ("skipped: no config.json" if what == "export without config" else "names and shapes of LlamaForCausalLM"), (what, how)
+        assert how == (
+            "skipped: no config.json" if what == "export without config" else "names and shapes of LlamaForCausalLM"
+        ), (what, how)
 
 
 class NamedTensors:
@@ -403,13 +450,17 @@ def test_export_refuses_names_safetensors_cannot_store(tmp_path: Path) -> None:
             shardsafe.export_hf(source, tmp_path / "out", progress=False)
         assert source.reads == 0 and sorted(p.name for p in tmp_path.iterdir()) == [], fragment
     out = shardsafe.export_hf(NamedTensors(["a", "ü.weight", "with space", "nul\x00"]), tmp_path / "ok", progress=False)
-    assert {k: sorted(v) for k, v in safetensors_names(out).items()} == {SINGLE_FILE: sorted(["a", "ü.weight", "with space", "nul\x00"])}
+    assert {k: sorted(v) for k, v in safetensors_names(out).items()} == {
+        SINGLE_FILE: sorted(["a", "ü.weight", "with space", "nul\x00"])
+    }
 
     # through a real checkpoint: a module whose parameter is called __metadata__ (save accepts it, export refuses it)
     module = torch.nn.Module()
     module.register_parameter("__metadata__", torch.nn.Parameter(torch.ones(2)))
     shardsafe.save(tmp_path / "ckpt", {"model": module})
-    with pytest.raises(FormatError, match=f"export {tmp_path / 'ckpt'} -> {tmp_path / 'bad'}: a tensor is named '__metadata__'"):
+    with pytest.raises(
+        FormatError, match=f"export {tmp_path / 'ckpt'} -> {tmp_path / 'bad'}: a tensor is named '__metadata__'"
+    ):
         shardsafe.export_hf(tmp_path / "ckpt", tmp_path / "bad", progress=False)
     with pytest.raises(FormatError, match=f"save_pretrained {tmp_path / 'bad'}: a tensor is named '__metadata__'"):
         shardsafe.save_pretrained(module, tmp_path / "bad")

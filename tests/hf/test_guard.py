@@ -33,7 +33,14 @@ from shardsafe.hf.weights_file import open_with_safetensors
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 
-LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+LLAMA = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)
 SEED_MESSAGE = f"{SINGLE_FILE} {NO_TENSORS}"
 
 
@@ -47,7 +54,14 @@ def llama(tie: bool, **extra: Any) -> Any:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Folders written by transformers' save_pretrained (tiny models, CPU, a second or two in all)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM, PegasusConfig, PegasusForConditionalGeneration
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        MixtralConfig,
+        MixtralForCausalLM,
+        PegasusConfig,
+        PegasusForConditionalGeneration,
+    )
 
     root = tmp_path_factory.mktemp("saved")
     out: dict[str, Path] = {}
@@ -56,18 +70,22 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         model.save_pretrained(root / f"llama-tie={tie}")
         model.save_pretrained(root / f"llama-sharded-tie={tie}", max_shard_size="10KB")
         model.model.save_pretrained(root / f"llama-base-tie={tie}")  # LlamaModel: names without "model."
-        out |= {f"llama-tie={tie}": root / f"llama-tie={tie}", f"llama-sharded-tie={tie}": root / f"llama-sharded-tie={tie}"}
+        out |= {
+            f"llama-tie={tie}": root / f"llama-tie={tie}",
+            f"llama-sharded-tie={tie}": root / f"llama-sharded-tie={tie}",
+        }
         out[f"llama-base-tie={tie}"] = root / f"llama-base-tie={tie}"
-    GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)).save_pretrained(
-        root / "gpt2"
-    )
+    GPT2LMHeadModel(
+        GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    ).save_pretrained(root / "gpt2")
     pegasus = PegasusConfig(
-        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
     )  # fmt: skip
     PegasusForConditionalGeneration(pegasus).save_pretrained(root / "pegasus")  # four names tied to one embedding
     mixtral = MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
-    MixtralForCausalLM(mixtral).save_pretrained(root / "mixtral")  # fused experts, saved in the per-expert checkpoint layout
+    # fused experts, saved in the per-expert checkpoint layout
+    MixtralForCausalLM(mixtral).save_pretrained(root / "mixtral")
     return out | {name: root / name for name in ("gpt2", "pegasus", "mixtral")}
 
 
@@ -133,7 +151,9 @@ def test_models_transformers_saved_pass_with_names_and_shapes_checked(saved: dic
         assert summary.architecture == how, (name, summary)
         assert summary.tensors == len({k for f in summary.files for k in load_file(saved[name] / f)})
     assert check_model_folder(saved["llama-sharded-tie=False"]).kind == "sharded-safetensors"
-    assert check_model_folder(saved["llama-tie=True"]).tensors == 20, "the tied lm_head is not in the file, and need not be"
+    assert check_model_folder(saved["llama-tie=True"]).tensors == 20, (
+        "the tied lm_head is not in the file, and need not be"
+    )
 
 
 def test_what_from_pretrained_forgives_is_forgiven(saved: dict[str, Path], tmp_path: Path) -> None:
@@ -144,9 +164,17 @@ def test_what_from_pretrained_forgives_is_forgiven(saved: dict[str, Path], tmp_p
         # a tied alias written out anyway
         "tied alias kept": variant(saved["llama-tie=True"], tmp_path / "a", add(lm_head__weight=torch.zeros(64, 16))),
         # old persistent buffers transformers ignores at load (rotary inv_freq; GPT-2's causal mask)
-        "old rotary buffer": variant(saved["llama-tie=False"], tmp_path / "b", add(model__layers__0__self_attn__rotary_emb__inv_freq=torch.zeros(4))),
-        "non-persistent buffer": variant(saved["llama-tie=False"], tmp_path / "c", add(model__rotary_emb__inv_freq=torch.zeros(4))),
-        "gpt2 mask buffer": variant(saved["gpt2"], tmp_path / "d", add(transformer__h__0__attn__bias=torch.ones(1, 1, 32, 32))),
+        "old rotary buffer": variant(
+            saved["llama-tie=False"],
+            tmp_path / "b",
+            add(model__layers__0__self_attn__rotary_emb__inv_freq=torch.zeros(4)),
+        ),
+        "non-persistent buffer": variant(
+            saved["llama-tie=False"], tmp_path / "c", add(model__rotary_emb__inv_freq=torch.zeros(4))
+        ),
+        "gpt2 mask buffer": variant(
+            saved["gpt2"], tmp_path / "d", add(transformer__h__0__attn__bias=torch.ones(1, 1, 32, 32))
+        ),
         # _keys_to_ignore_on_load_missing
         "pegasus without final_logits_bias": variant(
             saved["pegasus"], tmp_path / "e", lambda t: {k: v for k, v in t.items() if k != "final_logits_bias"}
@@ -156,7 +184,9 @@ def test_what_from_pretrained_forgives_is_forgiven(saved: dict[str, Path], tmp_p
             saved["llama-base-tie=True"], tmp_path / "f", config=lambda c: c | {"architectures": ["LlamaForCausalLM"]}
         ),
         # no architecture recorded: the base model is compared, the head is not
-        "no architectures": variant(saved["llama-tie=False"], tmp_path / "g", config=lambda c: c.pop("architectures") and None),
+        "no architectures": variant(
+            saved["llama-tie=False"], tmp_path / "g", config=lambda c: c.pop("architectures") and None
+        ),
     }
     for what, folder in cases.items():
         assert check_model_folder(folder).architecture.startswith("names and shapes of "), what
@@ -181,7 +211,8 @@ def test_weights_that_are_not_the_model_are_refused(saved: dict[str, Path], tmp_
     assert "1 unexpected ('model.extra.weight')" in message and "2 of another shape (" in message, message
     assert "'model.norm.weight': [17] in the files, [16] in the model" in message, message
 
-    # a config that says more layers than the files hold (what a save of the wrong model, or a truncated one, looks like)
+    # a config that says more layers than the files hold (what a save of the wrong model, or a truncated one, looks
+    # like)
     more_layers = variant(saved["llama-tie=True"], tmp_path / "layers", config=lambda c: c | {"num_hidden_layers": 3})
     refused(more_layers, "9 missing ('model.layers.2.")
     # a head model's files under a config naming the base model: the head is unexpected
@@ -189,9 +220,14 @@ def test_weights_that_are_not_the_model_are_refused(saved: dict[str, Path], tmp_
         variant(saved["llama-tie=False"], tmp_path / "base", config=lambda c: c | {"architectures": ["LlamaModel"]}),
         "1 unexpected ('lm_head.weight')",
     )
-    # the base model's files under an untied head config: the head is missing (from_pretrained would initialise it randomly)
+    # the base model's files under an untied head config: the head is missing (from_pretrained would initialise it
+    # randomly)
     refused(
-        variant(saved["llama-base-tie=False"], tmp_path / "nohead", config=lambda c: c | {"architectures": ["LlamaForCausalLM"]}),
+        variant(
+            saved["llama-base-tie=False"],
+            tmp_path / "nohead",
+            config=lambda c: c | {"architectures": ["LlamaForCausalLM"]},
+        ),
         "1 missing ('lm_head.weight')",
     )
     # a converted model (Mixtral) missing an expert, and GPT-2 missing a block
@@ -209,7 +245,10 @@ def test_an_architecture_the_guard_cannot_know_is_skipped_with_a_note(
     caplog.set_level(logging.INFO, logger="shardsafe.hf.guard")
     notes = {
         "custom class": ({"architectures": ["MyOwnModel"]}, "'MyOwnModel', which is not a transformers model class"),
-        "quantized": ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized weights (config.json has a quantization_config)"),
+        "quantized": (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            "quantized weights (config.json has a quantization_config)",
+        ),
         "unknown model type": (
             {"model_type": "no-such-type", "architectures": None, "auto_map": {"AutoModel": "x.Y"}},
             "names no architecture and no model type transformers knows",
@@ -219,12 +258,20 @@ def test_an_architecture_the_guard_cannot_know_is_skipped_with_a_note(
         caplog.clear()
         folder = variant(saved["llama-tie=False"], tmp_path / str(i), config=lambda c, change=change: c | change)
         summary = check_model_folder(folder)
-        assert summary.architecture.startswith("skipped: ") and note in summary.architecture, (what, summary.architecture)
+        assert summary.architecture.startswith("skipped: ") and note in summary.architecture, (
+            what,
+            summary.architecture,
+        )
         assert any(note in r.getMessage() and str(folder) in r.getMessage() for r in caplog.records), what
     # a config this transformers cannot build, of an architecture whose count is known: the count is compared
-    unbuildable = variant(saved["llama-tie=False"], tmp_path / "unbuildable", config=lambda c: c | {"hidden_act": "no-such-activation"})
+    unbuildable = variant(
+        saved["llama-tie=False"], tmp_path / "unbuildable", config=lambda c: c | {"hidden_act": "no-such-activation"}
+    )
     how = check_model_folder(unbuildable).architecture
-    assert how.startswith("parameter count of LlamaForCausalLM (transformers ") and "cannot build the model from config.json" in how, how
+    assert (
+        how.startswith("parameter count of LlamaForCausalLM (transformers ")
+        and "cannot build the model from config.json" in how
+    ), how
     no_config = variant(saved["llama-tie=False"], tmp_path / "noconfig")
     (no_config / "config.json").unlink()
     assert check_model_folder(no_config).architecture == "skipped: no config.json"
@@ -250,10 +297,24 @@ print("RESULT " + json.dumps(out))
 
 
 def test_without_transformers_the_parameter_count_is_compared(saved: dict[str, Path], tmp_path: Path) -> None:
-    partial = variant(saved["llama-tie=False"], tmp_path / "partial", lambda t: {k: v for k, v in t.items() if "layers.1." not in k})
-    tied_kept = variant(saved["llama-tie=True"], tmp_path / "kept", lambda t: t | {"lm_head.weight": torch.zeros(64, 16)})
-    gpt2_mask = variant(saved["gpt2"], tmp_path / "mask", lambda t: t | {"transformer.h.0.attn.bias": torch.ones(1, 1, 32, 32)})
-    folders = [saved["llama-tie=True"], saved["llama-sharded-tie=False"], tied_kept, saved["gpt2"], gpt2_mask, saved["pegasus"], partial]
+    partial = variant(
+        saved["llama-tie=False"], tmp_path / "partial", lambda t: {k: v for k, v in t.items() if "layers.1." not in k}
+    )
+    tied_kept = variant(
+        saved["llama-tie=True"], tmp_path / "kept", lambda t: t | {"lm_head.weight": torch.zeros(64, 16)}
+    )
+    gpt2_mask = variant(
+        saved["gpt2"], tmp_path / "mask", lambda t: t | {"transformer.h.0.attn.bias": torch.ones(1, 1, 32, 32)}
+    )
+    folders = [
+        saved["llama-tie=True"],
+        saved["llama-sharded-tie=False"],
+        tied_kept,
+        saved["gpt2"],
+        gpt2_mask,
+        saved["pegasus"],
+        partial,
+    ]
     proc = subprocess.run(
         [sys.executable, "-c", NO_TRANSFORMERS, *map(str, folders)],
         capture_output=True,
@@ -265,12 +326,23 @@ def test_without_transformers_the_parameter_count_is_compared(saved: dict[str, P
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT ") :])
     note = "(transformers is not installed)"
-    for folder, architecture in ((saved["llama-tie=True"], "LlamaForCausalLM"), (saved["llama-sharded-tie=False"], "LlamaForCausalLM"),
-                                 (tied_kept, "LlamaForCausalLM"), (saved["gpt2"], "GPT2LMHeadModel"), (gpt2_mask, "GPT2LMHeadModel")):  # fmt: skip
+    expected = [
+        (saved["llama-tie=True"], "LlamaForCausalLM"),
+        (saved["llama-sharded-tie=False"], "LlamaForCausalLM"),
+        (tied_kept, "LlamaForCausalLM"),
+        (saved["gpt2"], "GPT2LMHeadModel"),
+        (gpt2_mask, "GPT2LMHeadModel"),
+    ]
+    for folder, architecture in expected:
         assert got[str(folder)] == ["ok", f"parameter count of {architecture} {note}"], got[str(folder)]
-    assert got[str(saved["pegasus"])][0] == "ok" and got[str(saved["pegasus"])][1].startswith("skipped: transformers is not installed; no parameter")
+    assert got[str(saved["pegasus"])][0] == "ok" and got[str(saved["pegasus"])][1].startswith(
+        "skipped: transformers is not installed; no parameter"
+    )
     status, message = got[str(partial)]
-    assert status == "refused" and "the weights hold 4,656 parameters, the LlamaForCausalLM architecture in config.json has 7,248" in message, message
+    assert (
+        status == "refused"
+        and "the weights hold 4,656 parameters, the LlamaForCausalLM architecture in config.json has 7,248" in message
+    ), message
 
 
 def test_parameter_formulas_match_the_real_models() -> None:
@@ -278,7 +350,9 @@ def test_parameter_formulas_match_the_real_models() -> None:
 
     configs = [
         transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True),
-        transformers.LlamaConfig(**(LLAMA | {"num_key_value_heads": 1}), attention_bias=True, mlp_bias=True, head_dim=4),
+        transformers.LlamaConfig(
+            **(LLAMA | {"num_key_value_heads": 1}), attention_bias=True, mlp_bias=True, head_dim=4
+        ),
         transformers.MistralConfig(**(LLAMA | {"num_key_value_heads": 1})),
         transformers.Qwen2Config(**LLAMA),
         transformers.Qwen3Config(**LLAMA, head_dim=12, tie_word_embeddings=True),
@@ -290,8 +364,12 @@ def test_parameter_formulas_match_the_real_models() -> None:
             with torch.device("meta"):
                 model = cls.from_config(config)
             state = model.state_dict()
-            real = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if n in state)
-            count = config_parameter_count(json.loads(config.to_json_string()) | {"architectures": [type(model).__name__]})
+            real = sum(p.numel() for p in model.parameters()) + sum(
+                b.numel() for n, b in model.named_buffers() if n in state
+            )
+            count = config_parameter_count(
+                json.loads(config.to_json_string()) | {"architectures": [type(model).__name__]}
+            )
             assert not isinstance(count, str), count
             assert count.parameters == real, (type(model).__name__, count.parameters, real)
             checked += 1
@@ -312,7 +390,9 @@ def test_an_index_that_disagrees_with_its_files_is_refused(saved: dict[str, Path
     index = json.loads((src / INDEX_FILE).read_text())
     total = index["metadata"]["total_size"]
     files = sorted(set(index["weight_map"].values()))
-    name, file = next((n, f) for n, f in sorted(index["weight_map"].items()) if list(index["weight_map"].values()).count(f) > 1)
+    name, file = next(
+        (n, f) for n, f in sorted(index["weight_map"].items()) if list(index["weight_map"].values()).count(f) > 1
+    )
     other = next(f for f in files if f != file)
 
     def case(tag: str, change: Any) -> Path:
@@ -321,16 +401,26 @@ def test_an_index_that_disagrees_with_its_files_is_refused(saved: dict[str, Path
         edit_index(folder, change)
         return folder
 
-    refused(case("bigger", lambda i: i["metadata"].update(total_size=total + 4)), f"hold {total} bytes of tensors", f"total_size {total + 4}")
+    refused(
+        case("bigger", lambda i: i["metadata"].update(total_size=total + 4)),
+        f"hold {total} bytes of tensors",
+        f"total_size {total + 4}",
+    )
     refused(case("smaller", lambda i: i["metadata"].update(total_size=total - 4)), f"total_size {total - 4}")
     refused(case("not-int", lambda i: i["metadata"].update(total_size="24896")), "total_size str")
-    refused(case("no-file", lambda i: i["weight_map"].update({name: "model-00009-of-00009.safetensors"})), "weights file is missing")
+    refused(
+        case("no-file", lambda i: i["weight_map"].update({name: "model-00009-of-00009.safetensors"})),
+        "weights file is missing",
+    )
     refused(
         case("wrong-file", lambda i: i["weight_map"].update({name: other})),
         f"{other}: lacks 1 tensors its index maps to it",
         f"{file}: holds 1 tensors",
     )
-    refused(case("unlisted", lambda i: i["weight_map"].pop(name)), f"{file}: holds 1 tensors {INDEX_FILE} does not map to it")
+    refused(
+        case("unlisted", lambda i: i["weight_map"].pop(name)),
+        f"{file}: holds 1 tensors {INDEX_FILE} does not map to it",
+    )
     refused(case("escape", lambda i: i["weight_map"].update({name: "../outside.safetensors"})), "outside.safetensors")
     refused(case("empty", lambda i: i.update(weight_map={})), "has no weight_map entries")
     metadata_free = case("no-metadata", lambda i: i.pop("metadata"))
@@ -355,14 +445,20 @@ def header(*entries: bytes) -> bytes:
 
 
 HOSTILE = {
-    "a tensor named __metadata__": (raw_file(header(entry("__metadata__", 0, 4), entry("a", 4, 8)), bytes(8)), "__metadata__ entry is a tensor"),
+    "a tensor named __metadata__": (
+        raw_file(header(entry("__metadata__", 0, 4), entry("a", 4, 8)), bytes(8)),
+        "__metadata__ entry is a tensor",
+    ),
     "__metadata__ of numbers": (
         raw_file(header(b'"__metadata__":{"x":1}', entry("a", 0, 4)), bytes(4)),
         "__metadata__ entry is not a map of strings",
     ),
     "a lone surrogate": (raw_file(header(entry("a\\udc80", 0, 4)), bytes(4)), "is not valid UTF-8"),
     "invalid UTF-8 bytes": (raw_file(header(entry("a", 0, 4).replace(b'"a"', b'"a\xff"')), bytes(4)), "not valid JSON"),
-    "overlapping tensors": (raw_file(header(entry("a", 0, 4), entry("b", 0, 4)), bytes(4)), "overlaps another tensor's"),
+    "overlapping tensors": (
+        raw_file(header(entry("a", 0, 4), entry("b", 0, 4)), bytes(4)),
+        "overlaps another tensor's",
+    ),
     "a gap": (raw_file(header(entry("a", 0, 4), entry("b", 8, 12)), bytes(12)), "4 bytes before tensor 'b'"),
     "trailing bytes": (raw_file(header(entry("a", 0, 4)), bytes(12)), "8 bytes after the last tensor"),
     "a duplicate name": (raw_file(header(entry("a", 0, 4), entry("a", 4, 8)), bytes(8)), "duplicate JSON key"),
@@ -370,7 +466,10 @@ HOSTILE = {
     "7 bytes": (b"\x08\x00\x00\x00\x00\x00\x00", "not a safetensors file"),
     "a JSON list": (raw_file(b"[1,2]", b""), "header is not a JSON object"),
     "an unknown dtype": (raw_file(header(entry("a", 0, 4, dtype="Q9")), bytes(4)), "unknown dtype"),
-    "a short tensor": (raw_file(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', bytes(4)), "do not fit its shape"),
+    "a short tensor": (
+        raw_file(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', bytes(4)),
+        "do not fit its shape",
+    ),
     "0 bytes": (b"", "0 bytes"),
 }
 
@@ -395,7 +494,10 @@ def test_files_safetensors_cannot_open_are_refused(tmp_path: Path) -> None:
         message = refused(folder, fragment)
         assert str(path) in message, (what, message)
     # what safetensors accepts, the guard accepts: an unpadded header, a tensor at an unaligned offset
-    for data in (raw_file(header(entry("a", 0, 4)), bytes(4), pad=False), raw_file(header(entry("u", 0, 1, "U8"), entry("a", 1, 5)), bytes(5))):
+    for data in (
+        raw_file(header(entry("a", 0, 4)), bytes(4), pad=False),
+        raw_file(header(entry("u", 0, 1, "U8"), entry("a", 1, 5)), bytes(5)),
+    ):
         path.write_bytes(data)
         assert safetensors_opens(path) and check_model_folder(folder).tensors >= 1
 
@@ -406,7 +508,9 @@ def test_whatever_safetensors_refuses_the_guard_refuses(tmp_path: Path) -> None:
     folder.mkdir()
     path = folder / SINGLE_FILE
     save_file(
-        {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16), "i": torch.arange(2)}, str(path), metadata={"format": "pt"}
+        {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16), "i": torch.arange(2)},
+        str(path),
+        metadata={"format": "pt"},
     )
     valid = path.read_bytes()
     header_end = 8 + int.from_bytes(valid[:8], "little")
@@ -431,7 +535,10 @@ def test_open_with_safetensors_does_not_echo_the_header(tmp_path: Path) -> None:
     with pytest.raises(ModelFolderError) as info:
         open_with_safetensors(path)
     message = str(info.value)
-    assert "safetensors cannot open it (SafetensorError: Error while deserializing header: invalid JSON in header)" in message, message
+    assert (
+        "safetensors cannot open it (SafetensorError: Error while deserializing header: invalid JSON in header)"
+        in message
+    ), message
     assert "hunter2" not in message
 
 

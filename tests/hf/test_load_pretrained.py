@@ -118,7 +118,9 @@ def _fsdp_job(rank: int, world_size: int, folder: str, tie: bool) -> dict[str, A
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     result = shardsafe.load_pretrained(model, folder)
-    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    whole = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
     return {"state": whole if rank == 0 else None, "bytes_read": result["bytes_read"]}
 
 
@@ -149,7 +151,8 @@ def test_ddp_model(tmp_path: Path) -> None:
 def test_hf_source_through_the_local_hub(tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub.constants as constants
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache" / "hub"))  # downloads stay in the test's folder
+    # downloads stay in the test's folder
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache" / "hub"))
     folder = make_folder(tmp_path / "m", tie=True)
     shardsafe.push(folder, "hf://tester/tiny-llama", progress=False)
     model = fresh_model(True)
@@ -169,12 +172,18 @@ def _2d_job(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = fresh_model(False, seed=100 + rank)
     for layer in model.model.layers:
-        parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+        parallelize_module(
+            layer.mlp,
+            mesh["tp"],
+            {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
+        )
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     placements = str(tuple(model.model.layers[0].mlp.gate_proj.weight.placements))
     result = shardsafe.load_pretrained(model, folder)
-    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    whole = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
     return {"state": whole if rank == 0 else None, "bytes_read": result["bytes_read"], "placements": placements}
 
 
@@ -184,4 +193,5 @@ def test_fsdp2_over_tensor_parallel_reads_each_rank_its_boxes(tmp_path: Path) ->
     assert results[0]["placements"].startswith("(_StridedShard(dim=0")
     assert_equal(results[0]["state"], reference_state(folder))
     total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    assert max(r["bytes_read"] for r in results) < 0.7 * total  # no rank reads the whole model (TP-replicated norms: each tp rank its copy)
+    # no rank reads the whole model (TP-replicated norms: each tp rank its copy)
+    assert max(r["bytes_read"] for r in results) < 0.7 * total

@@ -26,11 +26,14 @@ from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, launch_script, wait_for_script
 
 SCRIPT = TESTS_DIR / "ds_scripts" / "load_pretrained.py"
 WORLDS = (2, 3)
-CASES = {2: "all", 3: "init,fp32_module,bf16_into_fp32"}  # at 3 ranks, the cases whose partitions split rows differently
+# at 3 ranks, the cases whose partitions split rows differently
+CASES = {2: "all", 3: "init,fp32_module,bf16_into_fp32"}
 LAUNCH_TIMEOUT_S = 600  # the first DeepSpeed start on a machine compiles an op (minutes on 2 cores)
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed")
+pytestmark = pytest.mark.skipif(
+    not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,12 @@ def tensor_bytes(folder: Path) -> int:
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
-        total += sum(end - begin for key, entry in header.items() if key != "__metadata__" for begin, end in [entry["data_offsets"]])
+        total += sum(
+            end - begin
+            for key, entry in header.items()
+            if key != "__metadata__"
+            for begin, end in [entry["data_offsets"]]
+        )
     return total
 
 
@@ -74,8 +82,10 @@ def untied_names(expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def each_byte_once(results: list[dict[str, Any]], case: str, folder: Path) -> list[int]:
     per_rank = [r[case]["bytes_read"] for r in results]
-    assert sum(per_rank) == tensor_bytes(folder)  # the ranks' flat partitions tile every tensor: each byte read exactly once
-    assert max(per_rank) <= tensor_bytes(folder) / len(results) + 1024  # about 1/W each (a part is rounded up per tensor)
+    # the ranks' flat partitions tile every tensor: each byte read exactly once
+    assert sum(per_rank) == tensor_bytes(folder)
+    # about 1/W each (a part is rounded up per tensor)
+    assert max(per_rank) <= tensor_bytes(folder) / len(results) + 1024
     return per_rank
 
 
@@ -126,7 +136,8 @@ def test_bf16_engine_with_gathered_persistent_parameters(runs: dict[str, Any], w
     for r in runs[world]:
         assert r["bf16_engine"]["gathered_before"] > 0 and r["bf16_engine"]["gathered_after_load"] == 0
     r = runs[world][0]["bf16_engine"]
-    assert_equal(r["weights"], reference_state(tied, dtype=torch.bfloat16))  # the fp32 values rounded as .to(bfloat16) does
+    # the fp32 values rounded as .to(bfloat16) does
+    assert_equal(r["weights"], reference_state(tied, dtype=torch.bfloat16))
     assert_equal(r["masters"], untied_names(reference_state(tied)))
 
 

@@ -59,7 +59,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     module = small_module(seed=1)
     shardsafe.save(root / "ckpt", {"model": module, "step": 7}, metadata={"note": "push test"})
-    return {"single": root / "single", "sharded": root / "sharded", "ckpt": root / "ckpt", "reference": root / "reference.pt"}
+    return {
+        "single": root / "single",
+        "sharded": root / "sharded",
+        "ckpt": root / "ckpt",
+        "reference": root / "reference.pt",
+    }
 
 
 def small_module(seed: int) -> nn.Module:
@@ -121,7 +126,9 @@ def test_destinations() -> None:
     assert hubmod.parse_destination("hf://owner/name") == hubmod.Destination("hub", "hf://owner/name", "owner/name")
     assert hubmod.parse_destination("hf://models/owner/name/").repo_id == "owner/name"
     assert hubmod.parse_destination("owner/name").url == "hf://owner/name"
-    assert hubmod.parse_destination("s3://bucket/some/prefix/") == hubmod.Destination("fsspec", "s3://bucket/some/prefix")
+    assert hubmod.parse_destination("s3://bucket/some/prefix/") == hubmod.Destination(
+        "fsspec", "s3://bucket/some/prefix"
+    )
     assert hubmod.parse_destination("file:///tmp/x").kind == "fsspec"
     for bad in ("just-a-name", "a/b/c", "hf://datasets/owner/name", "hf://owner", "s3://", "/abs/path"):
         with pytest.raises(PushError):
@@ -136,7 +143,9 @@ def test_push_to_a_local_folder_url(models: dict[str, Path], tmp_path: Path) -> 
         shardsafe.push(models["sharded"], f"file://{dest}", private=True)
 
 
-def test_a_push_stopped_before_its_marker_publishes_nothing(models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_push_stopped_before_its_marker_publishes_nothing(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The ``push:before-marker`` fault point (core/faults.py): every file is up, the commit marker is not."""
     dest = tmp_path / "stopped"
     monkeypatch.setenv("SHARDSAFE_FAIL_AT", "push:before-marker")
@@ -150,7 +159,9 @@ def test_a_push_stopped_before_its_marker_publishes_nothing(models: dict[str, Pa
 # ----------------------------------------------------------------------------- S3
 
 
-def test_push_to_s3_round_trip(s3_bucket: str, models: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_push_to_s3_round_trip(
+    s3_bucket: str, models: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG, logger="shardsafe.hf.push")
     for name, marker in (("single", SINGLE_FILE), ("sharded", INDEX_FILE), ("ckpt", MANIFEST_NAME)):
         caplog.clear()
@@ -172,7 +183,9 @@ def test_push_to_s3_round_trip(s3_bucket: str, models: dict[str, Path], tmp_path
         assert torch.equal(restored["model"].state_dict()[key], value), key
 
 
-def test_s3_push_failing_midway_leaves_no_model(s3_bucket: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_push_failing_midway_leaves_no_model(
+    s3_bucket: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     dest = f"s3://{s3_bucket}/m"
     shardsafe.push(models["sharded"], dest, progress=False)  # an earlier, complete model at the destination
     assert INDEX_FILE in bucket_files(s3_bucket, "m")
@@ -310,7 +323,11 @@ print("RESULT " + json.dumps(out))
 
 
 def test_push_to_hub_then_from_pretrained(
-    hub: Any, models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    hub: Any,
+    models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from shardsafe.cli import main as cli
 
@@ -337,7 +354,9 @@ def test_push_to_hub_then_from_pretrained(
     assert SINGLE_FILE not in hub.files("owner/tiny") and INDEX_FILE in hub.files("owner/tiny")
     assert len(hub.commits("owner/tiny")) == 3
 
-    assert cli.main(["push", str(models["single"]), "owner/tiny-cli", "--message", "from the CLI", "--no-progress"]) == 0
+    assert (
+        cli.main(["push", str(models["single"]), "owner/tiny-cli", "--message", "from the CLI", "--no-progress"]) == 0
+    )
     assert f"{hub.url}/owner/tiny-cli/commit/" in capsys.readouterr().out
     assert hub.commits("owner/tiny-cli")[0].title == "from the CLI"
 
@@ -348,7 +367,15 @@ def test_push_to_hub_then_from_pretrained(
 
     env = {**os.environ, **hub.client_env(tmp_path / "hf-home-download")}
     proc = subprocess.run(
-        [sys.executable, "-c", FROM_PRETRAINED, str(models["reference"]), "owner/tiny", "owner/tiny-sharded", "owner/tiny-cli"],
+        [
+            sys.executable,
+            "-c",
+            FROM_PRETRAINED,
+            str(models["reference"]),
+            "owner/tiny",
+            "owner/tiny-sharded",
+            "owner/tiny-cli",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -357,7 +384,11 @@ def test_push_to_hub_then_from_pretrained(
     log = proc.stdout.decode(errors="replace")
     results = [line for line in log.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and results, log[-5000:]
-    assert json.loads(results[-1][len("RESULT ") :]) == {"owner/tiny": True, "owner/tiny-sharded": True, "owner/tiny-cli": True}
+    assert json.loads(results[-1][len("RESULT ") :]) == {
+        "owner/tiny": True,
+        "owner/tiny-sharded": True,
+        "owner/tiny-cli": True,
+    }
 
 
 # ----------------------------------------------------------------------------- two ranks
@@ -382,8 +413,12 @@ def test_push_is_collective(s3_bucket: str, models: dict[str, Path], tmp_path: P
     dummy = zero3_dummy(models, tmp_path / "dummies")
     good, bad = f"s3://{s3_bucket}/collective", f"s3://no-such-bucket-{s3_bucket}/x"
     out = tmp_path / "out"
-    cmd = torchrun_command(push_on_ranks, out, (str(models["ckpt"]), good, bad, str(dummy)), ["--standalone", "--nproc_per_node", "2"])
-    proc = subprocess.Popen(cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = torchrun_command(
+        push_on_ranks, out, (str(models["ckpt"]), good, bad, str(dummy)), ["--standalone", "--nproc_per_node", "2"]
+    )
+    proc = subprocess.Popen(
+        cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         log = proc.communicate(timeout=240)[0].decode(errors="replace")
     except subprocess.TimeoutExpired:
@@ -394,5 +429,7 @@ def test_push_is_collective(s3_bucket: str, models: dict[str, Path], tmp_path: P
     assert results[0] == results[1], results
     url, missing_bucket, refused = results[0]
     assert url == good and bucket_files(s3_bucket, "collective") == local_files(models["ckpt"])
-    assert missing_bucket[0] == "PushError" and bad in missing_bucket[1] and "does not exist" in missing_bucket[1], missing_bucket
+    assert missing_bucket[0] == "PushError" and bad in missing_bucket[1] and "does not exist" in missing_bucket[1], (
+        missing_bucket
+    )
     assert refused[0] == "ModelFolderError" and SEED_FAILURE in refused[1], refused

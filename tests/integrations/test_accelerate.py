@@ -61,7 +61,15 @@ def _setup(project: str, world_size: int, **config: Any) -> dict[str, Any]:
     counter = Counter()
     accelerator.register_for_checkpointing(sampler, counter)
     torch.manual_seed(100 + accelerator.process_index)
-    return {"acc": accelerator, "model": model, "opt": optimizer, "sched": scheduler, "data": data, "sampler": sampler, "counter": counter}
+    return {
+        "acc": accelerator,
+        "model": model,
+        "opt": optimizer,
+        "sched": scheduler,
+        "data": data,
+        "sampler": sampler,
+        "counter": counter,
+    }
 
 
 def _train(s: dict[str, Any], steps: int, per_rank_batch: int = BATCH) -> list[float]:
@@ -107,7 +115,12 @@ def _continuation_job(rank: int, world_size: int, root: str, mode: str) -> dict[
         fresh["acc"].load_state(out)
     fresh["sampler"].set_epoch(0)
     rest = _train(fresh, STEPS - SAVE_AT)
-    return {"losses": first + rest, "weights": _weights(fresh), "counter": fresh["counter"].n, "step": fresh["acc"].step}
+    return {
+        "losses": first + rest,
+        "weights": _weights(fresh),
+        "counter": fresh["counter"].n,
+        "step": fresh["acc"].step,
+    }
 
 
 def test_continuation_is_bit_identical_and_matches_accelerate(tmp_path: Path) -> None:
@@ -121,7 +134,11 @@ def test_continuation_is_bit_identical_and_matches_accelerate(tmp_path: Path) ->
             assert torch.equal(ours[rank]["weights"][key], value), key
         assert ours[rank]["counter"] == STEPS
     checkpoint = tmp_path / "shardsafe" / "ckpt"
-    assert (checkpoint / "manifest.json").is_file() and not list(checkpoint.glob("*.pkl")) and not list(checkpoint.glob("*.bin"))
+    assert (
+        (checkpoint / "manifest.json").is_file()
+        and not list(checkpoint.glob("*.pkl"))
+        and not list(checkpoint.glob("*.bin"))
+    )
 
 
 def _rotation_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -135,7 +152,12 @@ def _rotation_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         paths.append(ss_accelerate.save_state(s["acc"]))
     after = _setup(root, world_size, automatic_checkpoint_naming=True, total_limit=2)
     loaded = ss_accelerate.load_state(after["acc"])
-    return {"paths": paths, "loaded": loaded, "counter": after["counter"].n, "iteration": after["acc"].project_configuration.iteration}
+    return {
+        "paths": paths,
+        "loaded": loaded,
+        "counter": after["counter"].n,
+        "iteration": after["acc"].project_configuration.iteration,
+    }
 
 
 def test_automatic_naming_and_total_limit(tmp_path: Path) -> None:
@@ -185,7 +207,8 @@ def _first_run(rank: int, world_size: int, root: str) -> str | None:
 
 
 def _second_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """A new run on the first one's project: it waits for a live holder before it picks the newest, and replaces only what it loaded."""
+    """A new run on the first one's project: it waits for a live holder before it picks the newest, and replaces only
+    what it loaded."""
     import shutil
     import threading
     import time
@@ -219,7 +242,12 @@ def _second_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     again = ss_accelerate.save_state(s["acc"])  # the checkpoint it loaded
     config.iteration = 0
     forced = ss_accelerate.save_state(s["acc"], overwrite=True)
-    return {"loaded": Path(loaded).name, "iteration": after_load, "refused": refused, "saved": [Path(again).name, Path(forced).name]}
+    return {
+        "loaded": Path(loaded).name,
+        "iteration": after_load,
+        "refused": refused,
+        "saved": [Path(again).name, Path(forced).name],
+    }
 
 
 def test_a_second_run_loads_under_the_lease_and_never_replaces_the_first_runs_checkpoint(tmp_path: Path) -> None:
@@ -228,5 +256,8 @@ def test_a_second_run_loads_under_the_lease_and_never_replaces_the_first_runs_ch
     results = run_ranks(_second_run, 2, root, work_dir=tmp_path / "b")
     for r in results:
         assert r["loaded"] == "checkpoint_2" and r["iteration"] == 3, "the newest once the other run had ended"
-        assert f"step 0 is a committed checkpoint written by run {first}" in r["refused"] and "overwrite=True" in r["refused"]
+        assert (
+            f"step 0 is a committed checkpoint written by run {first}" in r["refused"]
+            and "overwrite=True" in r["refused"]
+        )
         assert r["saved"] == ["checkpoint_2", "checkpoint_0"]

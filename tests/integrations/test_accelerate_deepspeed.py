@@ -26,7 +26,9 @@ import shardsafe
 from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, ScriptLaunch, launch_script, wait_for_scripts
 
 pytest.importorskip("accelerate")
-pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed")
+pytestmark = pytest.mark.skipif(
+    not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed"
+)
 
 SCRIPT = TESTS_DIR / "ds_scripts" / "accelerate_state.py"
 SCHEDULERS = ("torch", "ds")
@@ -50,7 +52,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
     root = tmp_path_factory.mktemp("accelerate_ds")
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     wait_for_scripts([_launch(root, 2, "save")], deadline, "Accelerate + DeepSpeed runs")
-    wait_for_scripts([_launch(root, 2, "resume"), *(_launch(root, w, "reshard") for w in OTHER_WORLDS)], deadline, "Accelerate + DeepSpeed runs")
+    wait_for_scripts(
+        [_launch(root, 2, "resume"), *(_launch(root, w, "reshard") for w in OTHER_WORLDS)],
+        deadline,
+        "Accelerate + DeepSpeed runs",
+    )
     out: dict[Any, Any] = {"root": root, "save": _results(root, "save", 2), "resume": _results(root, "resume", 2)}
     for w in OTHER_WORLDS:
         out[w] = _results(root, "reshard", w)
@@ -58,10 +64,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
-def assert_same_snapshot(got: dict[str, Any], expected: dict[str, Any], what: str, *, same_world: bool = True, rng: bool = True) -> None:
+def assert_same_snapshot(
+    got: dict[str, Any], expected: dict[str, Any], what: str, *, same_world: bool = True, rng: bool = True
+) -> None:
     """Bit-equal fp32 master weights, moments and gathered parameters; equal step counts, hyper-parameters,
     scheduler, engine counters, sampler position and registered counter; the rank's torch RNG."""
     assert sorted(got["tensors"]) == sorted(expected["tensors"]), f"{what}: tensor names differ"
@@ -70,7 +82,9 @@ def assert_same_snapshot(got: dict[str, Any], expected: dict[str, Any], what: st
     if same_world:
         assert got["steps"] == expected["steps"], f"{what}: step count per sub-group"
     else:  # other sub-groups at another world size, each with the one saved step count
-        assert set(got["steps"]) == set(expected["steps"]) and len(got["steps"]) == got["sub_groups"], f"{what}: step counts"
+        assert set(got["steps"]) == set(expected["steps"]) and len(got["steps"]) == got["sub_groups"], (
+            f"{what}: step counts"
+        )
     for key in SMALL_STATE:
         assert got[key] == expected[key], f"{what}: {key}: {got[key]} vs {expected[key]}"
     if rng:
@@ -84,7 +98,9 @@ def test_accelerate_runs_deepspeed_zero3(runs: dict[Any, Any]) -> None:
         r = runs["save"][0][kind]
         assert r["distributed_type"] == "DistributedType.DEEPSPEED"
         assert r["types"] == ["DeepSpeedEngine", "DeepSpeedOptimizerWrapper", wrapper]
-        assert r["at_save"]["steps"] == [float(SAVE_AT)] and any(k.startswith("exp_avg/") for k in r["at_save"]["tensors"])
+        assert r["at_save"]["steps"] == [float(SAVE_AT)] and any(
+            k.startswith("exp_avg/") for k in r["at_save"]["tensors"]
+        )
 
 
 @pytest.mark.parametrize("kind", SCHEDULERS)
@@ -95,12 +111,20 @@ def test_resume_is_bit_identical_and_matches_accelerate(runs: dict[Any, Any], ki
     for rank in range(2):
         saved, resumed = runs["save"][rank][kind], runs["resume"][rank][kind]
         assert_same_snapshot(resumed["after_load_ss"], saved["at_save"], f"rank {rank} {kind}: after shardsafe load")
-        assert_same_snapshot(resumed["after_load_acc"], saved["at_save"], f"rank {rank} {kind}: after Accelerate's load")
+        assert_same_snapshot(
+            resumed["after_load_acc"], saved["at_save"], f"rank {rank} {kind}: after Accelerate's load"
+        )
         assert resumed["losses_ss"] == saved["losses_ref"] == resumed["losses_acc"], f"rank {rank} {kind}: losses"
         assert all(math.isfinite(x) for x in saved["losses_ref"])
         assert_same_snapshot(resumed["final_ss"], saved["final_ref"], f"rank {rank} {kind}: after {MORE} more steps")
-        assert_same_snapshot(resumed["final_acc"], resumed["final_ss"], f"rank {rank} {kind}: Accelerate's continuation")
-        assert resumed["final_ss"]["counters"] == {"global_steps": SAVE_AT + MORE, "global_samples": 2 * BATCH * (SAVE_AT + MORE), "skipped_steps": 0}
+        assert_same_snapshot(
+            resumed["final_acc"], resumed["final_ss"], f"rank {rank} {kind}: Accelerate's continuation"
+        )
+        assert resumed["final_ss"]["counters"] == {
+            "global_steps": SAVE_AT + MORE,
+            "global_samples": 2 * BATCH * (SAVE_AT + MORE),
+            "skipped_steps": 0,
+        }
     assert runs["save"][0][kind]["losses_ref"] != runs["save"][1][kind]["losses_ref"]  # the ranks saw different data
 
 
@@ -129,11 +153,17 @@ def test_load_at_other_world_size(runs: dict[Any, Any], kind: str, world: int) -
     saved = [r[kind]["at_save"] for r in runs["save"]]
     for rank, result in enumerate(runs[world]):
         r = result[kind]
-        assert_same_snapshot(r["after_load"], saved[min(rank, 1)], f"W={world} rank {rank} {kind}", same_world=False, rng=rank < 2)
+        assert_same_snapshot(
+            r["after_load"], saved[min(rank, 1)], f"W={world} rank {rank} {kind}", same_world=False, rng=rank < 2
+        )
         assert len(r["losses"]) == 1 and math.isfinite(r["losses"][0])
         assert r["after_step"]["steps"] and set(r["after_step"]["steps"]) == {float(SAVE_AT + 1)}
         assert r["after_step"]["sampler"]["consumed"] == 2 * BATCH * SAVE_AT + BATCH * world
-        changed = [k for k in saved[0]["tensors"] if k.startswith("fp32/") and not same_bits(r["after_step"]["tensors"][k], saved[0]["tensors"][k])]
+        changed = [
+            k
+            for k in saved[0]["tensors"]
+            if k.startswith("fp32/") and not same_bits(r["after_step"]["tensors"][k], saved[0]["tensors"][k])
+        ]
         assert changed, "the step did not update the fp32 master weights"
     if world == 1:
         assert runs[world][0][kind]["after_load"]["sub_groups"] != saved[0]["sub_groups"]
@@ -144,7 +174,11 @@ def test_accelerates_own_load_refuses_another_world_size(runs: dict[Any, Any], w
     """What shardsafe adds: Accelerate's load_state of its DeepSpeed checkpoint (engine.load_checkpoint)
     refuses a new world size on the ranks that have a partition file."""
     error = runs[world][0]["accelerate_error"]
-    assert error is not None and error[0] == "ZeRORuntimeException" and f"world size of 2 but the current world size is {world}" in error[1]
+    assert (
+        error is not None
+        and error[0] == "ZeRORuntimeException"
+        and f"world size of 2 but the current world size is {world}" in error[1]
+    )
 
 
 def test_zero2_is_refused_with_a_pointer_to_what_works(runs: dict[Any, Any]) -> None:
@@ -156,7 +190,12 @@ def test_zero2_is_refused_with_a_pointer_to_what_works(runs: dict[Any, Any]) -> 
     r = runs[1][0]
     assert r["zero2_stage"] == 2
     for key in ("zero2_save_error", "zero2_load_error"):
-        assert r[key] is not None and r[key][0] == "ShardsafeError" and "ZeRO stage 2" in r[key][1] and "accelerator.save_state" in r[key][1]
+        assert (
+            r[key] is not None
+            and r[key][0] == "ShardsafeError"
+            and "ZeRO stage 2" in r[key][1]
+            and "accelerator.save_state" in r[key][1]
+        )
     assert not r["zero2_folder_exists"]
     converted = runs["root"] / "conv_zero2"
     assert shardsafe_cli(["convert", str(runs["root"] / "acc_zero2"), str(converted), "--no-progress"]) == 0

@@ -104,7 +104,9 @@ def tiny_config(fuse_qkv: bool = False) -> Llama3Model.Config:
     return config
 
 
-def build(layout: str, world_size: int, seed: int, fuse_qkv: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def build(
+    layout: str, world_size: int, seed: int, fuse_qkv: bool = False
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """(model, AdamW, data-parallel mesh or None); every layout starts from the same whole values."""
     set_spmd_backend(BACKEND)
     torch.manual_seed(seed)
@@ -114,13 +116,17 @@ def build(layout: str, world_size: int, seed: int, fuse_qkv: bool = False) -> tu
     dp_mesh = None
     if layout != "one":
         dp, tp = LAYOUTS[layout]
-        dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=world_size, spmd_backend=BACKEND)
+        dims = ParallelDims(
+            dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=world_size, spmd_backend=BACKEND
+        )
         dims.build_mesh()
         model = parallelize_llama(
             model,
             parallel_dims=dims,
             training=TrainingConfig(mixed_precision_param="float32"),
-            parallelism=ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp, spmd_backend=BACKEND),
+            parallelism=ParallelismConfig(
+                data_parallel_shard_degree=dp, tensor_parallel_degree=tp, spmd_backend=BACKEND
+            ),
             compile_config=CompileConfig(),
             ac_config=None,
             dump_folder="",
@@ -155,7 +161,9 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, index: int, d
     return float(total.item())
 
 
-def job(rank: int, world_size: int, layout: str, path: str, load: bool, steps: list[int], fuse_qkv: bool = False) -> dict[str, Any]:
+def job(
+    rank: int, world_size: int, layout: str, path: str, load: bool, steps: list[int], fuse_qkv: bool = False
+) -> dict[str, Any]:
     model, optimizer, dp_mesh = build(layout, world_size, seed=99 if load else 0, fuse_qkv=fuse_qkv)
     loaded = None
     if load:
@@ -248,10 +256,13 @@ def pp_job(rank: int, world_size: int, path: str, steps: list[int]) -> dict[str,
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=world_size, spmd_backend=BACKEND)
     dims.build_mesh()
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:  # torchtitan's (loss, extras)
+    # torchtitan's (loss, extras)
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (BATCH * SEQ), {}
 
-    parallelism = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=BATCH // 2, spmd_backend=BACKEND)
+    parallelism = ParallelismConfig(
+        pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=BATCH // 2, spmd_backend=BACKEND
+    )
     schedule, parts, first, last = pipeline_llm(
         model,
         parallel_dims=dims,
@@ -279,7 +290,11 @@ def pp_job(rank: int, world_size: int, path: str, steps: list[int]) -> dict[str,
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(sum(m.item() for m in micro)) if last else None)
     shardsafe.save(path, {"model": part, "optim": optimizer})
-    return {"saved": nd_utils.whole_state(part, optimizer), "losses": losses, "names": sorted(n for n, _ in part.named_parameters())}
+    return {
+        "saved": nd_utils.whole_state(part, optimizer),
+        "losses": losses,
+        "names": sorted(n for n, _ in part.named_parameters()),
+    }
 
 
 def test_torchtitan_pipeline_stages_to_one(tmp_path: Path) -> None:

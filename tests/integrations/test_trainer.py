@@ -72,7 +72,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, hub_server: Any) -> Runs:
     launches = {"ddp": DDP_SCENARIOS}
     if HAVE_DEEPSPEED:
         launches["z3"] = Z3_SCENARIOS
-    started = [launch_script(name, SCRIPT, 2, [str(root), *scenarios], cwd=root, env=env) for name, scenarios in launches.items()]
+    started = [
+        launch_script(name, SCRIPT, 2, [str(root), *scenarios], cwd=root, env=env)
+        for name, scenarios in launches.items()
+    ]
 
     def errors(launch: ScriptLaunch) -> str:
         return "\n".join(p.read_text()[-3000:] for p in sorted(root.glob("*.error")))
@@ -87,8 +90,12 @@ def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.
     assert sorted(got) == sorted(expected), f"{what}: names differ: {sorted(set(got) ^ set(expected))}"
     for key, e in expected.items():
         g = got[key]
-        assert g.dtype == e.dtype and g.shape == e.shape, f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
-        assert torch.equal(g.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), f"{what}[{key}]: values differ"
+        assert g.dtype == e.dtype and g.shape == e.shape, (
+            f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
+        )
+        assert torch.equal(g.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), (
+            f"{what}[{key}]: values differ"
+        )
 
 
 def after(losses: dict[str, float], step: int) -> dict[str, float]:
@@ -159,16 +166,29 @@ def test_resume_from_a_middle_checkpoint_and_from_the_newest(runs: Runs) -> None
     assert after(last["losses"], 4) == after(main["losses"], 4) and len(after(last["losses"], 4)) == 2
     assert last["regenerated"], "trainer_state.json, deleted from checkpoint-4, was written again from its state.json"
     assert_same_tensors(runs.weights("resume_last"), final, "resumed at step 4")
-    assert sorted(p.name for p in runs.train_dir("resume_last").iterdir() if p.name != LEASE_DIR) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert sorted(p.name for p in runs.train_dir("resume_last").iterdir() if p.name != LEASE_DIR) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
 
 
 def test_rotation_keeps_the_best_and_the_newest(runs: Runs) -> None:
     one = runs.result("rotation1")
-    assert one["after_each_save"] == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"], ["checkpoint-2", "checkpoint-6"]]
-    assert one["final"] == ["checkpoint-2", "checkpoint-6"], "the Trainer would delete checkpoint-6 at the end (save_total_limit=1)"
+    assert one["after_each_save"] == [
+        ["checkpoint-2"],
+        ["checkpoint-2", "checkpoint-4"],
+        ["checkpoint-2", "checkpoint-6"],
+    ]
+    assert one["final"] == ["checkpoint-2", "checkpoint-6"], (
+        "the Trainer would delete checkpoint-6 at the end (save_total_limit=1)"
+    )
     assert Path(one["best"]).name == "checkpoint-2"
     two = runs.result("rotation2")
-    assert two["after_each_save"][-1] == ["checkpoint-2", "checkpoint-8"] and two["final"] == ["checkpoint-2", "checkpoint-8"]
+    assert two["after_each_save"][-1] == ["checkpoint-2", "checkpoint-8"] and two["final"] == [
+        "checkpoint-2",
+        "checkpoint-8",
+    ]
     for name in ("rotation1", "rotation2"):
         train = runs.train_dir(name)
         # load_best_model_at_end loaded checkpoint-2's model
@@ -194,7 +214,9 @@ def test_interrupted_rotation_leaves_no_half_checkpoint(tmp_path: Path, monkeypa
     monkeypatch.delenv("SHARDSAFE_FAIL_AT")
     assert checkpoint_steps(tmp_path) == [4, 6], "checkpoint-2 stopped being a checkpoint in one rename"
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-6"
-    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8"), "transformers' choice: the highest number"
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8"), (
+        "transformers' choice: the highest number"
+    )
     assert rotate_checkpoints(tmp_path, 1, str(tmp_path / "checkpoint-4")) == [], "the best and the newest stay"
     removed = shardsafe.collect_garbage(tmp_path)
     assert [Path(p).name.split(".shardsafe-deleting-")[0] for p in removed] == [".checkpoint-2"]
@@ -229,7 +251,9 @@ def test_save_model_ddp_writes_the_full_model_next_to_the_checkpoints(runs: Runs
     for folder in (runs.train_dir("main"), runs.root / "main" / "saved_again"):
         loaded = AutoModelForCausalLM.from_pretrained(folder)
         assert loaded.dtype == torch.float32
-        assert_same_tensors({k: v.detach() for k, v in loaded.state_dict().items()}, final, f"from_pretrained({folder.name})")
+        assert_same_tensors(
+            {k: v.detach() for k, v in loaded.state_dict().items()}, final, f"from_pretrained({folder.name})"
+        )
         assert "lm_head.weight" not in dict(iter_output(folder)), "tied weights are written once, as transformers does"
     # a checkpoint exports to a from_pretrained folder (config.json is next to it)
     exported = export_hf(runs.train_dir("main") / "checkpoint-6", tmp_path / "exported", progress=False)
@@ -246,7 +270,12 @@ def test_save_only_model_checkpoints_hold_the_model_and_trainer_files(runs: Runs
 
 
 def test_push_to_hub_pushes_the_trained_model(runs: Runs) -> None:
-    assert runs.hub_commits == ["End of training", "Training in progress, step 4", "Training in progress, step 2", "initial commit"]
+    assert runs.hub_commits == [
+        "End of training",
+        "Training in progress, step 4",
+        "Training in progress, step 2",
+        "initial commit",
+    ]
     files = runs.hub_files
     assert not any(name.startswith("checkpoint-") for name in files), sorted(files)
     assert {"config.json", "model.safetensors", "training_args.json", "README.md"} <= set(files)
@@ -271,11 +300,15 @@ def test_push_to_hub_refuses_a_dummy_model(hub: Any, tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(ShardsafeTrainer, "_write_model_folder", dummy)
     args = TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], hub_model_id="owner/dummy")
-    trainer = ShardsafeTrainer(model=GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=8, n_layer=1, n_head=2, n_positions=8)), args=args)
+    trainer = ShardsafeTrainer(
+        model=GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=8, n_layer=1, n_head=2, n_positions=8)), args=args
+    )
     with pytest.raises(ModelFolderError, match="empty"):
         trainer.push_to_hub()
     assert [c.title for c in hub.commits("owner/dummy")] == ["initial commit"], "nothing may be committed"
-    assert [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")] == [], "the staging folder is removed"
+    assert [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")] == [], (
+        "the staging folder is removed"
+    )
     with pytest.raises(CheckpointNotFoundError, match="no committed shardsafe checkpoint"):
         trainer.train(resume_from_checkpoint=True)
 
@@ -296,7 +329,9 @@ def test_save_model_refuses_the_zero3_dummy_file(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(ShardsafeTrainer, "_write_model_folder", dummy)
     out = tmp_path / "out"
-    trainer = ShardsafeTrainer(model=GPT2LMHeadModel(config), args=TrainingArguments(str(out), use_cpu=True, report_to=[]))
+    trainer = ShardsafeTrainer(
+        model=GPT2LMHeadModel(config), args=TrainingArguments(str(out), use_cpu=True, report_to=[])
+    )
     with pytest.raises(ModelFolderError, match="holds no tensors: looks like a ZeRO-3 save without gathered weights"):
         trainer.save_model()
     assert not (out / "model.safetensors").exists()
@@ -316,8 +351,12 @@ def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_pa
     main = runs.result("z3_main")
     assert main["losses"] == runs.result("z3_plain")["losses"] and len(main["losses"]) == 6
     final = runs.weights("z3_main")
-    assert {k.split("/")[0] for k in final} == {"w16", "w32"} and final["w16/transformer.wte.weight"].dtype == torch.bfloat16
-    assert_same_tensors(final, runs.weights("z3_plain"), "ShardsafeTrainer vs Trainer under ZeRO-3 (16-bit and fp32 master)")
+    assert {k.split("/")[0] for k in final} == {"w16", "w32"} and final[
+        "w16/transformer.wte.weight"
+    ].dtype == torch.bfloat16
+    assert_same_tensors(
+        final, runs.weights("z3_plain"), "ShardsafeTrainer vs Trainer under ZeRO-3 (16-bit and fp32 master)"
+    )
     train = runs.train_dir("z3_main")
     for step in (2, 4, 6):
         summary = shardsafe.verify(train / f"checkpoint-{step}")
@@ -345,12 +384,18 @@ def test_zero3_save_model_gathered_equals_deepspeeds_16bit_model(runs: Runs) -> 
     assert {"model.safetensors", "config.json", "training_args.json"} <= set(main["after_save"])
     ours = dict(iter_output(train))
     ds16 = runs.weights("z3_main", "ds16")  # engine.save_16bit_model, same trained state
-    assert set(ds16) - set(ours) == {"lm_head.weight"}, "DeepSpeed writes the tied head again; transformers and shardsafe once"
+    assert set(ds16) - set(ours) == {"lm_head.weight"}, (
+        "DeepSpeed writes the tied head again; transformers and shardsafe once"
+    )
     assert_same_tensors(ours, {k: ds16[k] for k in ours}, "save_model vs save_16bit_model")
     assert ours["transformer.wte.weight"].dtype == torch.bfloat16
     loaded = AutoModelForCausalLM.from_pretrained(train)
     final16 = {k.split("/", 1)[1]: v for k, v in runs.weights("z3_main").items() if k.startswith("w16/")}
-    assert_same_tensors({k: v.detach() for k, v in loaded.state_dict().items()}, final16, "from_pretrained vs the engine's 16-bit weights")
+    assert_same_tensors(
+        {k: v.detach() for k, v in loaded.state_dict().items()},
+        final16,
+        "from_pretrained vs the engine's 16-bit weights",
+    )
 
 
 def test_zero3_save_model_without_gathering_writes_a_sharded_checkpoint(runs: Runs, tmp_path: Path) -> None:
@@ -359,8 +404,16 @@ def test_zero3_save_model_without_gathering_writes_a_sharded_checkpoint(runs: Ru
 
     result = runs.result("z3_nogather")
     train = runs.train_dir("z3_nogather")
-    assert result["after_save"] == ["EXPORT.md", "checkpoint", "config.json", "generation_config.json", "training_args.json"]
-    assert not any(name.endswith((".safetensors", ".bin")) for name in result["after_save"]), "no weights file, no dummy"
+    assert result["after_save"] == [
+        "EXPORT.md",
+        "checkpoint",
+        "config.json",
+        "generation_config.json",
+        "training_args.json",
+    ]
+    assert not any(name.endswith((".safetensors", ".bin")) for name in result["after_save"]), (
+        "no weights file, no dummy"
+    )
     assert result["checkpoint_dir"] == [
         "manifest.json",
         "shard-00000.index.json",

@@ -50,7 +50,11 @@ def errors(out: Path) -> str:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("order")
-    wait_for_scripts([launch_script("order2", SCRIPT, 2, [str(out), "order2"], cwd=out, env=ENV)], time.monotonic() + 180, "uninterrupted run")
+    wait_for_scripts(
+        [launch_script("order2", SCRIPT, 2, [str(out), "order2"], cwd=out, env=ENV)],
+        time.monotonic() + 180,
+        "uninterrupted run",
+    )
     resumed = [launch_script(f"order{n}", SCRIPT, n, [str(out), f"order{n}"], cwd=out, env=ENV) for n in (3, 1)]
     wait_for_scripts(resumed, time.monotonic() + 240, "resumed runs", lambda _: errors(out))
     return out
@@ -64,13 +68,17 @@ def z3_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("z3order")
     for name, world in (("z3_order2", 2), ("z3_order3", 3)):
         launch = launch_script(name, SCRIPT, world, [str(out), name], cwd=out, env=ENV)
-        wait_for_scripts([launch], time.monotonic() + 600, name, lambda _: errors(out))  # DeepSpeed's first start compiles an op: minutes
+        # DeepSpeed's first start compiles an op: minutes
+        wait_for_scripts([launch], time.monotonic() + 600, name, lambda _: errors(out))
     return out
 
 
 def taken(root: Path, name: str) -> dict[int, list[list[int]]]:
     """Per rank: ``[step, samples]`` for every micro-batch it trained on."""
-    return {int(p.name.split(".rank")[1].split(".")[0]): json.loads(p.read_text()) for p in (root / name).glob("taken.rank*.json")}
+    return {
+        int(p.name.split(".rank")[1].split(".")[0]): json.loads(p.read_text())
+        for p in (root / name).glob("taken.rank*.json")
+    }
 
 
 def per_step(by_rank: dict[int, list[list[int]]]) -> dict[int, Counter[int]]:
@@ -108,7 +116,9 @@ def test_resume_on_another_world_size_continues_the_data_order(root: Path, name:
     steps = per_step(resumed)
     assert sorted(steps) == list(range(7, STEPS + 1)), "the resumed run trains steps 7.. and skips nothing"
     for step in steps:
-        assert steps[step] == reference[step], f"{name} step {step}: {sorted(steps[step].elements())} vs {sorted(reference[step].elements())}"
+        assert steps[step] == reference[step], (
+            f"{name} step {step}: {sorted(steps[step].elements())} vs {sorted(reference[step].elements())}"
+        )
     # epoch 1 (steps 5-8) split by the resume at step 6: every sample exactly once
     epoch1 = sum((reference[s] for s in (5, 6)), Counter()) + sum((steps[s] for s in (7, 8)), Counter())
     assert epoch1 == Counter(range(SAMPLES))
@@ -120,8 +130,10 @@ def test_a_changed_global_batch_is_refused_and_an_iterable_dataset_keeps_the_tra
     one = result(root, "order1")
     assert one["refusal"] == (
         f"StateMismatchError: {root / 'order2' / 'train' / 'checkpoint-6'} was trained with a global batch of "
-        "6 (2 ranks x 3 per device x 1 accumulation steps); this run has 3 (1 rank x 3 per device x 1 accumulation steps). "
-        "Keep per_device_train_batch_size x gradient_accumulation_steps x world size equal to resume the same data order "
+        "6 (2 ranks x 3 per device x 1 accumulation steps); this run has 3 (1 rank x 3 per device x 1 accumulation "
+        "steps). "
+        "Keep per_device_train_batch_size x gradient_accumulation_steps x world size equal to resume the same data "
+        "order "
         "(or pass ignore_data_skip=True to start the epoch's data from its beginning)"
     )
     assert not (root / "order1_refused" / "checkpoint-9").exists(), "the refused resume trained nothing"
@@ -135,23 +147,42 @@ def assert_same_bits(got: dict[str, torch.Tensor], expected: dict[str, torch.Ten
     assert sorted(got) == sorted(expected), f"{what}: names differ: {sorted(set(got) ^ set(expected))}"
     for key, e in expected.items():
         g = got[key]
-        assert g.dtype == e.dtype and g.shape == e.shape, f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
-        assert torch.equal(g.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), f"{what}[{key}]: values differ"
+        assert g.dtype == e.dtype and g.shape == e.shape, (
+            f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
+        )
+        assert torch.equal(g.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), (
+            f"{what}[{key}]: values differ"
+        )
 
 
 def test_zero3_resume_on_3_ranks_loads_the_2_rank_engine_state_exactly(z3_root: Path, tmp_path: Path) -> None:
-    saved, loaded = load_file(z3_root / "z3_order2" / "state6.safetensors"), load_file(z3_root / "z3_order3" / "loaded.safetensors")
+    saved, loaded = (
+        load_file(z3_root / "z3_order2" / "state6.safetensors"),
+        load_file(z3_root / "z3_order3" / "loaded.safetensors"),
+    )
     assert {k.split("/")[0] for k in saved} == {"w16", "w32", "exp_avg", "exp_avg_sq"}
-    assert saved["w16/transformer.wte.weight"].dtype == torch.bfloat16 and saved["exp_avg/transformer.wte.weight"].dtype == torch.float32
+    assert (
+        saved["w16/transformer.wte.weight"].dtype == torch.bfloat16
+        and saved["exp_avg/transformer.wte.weight"].dtype == torch.float32
+    )
     assert_same_bits(loaded, saved, "engine state: 3 ranks after the load vs 2 ranks at checkpoint-6")
     counters = json.loads((z3_root / "z3_order2" / "state6.json").read_text())
-    assert counters["adam_steps"] == [6.0] and counters["engine"]["global_steps"] == 6 and counters["scheduler"]["last_epoch"] == 6
-    assert json.loads((z3_root / "z3_order3" / "loaded.json").read_text()) == counters, "optimizer step, hyper-parameters, engine counters, scheduler"
+    assert (
+        counters["adam_steps"] == [6.0]
+        and counters["engine"]["global_steps"] == 6
+        and counters["scheduler"]["last_epoch"] == 6
+    )
+    assert json.loads((z3_root / "z3_order3" / "loaded.json").read_text()) == counters, (
+        "optimizer step, hyper-parameters, engine counters, scheduler"
+    )
     checkpoint = z3_root / "z3_order2" / "train" / "checkpoint-6"
     assert shardsafe.verify(checkpoint)["world_size"] == 2
-    exported = export_hf(checkpoint, tmp_path / "exported", progress=False)  # `shardsafe export`: the checkpoint's fp32 master weights
+    # `shardsafe export`: the checkpoint's fp32 master weights
+    exported = export_hf(checkpoint, tmp_path / "exported", progress=False)
     master = {k.split("/", 1)[1]: v for k, v in loaded.items() if k.startswith("w32/")}
-    assert_same_bits(dict(iter_output(exported)), master, "exported checkpoint-6 vs the fp32 master weights loaded on 3 ranks")
+    assert_same_bits(
+        dict(iter_output(exported)), master, "exported checkpoint-6 vs the fp32 master weights loaded on 3 ranks"
+    )
 
 
 def test_zero3_resume_on_3_ranks_continues_the_data_order(z3_root: Path) -> None:
@@ -168,7 +199,9 @@ def test_zero3_resume_on_3_ranks_continues_the_data_order(z3_root: Path) -> None
     steps = per_step(resumed)
     assert sorted(steps) == list(range(7, STEPS + 1)), "the resumed run trains steps 7.. and skips nothing"
     for step in steps:
-        assert steps[step] == reference[step], f"step {step}: {sorted(steps[step].elements())} vs {sorted(reference[step].elements())}"
+        assert steps[step] == reference[step], (
+            f"step {step}: {sorted(steps[step].elements())} vs {sorted(reference[step].elements())}"
+        )
     epoch1 = sum((reference[s] for s in (5, 6)), Counter()) + sum((steps[s] for s in (7, 8)), Counter())
     assert epoch1 == Counter(range(SAMPLES)), "epoch 1, split by the resume at step 6: every sample exactly once"
     summary = shardsafe.verify(z3_root / "z3_order3" / "train" / "checkpoint-9")

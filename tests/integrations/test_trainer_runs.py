@@ -57,7 +57,10 @@ def _trainer(out: Path, max_steps: int, **kwargs: Any) -> Any:
 def _writers(out: Path) -> dict[int, str | None]:
     import shardsafe
 
-    return {step: shardsafe.verify(out / f"checkpoint-{step}")["metadata"]["shardsafe.trainer"]["run_id"] for step in committed_steps(out, _naming())}
+    return {
+        step: shardsafe.verify(out / f"checkpoint-{step}")["metadata"]["shardsafe.trainer"]["run_id"]
+        for step in committed_steps(out, _naming())
+    }
 
 
 def _naming() -> Any:
@@ -72,7 +75,8 @@ def test_trainer_resumes_under_the_lease_and_never_replaces_another_runs_checkpo
     first = _writers(out)
     assert sorted(first) == [1, 2] and first[1] == first[2] is not None
 
-    with pytest.raises(CheckpointExistsError) as info:  # a fresh run into the same output_dir, as an unchanged script restarted
+    # a fresh run into the same output_dir, as an unchanged script restarted
+    with pytest.raises(CheckpointExistsError) as info:
         _trainer(out, max_steps=1).train()
     assert f"step 1 is a committed checkpoint written by run {first[1]}" in str(info.value)
     assert "resume_from_checkpoint=True" in str(info.value) and "overwrite_checkpoints=True" in str(info.value)
@@ -81,7 +85,8 @@ def test_trainer_resumes_under_the_lease_and_never_replaces_another_runs_checkpo
     other = Lease(out, timeout=1.0)  # another run holds output_dir (renewing it; a waiter gives up after 2 s)
     other.acquire()
     with pytest.raises(LeaseHeldError):
-        _trainer(out, max_steps=3, lease_timeout=0.5).train(resume_from_checkpoint=True)  # refused before it reads anything
+        # refused before it reads anything
+        _trainer(out, max_steps=3, lease_timeout=0.5).train(resume_from_checkpoint=True)
     threading.Timer(1.0, other.release).start()
     started = time.monotonic()
     resumed = _trainer(out, max_steps=3, lease_timeout=30.0)

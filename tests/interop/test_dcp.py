@@ -1,5 +1,7 @@
-"""DCP checkpoints in and out: ``dcp.save`` at 2 FSDP2 ranks, converted and loaded at 1 and 3 ranks exactly as ``dcp.load``
-gives; export to a folder ``from_pretrained`` loads; ``--to dcp`` round trip; hostile ``.metadata`` refused without running code."""
+"""DCP checkpoints in and out: ``dcp.save`` at 2 FSDP2 ranks, converted and loaded at 1 and 3 ranks exactly as
+``dcp.load``
+gives; export to a folder ``from_pretrained`` loads; ``--to dcp`` round trip; hostile ``.metadata`` refused without
+running code."""
 
 from __future__ import annotations
 
@@ -100,7 +102,14 @@ def test_fsdp2_dcp_checkpoint_converts_and_reshards_like_dcp_load(tmp_path: Path
 def test_export_of_a_dcp_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=131, hidden_size=32, intermediate_size=67, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=131,
+        hidden_size=32,
+        intermediate_size=67,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     folder = tmp_path / "dcp"
@@ -188,7 +197,9 @@ def test_cli_on_a_hostile_folder_prints_error_and_exits_1(tmp_path: Path, comman
     _hostile("reduce", folder, marker)
     args = [str(folder)] + ([str(tmp_path / "out")] if command != "inspect" else [])
     env = {**os.environ, "PYTHONPATH": str(Path(shardsafe.__file__).parents[1])}
-    proc = subprocess.run([sys.executable, "-m", "shardsafe.cli", command, *args], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardsafe.cli", command, *args], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 1, proc.stderr
     assert "error:" in proc.stderr and ".metadata" in proc.stderr
     assert not marker.exists()
@@ -196,7 +207,8 @@ def test_cli_on_a_hostile_folder_prints_error_and_exits_1(tmp_path: Path, comman
 
 @pytest.mark.parametrize("fqn", ["model.w", "n"])
 def test_hostile_item_pickle_is_refused_without_running_code(tmp_path: Path, fqn: str) -> None:
-    """An item's own torch.save archive naming os.system (a tensor chunk, a value) is refused, naming the .distcp file."""
+    """An item's own torch.save archive naming os.system (a tensor chunk, a value) is refused, naming the .distcp
+    file."""
     import io
 
     folder, marker = tmp_path / "dcp", tmp_path / "pwned"
@@ -214,7 +226,8 @@ def test_hostile_item_pickle_is_refused_without_running_code(tmp_path: Path, fqn
         shardsafe.convert_dcp(folder, tmp_path / "out")
     holder = torch.nn.Module()
     holder.w = torch.nn.Parameter(torch.full((3, 4), -1.0))
-    with pytest.raises(FormatError, match=r"\.distcp"):  # read in place: the item is located (restricted) before any byte is written
+    # read in place: the item is located (restricted) before any byte is written
+    with pytest.raises(FormatError, match=r"\.distcp"):
         shardsafe.load(folder, {"model": holder, "n": 0})
     assert torch.equal(holder.w.detach(), torch.full((3, 4), -1.0))
     assert not marker.exists()
@@ -222,7 +235,8 @@ def test_hostile_item_pickle_is_refused_without_running_code(tmp_path: Path, fqn
 
 
 def test_damaged_item_bytes_fail_the_crc_before_anything_is_written(tmp_path: Path) -> None:
-    """A flipped byte inside a tensor's record: the atomic load's check pass finds it (the record's CRC-32) and leaves the
+    """A flipped byte inside a tensor's record: the atomic load's check pass finds it (the record's CRC-32) and leaves
+    the
     model as it was; verify=False reads it in place as stored."""
     import io
     import zipfile
@@ -236,7 +250,12 @@ def test_damaged_item_bytes_fail_the_crc_before_anything_is_written(tmp_path: Pa
     with zipfile.ZipFile(io.BytesIO(item)) as z:
         record = next(e for e in z.infolist() if "/data/" in e.filename)
     local = info.offset + record.header_offset
-    start = local + 30 + int.from_bytes(raw[local + 26 : local + 28], "little") + int.from_bytes(raw[local + 28 : local + 30], "little")
+    start = (
+        local
+        + 30
+        + int.from_bytes(raw[local + 26 : local + 28], "little")
+        + int.from_bytes(raw[local + 28 : local + 30], "little")
+    )
     raw[start + 4] ^= 0x40  # a bit of element 1
     data_file.write_bytes(bytes(raw))
     holder = torch.nn.Module()
@@ -247,4 +266,8 @@ def test_damaged_item_bytes_fail_the_crc_before_anything_is_written(tmp_path: Pa
     state = {"model": holder, "n": 0}
     shardsafe.load(folder, state, verify=False)
     expected = torch.arange(12.0).reshape(3, 4)
-    assert state["n"] == 7 and torch.equal(holder.w.detach()[0, 2:], expected[0, 2:]) and not torch.equal(holder.w.detach(), expected)
+    assert (
+        state["n"] == 7
+        and torch.equal(holder.w.detach()[0, 2:], expected[0, 2:])
+        and not torch.equal(holder.w.detach(), expected)
+    )

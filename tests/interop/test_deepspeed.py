@@ -29,7 +29,15 @@ import torch
 from safetensors.torch import load_file
 
 import shardsafe
-from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, full_model_state, full_optimizer_state, launch_script, run_ranks, wait_for_scripts
+from dist_utils import (
+    HAVE_DEEPSPEED,
+    TESTS_DIR,
+    full_model_state,
+    full_optimizer_state,
+    launch_script,
+    run_ranks,
+    wait_for_scripts,
+)
 from ds_scripts.train_zero import VOCAB, Tiny, param_groups
 from shardsafe.api.source import CheckpointSource
 from shardsafe.cli.convert import add_parser as add_convert_command
@@ -51,7 +59,9 @@ RUNS = [f"{v}-w{w}" for w, variants in LAUNCHES.items() for v in variants]
 TINY_RUNS = [r for r in RUNS if r.startswith("tiny")]
 LAUNCH_TIMEOUT_S = 600  # the first DeepSpeed start on a machine compiles an op (minutes on 2 cores)
 
-needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed")
+needs_deepspeed = pytest.mark.skipif(
+    not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed"
+)
 
 
 @dataclass
@@ -61,12 +71,17 @@ class Run:
     name: str
     folder: Path  # the folder engine.save_checkpoint wrote (holds `latest`)
     fp32: dict[str, torch.Tensor]  # get_fp32_state_dict_from_zero_checkpoint
-    optim: dict[str, torch.Tensor]  # <param>/fp32, <param>/exp_avg, <param>/exp_avg_sq, __step__, <param>/frozen (ZeRO-1/2)
+    # <param>/fp32, <param>/exp_avg, <param>/exp_avg_sq, __step__, <param>/frozen (ZeRO-1/2)
+    optim: dict[str, torch.Tensor]
     meta: dict[str, Any]
 
     @property
     def tied(self) -> dict[str, str]:
-        return {"head.weight": "embed.weight"} if self.meta["kind"] == "tiny" else {"lm_head.weight": "model.embed_tokens.weight"}
+        return (
+            {"head.weight": "embed.weight"}
+            if self.meta["kind"] == "tiny"
+            else {"lm_head.weight": "model.embed_tokens.weight"}
+        )
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +117,9 @@ def assert_same(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert got.dtype == expected.dtype and got.shape == expected.shape, (
         f"{what}: {got.dtype}{list(got.shape)} vs {expected.dtype}{list(expected.shape)}"
     )
-    assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), f"{what}: values differ"
+    assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), (
+        f"{what}: values differ"
+    )
 
 
 # ----------------------------------------------------------------------------- reading
@@ -151,7 +168,9 @@ def test_reader_optimizer_state_matches_deepspeed(ds_runs: dict[str, Run], name:
             for key in ("exp_avg", "exp_avg_sq"):
                 assert_same(ckpt.optimizer_state(param, key), run.optim[f"{param}/{key}"], f"{name}: {param}/{key}")
             step = ckpt.optimizer_state(param, "step")
-            assert step.dtype == torch.float32 and step.shape == () and float(step) == float(run.optim["__step__"]) == 2.0
+            assert (
+                step.dtype == torch.float32 and step.shape == () and float(step) == float(run.optim["__step__"]) == 2.0
+            )
 
 
 @needs_deepspeed
@@ -239,7 +258,11 @@ def test_checkpoint_with_malicious_pickle_is_refused(ds_runs: dict[str, Run], tm
     folder = tmp_path / "evil"
     shutil.copytree(run.folder, folder)
     tag = (folder / "latest").read_text().strip()
-    name = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" if which == "optim" else "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    name = (
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        if which == "optim"
+        else "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    )
     target = folder / tag / name
     state = load_pt(target, mmap=False)
     if which == "optim":  # back to plain values, so that the payload is the only foreign global
@@ -285,7 +308,10 @@ def test_export_cli_llama_loads_in_transformers(ds_runs: dict[str, Run], tmp_pat
         assert torch.equal(state[key], expected), key
 
     bf16 = tmp_path / "hf-bf16"
-    assert main(["export", str(run.folder), str(bf16), "--dtype", "bfloat16", "--max-shard-size", "8KB", "--no-progress"]) == 0
+    assert (
+        main(["export", str(run.folder), str(bf16), "--dtype", "bfloat16", "--max-shard-size", "8KB", "--no-progress"])
+        == 0
+    )
     assert (bf16 / "model.safetensors.index.json").is_file()
     for key, tensor in iter_output(bf16):
         assert_same(tensor, run.fp32[key].to(torch.bfloat16), f"bf16 export {key}")
@@ -302,7 +328,8 @@ def test_export_keeps_deepspeed_dtypes(ds_runs: dict[str, Run], tmp_path: Path, 
     assert "head.weight" not in written
     for key, tensor in written.items():
         expected = run.fp32[key] if key in run.fp32 else run.optim[f"{key}/frozen"]
-        assert_same(tensor, expected, f"export {key}")  # frozen parameters stay in the run's dtype, as DeepSpeed returns them
+        # frozen parameters stay in the run's dtype, as DeepSpeed returns them
+        assert_same(tensor, expected, f"export {key}")
     assert set(written) | {"head.weight"} == set(Tiny().state_dict())
     assert isinstance(open_source(run.folder), DeepSpeedCheckpoint)
 
@@ -312,7 +339,8 @@ def test_export_keeps_deepspeed_dtypes(ds_runs: dict[str, Run], tmp_path: Path, 
 
 def _load_plain(path: Path, with_scheduler: bool = False) -> dict[str, Any]:
     model = Tiny()
-    optim = torch.optim.AdamW(param_groups(model), lr=0.5, betas=(0.5, 0.5), eps=0.1)  # hyper-parameters come from the checkpoint
+    # hyper-parameters come from the checkpoint
+    optim = torch.optim.AdamW(param_groups(model), lr=0.5, betas=(0.5, 0.5), eps=0.1)
     state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
     if with_scheduler:
         state["sched"] = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
@@ -321,10 +349,13 @@ def _load_plain(path: Path, with_scheduler: bool = False) -> dict[str, Any]:
 
 
 def _check_resumed(run: Run, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
-    """Model values (fp32, frozen parameters upcast from the run's dtype), optimizer state and groups as DeepSpeed holds them."""
+    """Model values (fp32, frozen parameters upcast from the run's dtype), optimizer state and groups as DeepSpeed holds
+    them."""
     for key, expected in run.fp32.items():
         if key != "head.weight":  # named_parameters lists a tied parameter once
-            assert_same(model_state[key], expected.float() if expected.is_floating_point() else expected, f"model {key}")
+            assert_same(
+                model_state[key], expected.float() if expected.is_floating_point() else expected, f"model {key}"
+            )
     for key in ("frozen.weight", "frozen.bias"):
         frozen = run.fp32[key] if key in run.fp32 else run.optim[f"{key}/frozen"]
         assert_same(model_state[key], frozen.float(), f"model {key}")
@@ -358,7 +389,10 @@ def test_convert_then_resume_in_one_process(ds_runs: dict[str, Run], tmp_path: P
     model, optim = loaded["model"], loaded["optim"]
     _check_resumed(run, full_model_state(model), full_optimizer_state(model, optim))
     sched = loaded["sched"].state_dict()  # the LR scheduler DeepSpeed stepped comes back too
-    assert sched["last_epoch"] == run.meta["lr_scheduler"]["last_epoch"] == 2 and sched["_last_lr"] == run.meta["lr_scheduler"]["_last_lr"]
+    assert (
+        sched["last_epoch"] == run.meta["lr_scheduler"]["last_epoch"] == 2
+        and sched["_last_lr"] == run.meta["lr_scheduler"]["_last_lr"]
+    )
     assert model.head.weight is model.embed.weight
     # training continues
     tokens = torch.randint(0, VOCAB, (2, 7))
@@ -407,13 +441,18 @@ def test_convert_command(ds_runs: dict[str, Run], tmp_path: Path, capsys: pytest
     assert "ZeRO-3" in capsys.readouterr().out
     with CheckpointSource(out) as source:  # --dtype keep: the frozen layer stays bf16, the rest fp32
         dtypes = {t.name: t.dtype for t in source.tensors()}
-    assert dtypes["frozen.weight"] == torch.bfloat16 and dtypes["l1.weight"] == torch.float32 and dtypes["counts"] == torch.int64
+    assert (
+        dtypes["frozen.weight"] == torch.bfloat16
+        and dtypes["l1.weight"] == torch.float32
+        and dtypes["counts"] == torch.int64
+    )
     args = parser.parse_args(["convert", str(run.folder), str(out), "--no-progress"])
     with pytest.raises(shardsafe.CheckpointExistsError):
         args.func(args)
     args = parser.parse_args(["convert", str(run.folder), str(out), "--overwrite", "--no-progress"])
     assert args.func(args) == 0
-    assert shardsafe.verify(out)["tensors"] == 15 + 10 * 3  # 15 model entries (tied alias included), 10 trained parameters x 3
+    # 15 model entries (tied alias included), 10 trained parameters x 3
+    assert shardsafe.verify(out)["tensors"] == 15 + 10 * 3
     args = parser.parse_args(["convert", str(run.folder), str(tmp_path / "engine"), "--for-engine", "--dtype", "keep"])
     with pytest.raises(shardsafe.ShardsafeError, match="--dtype does not apply with --for-engine"):
         args.func(args)
@@ -442,11 +481,17 @@ def test_convert_for_engine_from_zero12(ds_runs: dict[str, Run], tmp_path: Path,
     assert {e["state"]["step"]["tensor"]["value"] for e in meta["optimizer_scalars"]} == {2.0}
     with ChunkReader(out, manifest) as reader:
         for param in trained:
-            for key, stored in ((f"{param}/fp32", "fp32"), (f"{param}/exp_avg", "optim/exp_avg"), (f"{param}/exp_avg_sq", "optim/exp_avg_sq")):
+            for key, stored in (
+                (f"{param}/fp32", "fp32"),
+                (f"{param}/exp_avg", "optim/exp_avg"),
+                (f"{param}/exp_avg_sq", "optim/exp_avg_sq"),
+            ):
                 got = reader.read_tensor(f"engine/{stored}/{param}", manifest.tensors[f"engine/{stored}/{param}"])
                 assert_same(got, run.optim[key].reshape(-1), f"{name}: {key}")
         frozen = reader.read_tensor("engine/frozen/frozen.weight", manifest.tensors["engine/frozen/frozen.weight"])
-    assert meta["params"]["frozen.weight"]["group"] is None and frozen.numel() == math.prod(meta["params"]["frozen.weight"]["shape"])
+    assert meta["params"]["frozen.weight"]["group"] is None and frozen.numel() == math.prod(
+        meta["params"]["frozen.weight"]["shape"]
+    )
 
 
 # ----------------------------------------------------------------------------- without DeepSpeed
@@ -460,7 +505,9 @@ def test_tied_weights_optimizer_roundtrip(tmp_path: Path) -> None:
     optim.step()
     shardsafe.save(tmp_path / "ckpt", {"model": model, "optim": optim, "step": 1})
     loaded = _load_plain(tmp_path / "ckpt")
-    assert torch.equal(loaded["optim"].state[loaded["model"].embed.weight]["exp_avg"], optim.state[model.embed.weight]["exp_avg"])
+    assert torch.equal(
+        loaded["optim"].state[loaded["model"].embed.weight]["exp_avg"], optim.state[model.embed.weight]["exp_avg"]
+    )
 
 
 def test_open_source_and_detection(tmp_path: Path) -> None:
@@ -475,7 +522,9 @@ def test_open_source_and_detection(tmp_path: Path) -> None:
 
 
 @needs_deepspeed
-def test_convert_reassembles_each_tensor_once(ds_runs: dict[str, Run], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_reassembles_each_tensor_once(
+    ds_runs: dict[str, Run], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every ZeRO parameter and moment is reassembled exactly once (the writer takes sizes from the
     header, not from a first pass over the tensors), and the progress bar ends at 100%."""
     import shardsafe.interop.deepspeed_convert as convert_module

@@ -32,7 +32,9 @@ PRECISIONS = ("bf16", "fp32", "bf16-offload")
 OTHER_WORLDS = (1, 3)
 LAUNCH_TIMEOUT_S = 600  # the first DeepSpeed start on a machine compiles an op (minutes on 2 cores)
 
-pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed")
+pytestmark = pytest.mark.skipif(
+    not HAVE_DEEPSPEED, reason="DeepSpeed (DS_BUILD_OPS=0 pip install deepspeed) and g++ are needed"
+)
 
 
 def _launch(root: Path, world: int, phase: str) -> ScriptLaunch:
@@ -52,16 +54,34 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from shardsafe.cli.main import main as shardsafe_cli
 
     for precision in PRECISIONS:  # DeepSpeed's own checkpoints (engine.save_checkpoint), for the reshard launches
-        assert shardsafe_cli(["convert", str(root / f"ds_{precision}"), str(root / f"conv_{precision}"), "--for-engine", "--no-progress"]) == 0
+        assert (
+            shardsafe_cli(
+                [
+                    "convert",
+                    str(root / f"ds_{precision}"),
+                    str(root / f"conv_{precision}"),
+                    "--for-engine",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     _wait([_launch(root, w, "reshard") for w in OTHER_WORLDS], deadline)
-    out: dict[Any, Any] = {"root": root, "save": [torch.load(root / f"save-w2.rank{r}.pt", weights_only=False) for r in range(2)]}
+    out: dict[Any, Any] = {
+        "root": root,
+        "save": [torch.load(root / f"save-w2.rank{r}.pt", weights_only=False) for r in range(2)],
+    }
     for w in OTHER_WORLDS:
         out[w] = [torch.load(root / f"reshard-w{w}.rank{r}.pt", weights_only=False) for r in range(w)]
     return out
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
@@ -71,14 +91,21 @@ def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.
 
 
 def assert_same_snapshot(
-    got: dict[str, Any], expected: dict[str, Any], what: str, *, same_sub_groups: bool = True, skip: tuple[str, ...] = ()
+    got: dict[str, Any],
+    expected: dict[str, Any],
+    what: str,
+    *,
+    same_sub_groups: bool = True,
+    skip: tuple[str, ...] = (),
 ) -> None:  # noqa: E501
     """Bit-equal tensors (fp32 master, moments, gathered 16-bit parameters, buffers) and equal small state."""
     assert_same_tensors(got["tensors"], expected["tensors"], what)
     if same_sub_groups:
         assert [s.item() for s in got["steps"]] == [s.item() for s in expected["steps"]], f"{what}: step per sub-group"
     else:  # other sub-groups at another world size, each with the one saved step count
-        assert {s.item() for s in got["steps"]} == {s.item() for s in expected["steps"]} and len(got["steps"]) == got["sub_groups"]
+        assert {s.item() for s in got["steps"]} == {s.item() for s in expected["steps"]} and len(got["steps"]) == got[
+            "sub_groups"
+        ]
         assert all(s.dtype == torch.float32 and s.shape == () for s in got["steps"])
     for key in ("groups", "scaler", "counters", "scheduler"):
         if key not in skip:
@@ -108,8 +135,17 @@ def test_resume_at_same_world_size_is_bit_exact(runs: dict[str, Any], precision:
         assert r["step_value"] == 2
         assert r["losses_ss"] == r["losses_ref"] and all(math.isfinite(x) for x in r["losses_ref"])
         assert_same_snapshot(r["final_ss"], r["final_ref"], f"rank {rank} {precision} after 2 more steps")
-        assert r["final_ss"]["counters"] == {"global_steps": 4, "global_samples": 16, "skipped_steps": 0, "micro_steps": 4}
-    assert_same_tensors(runs["save"][1][precision]["final_ss"]["tensors"], runs["save"][0][precision]["final_ss"]["tensors"], "rank 1 vs rank 0")
+        assert r["final_ss"]["counters"] == {
+            "global_steps": 4,
+            "global_samples": 16,
+            "skipped_steps": 0,
+            "micro_steps": 4,
+        }
+    assert_same_tensors(
+        runs["save"][1][precision]["final_ss"]["tensors"],
+        runs["save"][0][precision]["final_ss"]["tensors"],
+        "rank 1 vs rank 0",
+    )
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -119,7 +155,9 @@ def test_same_result_as_deepspeeds_own_checkpoint(runs: dict[str, Any], precisio
     r = runs["save"][0][precision]
     assert r["losses_ds"] == r["losses_ref"] == r["losses_ss"]
     assert_same_snapshot(r["after_ds_load"], r["after_load"], "DeepSpeed's load vs shardsafe's", skip=("counters",))
-    assert_same_snapshot(r["final_ds"], r["final_ss"], "after DeepSpeed's load vs after shardsafe's", skip=("counters",))
+    assert_same_snapshot(
+        r["final_ds"], r["final_ss"], "after DeepSpeed's load vs after shardsafe's", skip=("counters",)
+    )
     assert r["after_ds_load"]["counters"] == dict(r["after_load"]["counters"], micro_steps=0)
 
 
@@ -138,9 +176,18 @@ def test_load_at_other_world_size(runs: dict[str, Any], precision: str, world: i
         assert_same_snapshot(r["after_load"], at_save, f"W={world} rank {rank} {precision}", same_sub_groups=False)
         assert r["step_value"] == 2
         assert len(r["losses"]) == 1 and math.isfinite(r["losses"][0])
-        assert r["after_step"]["counters"] == {"global_steps": 3, "global_samples": 8 + 2 * world, "skipped_steps": 0, "micro_steps": 3}
+        assert r["after_step"]["counters"] == {
+            "global_steps": 3,
+            "global_samples": 8 + 2 * world,
+            "skipped_steps": 0,
+            "micro_steps": 3,
+        }
         assert {s.item() for s in r["after_step"]["steps"]} == {3.0}
-        changed = [k for k in at_save["tensors"] if k.startswith("fp32/") and not same_bits(r["after_step"]["tensors"][k], at_save["tensors"][k])]
+        changed = [
+            k
+            for k in at_save["tensors"]
+            if k.startswith("fp32/") and not same_bits(r["after_step"]["tensors"][k], at_save["tensors"][k])
+        ]
         assert changed, "the step did not update the fp32 master weights"
     if world == 1:  # one rank sees the same data as rank 0 of the 2-rank run, but a mean over fewer ranks
         assert runs[world][0][precision]["losses"] == runs["save"][0][precision]["losses_ref"][:1]
@@ -151,7 +198,9 @@ def test_load_from_one_rank_into_three(runs: dict[str, Any]) -> None:
     at_save = runs["save"][0]["bf16"]["at_save"]
     for rank, result in enumerate(runs[3]):
         # (the 1-rank launch saved the engine alone: the scheduler is not in that checkpoint)
-        assert_same_snapshot(result["from_w1"], at_save, f"1 -> 3, rank {rank}", same_sub_groups=False, skip=("scheduler",))
+        assert_same_snapshot(
+            result["from_w1"], at_save, f"1 -> 3, rank {rank}", same_sub_groups=False, skip=("scheduler",)
+        )
 
 
 @pytest.mark.parametrize("world", OTHER_WORLDS)
@@ -172,12 +221,15 @@ def test_resave_at_other_world_size_is_identical(runs: dict[str, Any], precision
     }
 
 
-# ----------------------------------------------------------------------------- DeepSpeed's checkpoint, converted for an engine
+# ----------------------------------------------------------------------------- DeepSpeed's checkpoint, converted for an
+# engine
 
 
 @pytest.mark.parametrize("world", OTHER_WORLDS)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_converted_deepspeed_checkpoint_resumes_engine_at_other_world_size(runs: dict[str, Any], precision: str, world: int) -> None:
+def test_converted_deepspeed_checkpoint_resumes_engine_at_other_world_size(
+    runs: dict[str, Any], precision: str, world: int
+) -> None:
     """``engine.save_checkpoint`` at 2 ranks, ``shardsafe convert --for-engine``, a fresh engine at 1 or 3
     ranks loads it: fp32 master, moments, 16-bit weights, buffers, step counts, lr and the other
     hyper-parameters, the LR scheduler and DeepSpeed's counters are the saving run's, bit for bit;
@@ -191,7 +243,9 @@ def test_converted_deepspeed_checkpoint_resumes_engine_at_other_world_size(runs:
         assert r["conv_after_load"]["counters"] == dict(at_save["counters"], micro_steps=0)
         assert r["conv_after_load"]["groups"][1]["lr"] == pytest.approx(3e-3 * 0.7**2)
         assert len(r["conv_losses"]) == 1 and math.isfinite(r["conv_losses"][0])
-        assert r["conv_after_step"]["counters"]["global_steps"] == 3 and {s.item() for s in r["conv_after_step"]["steps"]} == {3.0}
+        assert r["conv_after_step"]["counters"]["global_steps"] == 3 and {
+            s.item() for s in r["conv_after_step"]["steps"]
+        } == {3.0}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -211,8 +265,14 @@ def test_converted_deepspeed_checkpoint_is_the_engine_layout(runs: dict[str, Any
     meta, meta_ss = tree["engine"]["meta"], tree_ss["engine"]["meta"]
     assert meta["counters"] == {k: v for k, v in meta_ss["counters"].items() if k != "micro_steps"}
     assert {k: v for k, v in meta.items() if k != "counters"} == {k: v for k, v in meta_ss.items() if k != "counters"}
-    assert tree["engine"]["state"] == tree_ss["engine"]["state"] and tree["step"] == tree_ss["step"] == {"kind": "value", "state": 2}
-    assert manifest.metadata["converted_from"]["zero_stage"] == 3 and manifest.metadata["converted_from"]["dp_world_size"] == 2
+    assert tree["engine"]["state"] == tree_ss["engine"]["state"] and tree["step"] == tree_ss["step"] == {
+        "kind": "value",
+        "state": 2,
+    }
+    assert (
+        manifest.metadata["converted_from"]["zero_stage"] == 3
+        and manifest.metadata["converted_from"]["dp_world_size"] == 2
+    )
 
 
 # ----------------------------------------------------------------------------- refusals, scaler, layout
@@ -254,18 +314,30 @@ def test_verify_files_and_layout(runs: dict[str, Any], precision: str) -> None:
     summary = shardsafe.verify(path)
     assert summary["world_size"] == 2 and summary["state_entries"] == ["engine", "sched", "step"]
     manifest, tree, tensors = read_all(path)
-    assert {name: entry.rank for name, entry in manifest.files.items()} == {"shard-00000.safetensors": 0, "shard-00001.safetensors": 1}
+    assert {name: entry.rank for name, entry in manifest.files.items()} == {
+        "shard-00000.safetensors": 0,
+        "shard-00001.safetensors": 1,
+    }
     assert manifest.metadata == {"precision": precision}
 
     # one 1-D tensor of numel elements per parameter, each rank's share a chunk at rank * ceil(numel / 2)
     entry = manifest.tensors["engine/fp32/l2.weight"]
     assert entry.shape == (493,) and entry.dtype == torch.float32
-    assert [(c.offsets, c.shape, manifest.files[c.file].rank) for c in entry.chunks] == [((0,), (247,), 0), ((247,), (246,), 1)]
+    assert [(c.offsets, c.shape, manifest.files[c.file].rank) for c in entry.chunks] == [
+        ((0,), (247,), 0),
+        ((247,), (246,), 1),
+    ]
     assert [c.offsets for c in manifest.tensors["engine/optim/exp_avg_sq/l2.weight"].chunks] == [(0,), (247,)]
-    assert [(c.offsets, c.shape) for c in manifest.tensors["engine/fp32/temperature"].chunks] == [((0,), (1,))]  # rank 1 holds padding only
+    # rank 1 holds padding only
+    assert [(c.offsets, c.shape) for c in manifest.tensors["engine/fp32/temperature"].chunks] == [((0,), (1,))]
     frozen = manifest.tensors["engine/frozen/frozen.weight"]
-    assert frozen.shape == (187,) and frozen.dtype == (torch.float32 if precision == "fp32" else torch.bfloat16) and len(frozen.chunks) == 2
-    for name, dtype, shape in (("scale", torch.float32, (13,)), ("counts", torch.int64, (5,))):  # replicated: written once
+    assert (
+        frozen.shape == (187,)
+        and frozen.dtype == (torch.float32 if precision == "fp32" else torch.bfloat16)
+        and len(frozen.chunks) == 2
+    )
+    # replicated: written once
+    for name, dtype, shape in (("scale", torch.float32, (13,)), ("counts", torch.int64, (5,))):
         buf = manifest.tensors[f"engine/buffers/{name}"]
         assert (buf.dtype, buf.shape, len(buf.chunks)) == (dtype, shape, 1)
     assert not any("scratch" in k or "head.weight" in k for k in manifest.tensors)  # non-persistent buffer, tied alias
@@ -280,7 +352,11 @@ def test_verify_files_and_layout(runs: dict[str, Any], precision: str) -> None:
     assert engine["kind"] == "deepspeed_engine" and set(engine["state"]) == {"fp32", "optim", "frozen", "buffers"}
     meta = engine["meta"]
     assert meta["zero_stage"] == 3 and meta["world_size"] == 2 and meta["aliases"] == {"head.weight": "embed.weight"}
-    assert meta["params"]["l2.weight"] == {"shape": [17, 29], "dtype": "float32" if precision == "fp32" else "bfloat16", "group": 0}
+    assert meta["params"]["l2.weight"] == {
+        "shape": [17, 29],
+        "dtype": "float32" if precision == "fp32" else "bfloat16",
+        "group": 0,
+    }
     assert meta["params"]["frozen.weight"]["group"] is None
     assert [len(g["params"]) for g in meta["param_groups"]] == [4, 6]
     assert meta["param_groups"][1]["hyper"]["lr"] == pytest.approx(3e-3 * 0.7**2)
@@ -309,7 +385,9 @@ def test_export_of_an_engine_checkpoint(runs: dict[str, Any], precision: str, tm
     got = dict(iter_output(out))
     at_save = runs["save"][0][precision]["at_save"]["tensors"]
     masters = {k.split("/", 1)[1]: v for k, v in at_save.items() if k.startswith("fp32/")}
-    frozen = {k.split("/", 1)[1]: v for k, v in at_save.items() if k.startswith("lp/") and k.split("/", 1)[1] not in masters}
+    frozen = {
+        k.split("/", 1)[1]: v for k, v in at_save.items() if k.startswith("lp/") and k.split("/", 1)[1] not in masters
+    }
     assert masters and all(same_bits(got[name], value) for name, value in masters.items())
     assert "frozen.weight" in frozen and all(same_bits(got[name], value) for name, value in frozen.items())
     assert (got["scale"].dtype, got["scale"].shape, got["counts"].dtype) == (torch.float32, (13,), torch.int64)

@@ -47,7 +47,11 @@ CHILD_TIMEOUT_S = 600
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
 
 
 @pytest.mark.parametrize("make", [zero3_folder, zero2_folder])
@@ -85,12 +89,23 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             started.append(entry["case"])
         else:
             results[entry["case"]] = entry
-    return {"results": results, "started": started, "returncode": proc.returncode, "stderr": proc.stderr, "root": root, "folders": folders}
+    return {
+        "results": results,
+        "started": started,
+        "returncode": proc.returncode,
+        "stderr": proc.stderr,
+        "root": root,
+        "folders": folders,
+    }
 
 
 def test_child_reading_every_hostile_folder_did_not_crash(hostile: dict[str, Any]) -> None:
-    crashed = hostile["started"][-1] if hostile["started"] and hostile["started"][-1] not in hostile["results"] else None
-    assert hostile["returncode"] == 0, f"reader process died (rc {hostile['returncode']}) reading {crashed}:\n{hostile['stderr'][-3000:]}"
+    crashed = (
+        hostile["started"][-1] if hostile["started"] and hostile["started"][-1] not in hostile["results"] else None
+    )
+    assert hostile["returncode"] == 0, (
+        f"reader process died (rc {hostile['returncode']}) reading {crashed}:\n{hostile['stderr'][-3000:]}"
+    )
     assert set(hostile["results"]) == set(CASES)
     assert "Traceback" not in hostile["stderr"], hostile["stderr"][-3000:]
     assert not (hostile["root"] / "MARKER").exists(), "a pickled command ran"
@@ -113,11 +128,14 @@ def test_hostile_folder(hostile: dict[str, Any], name: str) -> None:
     assert str(hostile["folders"][name].root) in message, f"{name}: the message names no file of the folder: {message}"
     assert re.search(pattern, message), f"{name}: {message!r} does not match {pattern!r}"
     if name in SECRET_CASES:
-        assert SECRET not in message and "root:" not in message, f"{name}: the message shows a file's content: {message}"
+        assert SECRET not in message and "root:" not in message, (
+            f"{name}: the message shows a file's content: {message}"
+        )
 
 
 def test_cuda_labelled_storage_reads_as_the_same_bytes_on_cpu(tmp_path: Path) -> None:
-    """GPU runs save storages labelled cuda:N; the bytes are in the file, read onto the CPU (as torch.load(map_location='cpu'))."""
+    """GPU runs save storages labelled cuda:N; the bytes are in the file, read onto the CPU (as
+    torch.load(map_location='cpu'))."""
     value = torch.arange(6, dtype=torch.float32)
     path = save_crafted({"t": Forged(value, location="cuda:3")}, tmp_path / "x.pt")
     loaded = load_file(path)
@@ -126,7 +144,8 @@ def test_cuda_labelled_storage_reads_as_the_same_bytes_on_cpu(tmp_path: Path) ->
 
 
 def test_copy_out_never_advises_or_moves_outside_a_mapping(tmp_path: Path) -> None:
-    """A meta source is refused; a heap source (outside the mapping) is copied by torch and stays intact (MADV_DONTNEED would zero it)."""
+    """A meta source is refused; a heap source (outside the mapping) is copied by torch and stays intact (MADV_DONTNEED
+    would zero it)."""
     loaded = load_file(save_crafted({"t": torch.arange(1 << 12, dtype=torch.float32)}, tmp_path / "x.pt"))
     assert loaded.mapping is not None
     dest = torch.empty(1 << 12)
@@ -183,7 +202,9 @@ CLI_CASES = [
 def test_cli_prints_one_error_line_and_exits_1(tmp_path: Path, command: str, name: str) -> None:
     ds = build(tmp_path, name)
     args = [str(ds.root)] + ([] if command == "inspect" else [str(tmp_path / "out")])
-    proc = subprocess.run([sys.executable, "-m", "shardsafe.cli", command, *args], capture_output=True, text=True, env=_env(), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardsafe.cli", command, *args], capture_output=True, text=True, env=_env(), timeout=300
+    )
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert proc.stderr.startswith("error: ") or "\nerror: " in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and SECRET not in proc.stderr + proc.stdout, proc.stderr[-2000:]

@@ -48,7 +48,13 @@ HOLDER = textwrap.dedent(
 
 def _start_holder(root: str, timeout: float) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, root, str(timeout)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, root, str(timeout)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("acquired"), line
@@ -75,7 +81,9 @@ def test_second_run_is_refused_and_names_the_holder(tmp_path: Path) -> None:
             Lease(tmp_path, timeout=1.0).acquire()  # the holder renews every 1 s and lapses after 4 s: alive
         waited = time.monotonic() - start
         message = str(info.value)
-        assert "run holder" in message and f"pid {holder.pid}" in message and "host " in message and "heartbeat" in message
+        assert (
+            "run holder" in message and f"pid {holder.pid}" in message and "host " in message and "heartbeat" in message
+        )
         assert 4.5 <= waited < 15  # the holder's 4 s timeout (+1 s), being longer than its own 1 s
         assert _ask(holder) == "ok"  # the first run is untouched
     finally:

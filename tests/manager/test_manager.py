@@ -40,7 +40,9 @@ class _Info:
         (3, 2, [None, 1, None, 0.5, None], "min"),
     ],
 )
-def test_retention_rule_keeps_latest_and_best(keep_last: int | None, keep_best: int | None, losses: list[Any], mode: str) -> None:
+def test_retention_rule_keeps_latest_and_best(
+    keep_last: int | None, keep_best: int | None, losses: list[Any], mode: str
+) -> None:
     infos = [_Info(10 * (i + 1), loss) for i, loss in enumerate(losses)]
     kept = choose_kept(infos, keep_last, keep_best, "loss", mode)  # type: ignore[arg-type]
     keep, best = kept.steps, kept.best
@@ -54,7 +56,9 @@ def test_retention_rule_keeps_latest_and_best(keep_last: int | None, keep_best: 
     ranked = sorted(scored, key=lambda ls: ls[0] if mode == "min" else -ls[0])
     if keep_best:
         assert {s for _, s in ranked[:keep_best]} <= keep
-    allowed = {steps[-1], best} | set(steps[-keep_last:] if keep_last else []) | {s for _, s in ranked[: keep_best or 0]}
+    allowed = (
+        {steps[-1], best} | set(steps[-keep_last:] if keep_last else []) | {s for _, s in ranked[: keep_best or 0]}
+    )
     assert keep == allowed
 
 
@@ -65,7 +69,9 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int = 0) ->
     return {"model": model, "optim": optimizer, "rng": shardsafe.RNGState(), "step": step}
 
 
-def _job(rank: int, world_size: int, root: str, steps: int, options: dict[str, Any], losses_metric: bool, env: dict[str, str]) -> dict[str, Any]:
+def _job(
+    rank: int, world_size: int, root: str, steps: int, options: dict[str, Any], losses_metric: bool, env: dict[str, str]
+) -> dict[str, Any]:
     """Train ``steps`` steps with a manager saving every step; report what happened."""
     os.environ.update(env)
     model = shard(make_model(0), world_size)
@@ -78,7 +84,9 @@ def _job(rank: int, world_size: int, root: str, steps: int, options: dict[str, A
             loss = train_step(model, optimizer, *rank_batch(rank, step))
             losses.append(loss)
             state["step"] = step
-            manager.save(step, state, metrics={"loss": [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0][step - 1]} if losses_metric else None)
+            manager.save(
+                step, state, metrics={"loss": [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0][step - 1]} if losses_metric else None
+            )
         manager.wait()
     return {"losses": losses, "final": full_model_state(model)}
 
@@ -106,7 +114,9 @@ def test_retention_under_fsdp2_keeps_best_oldest_and_latest(tmp_path: Path) -> N
 def test_kill_during_rotation_leaves_only_whole_checkpoints(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     options = {"keep_last": 1}
-    result = launch(_job, 2, str(root), 3, options, False, {"SHARDSAFE_CRASH_AT": "retention:after-rename@0"}, work_dir=tmp_path)
+    result = launch(
+        _job, 2, str(root), 3, options, False, {"SHARDSAFE_CRASH_AT": "retention:after-rename@0"}, work_dir=tmp_path
+    )
     assert not result.ok and result.exitcodes[0] == -signal.SIGKILL
     # rank 0 died right after hiding step 1 (retention after the save of step 2)
     assert committed_steps(root) == [2]
@@ -176,9 +186,14 @@ def test_background_failure_surfaces_on_next_call(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     results = run_ranks(_failing_background, 2, str(root), work_dir=tmp_path)
     for outcome in results:
-        assert "background save failed" in outcome["error"] and "rank 1" in outcome["error"] and "injected I/O error" in outcome["error"]
+        assert (
+            "background save failed" in outcome["error"]
+            and "rank 1" in outcome["error"]
+            and "injected I/O error" in outcome["error"]
+        )
     assert committed_steps(root) == [1, 3]
-    assert not [p for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR]  # the failed save cleaned up after itself
+    # the failed save cleaned up after itself
+    assert not [p for p in root.iterdir() if p.name.startswith(".") and p.name != LEASE_DIR]
     shardsafe.verify(root / step_name(1))
 
 
@@ -284,7 +299,9 @@ def test_list_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["gc", str(root)]) == 0 and "removed 0 entries" in capsys.readouterr().out.splitlines()[-1]
 
 
-def test_retention_parses_each_manifest_once_and_rereads_a_resaved_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_parses_each_manifest_once_and_rereads_a_resaved_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Retention after every save reuses parsed manifests (no re-parsing in the background thread each save),
     but a checkpoint saved again under the same step is read again: its new metrics decide what is kept."""
     import shardsafe.manager.catalog as catalog_module

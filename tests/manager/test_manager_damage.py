@@ -52,7 +52,9 @@ def _warnings(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_retention_skips_a_damaged_checkpoint_and_keeps_working(tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_retention_skips_a_damaged_checkpoint_and_keeps_working(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "ckpt"
     with caplog.at_level(logging.WARNING, logger="shardsafe"):
         with shardsafe.CheckpointManager(root, keep_last=2) as manager:
@@ -69,7 +71,9 @@ def test_retention_skips_a_damaged_checkpoint_and_keeps_working(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_dedup_save_reuses_the_newest_readable_checkpoint(tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_dedup_save_reuses_the_newest_readable_checkpoint(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "ckpt"
     frozen = nn.Linear(64, 64)  # unchanged from save to save: stored once
     head = nn.Linear(64, 2)
@@ -92,7 +96,9 @@ def test_dedup_save_reuses_the_newest_readable_checkpoint(tmp_path: Path, kind: 
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_list_shows_a_damaged_checkpoint_as_skipped(tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_shows_a_damaged_checkpoint_as_skipped(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = tmp_path / "ckpt"
     with shardsafe.CheckpointManager(root, best_metric="loss") as manager:  # no retention: all three stay
         for step, loss in ((1, 0.5), (2, 2.0), (3, 1.0)):
@@ -111,7 +117,11 @@ def test_list_shows_a_damaged_checkpoint_as_skipped(tmp_path: Path, kind: str, c
     assert "2 damaged checkpoint(s) skipped" in out
     assert main(["list", str(root), "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert [(r["step"], r["damaged"] is not None, r["latest"]) for r in table] == [(1, True, False), (2, False, True), (3, True, False)]
+    assert [(r["step"], r["damaged"] is not None, r["latest"]) for r in table] == [
+        (1, True, False),
+        (2, False, True),
+        (3, True, False),
+    ]
 
 
 def test_list_of_a_root_with_only_damaged_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,7 +135,9 @@ def test_list_of_a_root_with_only_damaged_checkpoints(tmp_path: Path, capsys: py
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_gc_leaves_a_damaged_checkpoint_and_reports_it(tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gc_leaves_a_damaged_checkpoint_and_reports_it(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = tmp_path / "ckpt"
     with shardsafe.CheckpointManager(root) as manager:
         manager.save(1, _state(1))
@@ -143,7 +155,9 @@ def test_gc_leaves_a_damaged_checkpoint_and_reports_it(tmp_path: Path, kind: str
     assert (root / step_name(1) / "manifest.json").exists()
 
 
-def test_gc_keeps_stored_once_data_a_damaged_checkpoint_may_reference(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_gc_keeps_stored_once_data_a_damaged_checkpoint_may_reference(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Step 1 was retired but keeps the frozen weights step 2 points into; step 2's manifest is then damaged:
     nobody can tell what step 2 references any more, so step 1's files stay."""
     root = tmp_path / "ckpt"

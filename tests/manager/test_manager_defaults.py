@@ -64,7 +64,9 @@ def test_save_every_saves_multiples_and_force_always_saves(tmp_path: Path) -> No
         ({"async_save": "yes"}, "async_save"),
     ],
 )
-def test_options_that_would_never_save_or_keep_are_refused(tmp_path: Path, options: dict[str, Any], message: str) -> None:
+def test_options_that_would_never_save_or_keep_are_refused(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         shardsafe.CheckpointManager(tmp_path / "ckpt", **options)
     assert not (tmp_path / "ckpt").exists()
@@ -106,7 +108,9 @@ def test_an_async_save_in_flight_at_exit_is_finished_not_lost(tmp_path: Path) ->
     shardsafe.verify(root / step_name(2))
 
 
-def test_restore_when_every_checkpoint_is_damaged_refuses_to_start_from_scratch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_restore_when_every_checkpoint_is_damaged_refuses_to_start_from_scratch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "ckpt"
     with shardsafe.CheckpointManager(root) as manager:
         manager.save(1, _state(1))
@@ -128,7 +132,15 @@ def test_restore_when_every_checkpoint_is_damaged_refuses_to_start_from_scratch(
 def test_step_names_parse_back_only_in_their_canonical_form() -> None:
     assert step_name(100) == "step-0000000100" and STEP_NAMING.parse("step-0000000100") == 100
     assert STEP_NAMING.parse("step-12345678901") == 12345678901  # more digits than the padding
-    for other in ("step-5", "step-", "step-00000000x1", "step-٠٠٠٠٠٠٠٠٠١", "checkpoint-5", ".step-0000000001", "step-0000000001.tmp"):
+    for other in (
+        "step-5",
+        "step-",
+        "step-00000000x1",
+        "step-٠٠٠٠٠٠٠٠٠١",
+        "checkpoint-5",
+        ".step-0000000001",
+        "step-0000000001.tmp",
+    ):
         assert STEP_NAMING.parse(other) is None, other
     trainer = StepNaming("checkpoint-")
     assert trainer.name(7) == "checkpoint-7" and trainer.parse("checkpoint-7") == 7

@@ -87,7 +87,12 @@ def test_second_job_on_a_live_root_is_refused_and_the_first_is_untouched(tmp_pat
         with pytest.raises(LeaseHeldError) as info:
             second.save(7, {"w": torch.full((4,), 7.0), "who": "B"})
         message = str(info.value)
-        assert f"pid {a.proc.pid}" in message and "host " in message and "heartbeat" in message and "another root" in message
+        assert (
+            f"pid {a.proc.pid}" in message
+            and "host " in message
+            and "heartbeat" in message
+            and "another root" in message
+        )
         assert committed_steps(root) == [1]  # B published nothing and deleted nothing
         assert a.save(2) == "saved 2"
         assert [_who(root, s) for s in committed_steps(root)] == ["A:1", "A:2"]

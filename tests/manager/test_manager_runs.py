@@ -74,7 +74,9 @@ def test_second_run_restores_the_first_runs_last_step_and_continues_after_it(tmp
         _wait_for(a, "saved 3")  # A is mid-way: B starts now
         with shardsafe.CheckpointManager(root, lease_timeout=30) as b:
             state = _state()
-            assert b.restore(state) == 8, "restore waits for A's lease, then loads A's last step, not the one it saw first"
+            assert b.restore(state) == 8, (
+                "restore waits for A's lease, then loads A's last step, not the one it saw first"
+            )
             assert state["who"] == "A" and torch.equal(state["w"], torch.full((4,), 8.0))
             assert a.wait(timeout=30) == 0
             a_run = list_checkpoints(root)[-1].run_id
@@ -96,22 +98,30 @@ def test_read_only_manager_reads_next_to_a_writer_whose_retention_retires_what_i
     import shardsafe.api.load as load_module
     import shardsafe.manager.manager as manager_module
 
-    def pause() -> None:  # widens the windows A's retention hits: after listing, and between the manifest and the shards
+    # widens the windows A's retention hits: after listing, and between the manifest and the shards
+    def pause() -> None:
         time.sleep(random.uniform(0, 0.04))
 
     load, open_checkpoint = manager_module.load, load_module.open_checkpoint
     monkeypatch.setattr(manager_module, "load", lambda *args, **kwargs: (pause(), load(*args, **kwargs))[1])
-    monkeypatch.setattr(load_module, "open_checkpoint", lambda *args, **kwargs: (open_checkpoint(*args, **kwargs), pause())[0])
+    monkeypatch.setattr(
+        load_module, "open_checkpoint", lambda *args, **kwargs: (open_checkpoint(*args, **kwargs), pause())[0]
+    )
     root = tmp_path / "run"
     a = _writer(root, steps=60, delay=0.0, keep=1)  # keep_last=1: the step a reader lists is retired at A's next save
     try:
         _wait_for(a, "saved 1")
         loaded = []
-        with caplog.at_level(logging.DEBUG, logger="shardsafe"), shardsafe.CheckpointManager(root, read_only=True) as reader:
+        with (
+            caplog.at_level(logging.DEBUG, logger="shardsafe"),
+            shardsafe.CheckpointManager(root, read_only=True) as reader,
+        ):
             while a.poll() is None:
                 state = _state()
                 step = reader.restore(state)  # never waits for A's lease
-                assert step is not None and state["who"] == "A" and torch.equal(state["w"], torch.full((4,), float(step)))
+                assert (
+                    step is not None and state["who"] == "A" and torch.equal(state["w"], torch.full((4,), float(step)))
+                )
                 loaded.append(step)
             assert reader.skipped == []
         assert a.wait(timeout=30) == 0
@@ -137,7 +147,10 @@ def test_a_run_refuses_another_runs_step_and_resaves_its_own(tmp_path: Path) -> 
             b.save(2, _state(2, "B"))
         assert isinstance(info.value, ShardsafeError)
         message = str(info.value)
-        assert f"step 2 is a committed checkpoint written by run {a_run} (lease epoch 1), not by this run ({b.lease.run_id})" in message
+        assert (
+            f"step 2 is a committed checkpoint written by run {a_run} (lease epoch 1), not by this run "
+            f"({b.lease.run_id})" in message
+        )
         assert "overwrite=True" in message and "restore()" in message
         assert _who(root, 2) == "A again:2"
         b.save(2, _state(2, "B"), overwrite=True)

@@ -39,7 +39,8 @@ def test_manager_on_s3_root(s3_bucket: str, tmp_path: Path) -> None:
     results = run_ranks(_s3_job, 2, root, env, work_dir=tmp_path)
     remote = RemoteDir(root)
     assert committed_steps(remote) == [3, 4]
-    assert sorted(n for n in remote.list() if n != LEASE_DIR) == [step_name(3), step_name(4)]  # retired steps are gone entirely
+    # retired steps are gone entirely
+    assert sorted(n for n in remote.list() if n != LEASE_DIR) == [step_name(3), step_name(4)]
     shardsafe.verify(f"{root}/{step_name(4)}")
 
     # an interrupted save: objects under a step prefix but no manifest -> invisible, then collected

@@ -92,7 +92,10 @@ def test_node_id_and_folder_template(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ----------------------------------------------------------------------------- the local tier
 
-SHARDS = {node: [f"shard-{r:05d}.{kind}" for r in ranks for kind in ("index.json", "safetensors")] for node, ranks in (("a", (0, 1)), ("b", (2, 3)))}
+SHARDS = {
+    node: [f"shard-{r:05d}.{kind}" for r in ranks for kind in ("index.json", "safetensors")]
+    for node, ranks in (("a", (0, 1)), ("b", (2, 3)))
+}
 SHARED = ["manifest.json", "state.json"]
 
 
@@ -140,10 +143,17 @@ def _train_job(
             torch.save(recorded[step], Path(root).parent / f"rank{rank}-step{step}.pt")
     manager.wait()
     assert manager._tier is not None
-    return {"recorded": recorded, "errors": list(manager._tier.errors), "saved": manager._tier.saved, "rng": torch.rand(3)}
+    return {
+        "recorded": recorded,
+        "errors": list(manager._tier.errors),
+        "saved": manager._tier.saved,
+        "rng": torch.rand(3),
+    }
 
 
-def _restore_job(rank: int, world_size: int, root: str, local: str, options: dict[str, Any], close: bool) -> dict[str, Any]:
+def _restore_job(
+    rank: int, world_size: int, root: str, local: str, options: dict[str, Any], close: bool
+) -> dict[str, Any]:
     os.environ[NODE_ENV] = _node_of(rank)
     model = shard(make_model(7), world_size)
     optimizer = make_optimizer(model)
@@ -155,7 +165,13 @@ def _restore_job(rank: int, world_size: int, root: str, local: str, options: dic
     logging.getLogger("shardsafe").addHandler(handler)
     step = manager.restore(state)
     logging.getLogger("shardsafe").removeHandler(handler)
-    out = {"step": step, "from": manager.restored_from, "state": _snapshot(model, optimizer, state), "rng": torch.rand(3), "log": messages}
+    out = {
+        "step": step,
+        "from": manager.restored_from,
+        "state": _snapshot(model, optimizer, state),
+        "rng": torch.rand(3),
+        "log": messages,
+    }
     if close:
         manager.close()
     return out
@@ -207,8 +223,12 @@ def test_root_newer_than_every_local_step_is_restored_from_the_root(tmp_path: Pa
         _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
 
 
-@pytest.mark.parametrize("replicas, lost", [(0, ("b",)), (1, ("a", "b"))], ids=["one node, no replicas", "both nodes, replicas=1"])
-def test_a_lost_node_without_a_copy_falls_back_to_the_root(tmp_path: Path, replicas: int, lost: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "replicas, lost", [(0, ("b",)), (1, ("a", "b"))], ids=["one node, no replicas", "both nodes, replicas=1"]
+)
+def test_a_lost_node_without_a_copy_falls_back_to_the_root(
+    tmp_path: Path, replicas: int, lost: tuple[str, ...]
+) -> None:
     """Node b lost without replicas, or both nodes lost at once with replicas=1: no node holds
     b's files, so the step is incomplete and the root's newest is restored (said in the log)."""
     root, local = tmp_path / "ckpt", tmp_path / "shm"
@@ -224,14 +244,31 @@ def test_a_lost_node_without_a_copy_falls_back_to_the_root(tmp_path: Path, repli
         reason = "passed over step 5: no node holds shard-00002.index.json, shard-00002.safetensors"
         assert any(reason in m for m in second[0]["log"]), second[0]["log"]
         # what the jobs left in node a's host memory (neither closed), removed by `shardsafe gc --local` on node a
-        gc = [sys.executable, "-m", "shardsafe.cli", "gc", str(root), "--local", "--local-dir", str(local / "{node}"), "--min-age", "0"]
+        gc = [
+            sys.executable,
+            "-m",
+            "shardsafe.cli",
+            "gc",
+            str(root),
+            "--local",
+            "--local-dir",
+            str(local / "{node}"),
+            "--min-age",
+            "0",
+        ]
         env = {**os.environ, NODE_ENV: "a"}
         dry = subprocess.run([*gc, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
-        assert dry.returncode == 0 and f"would remove {_tier_folder(local, 'a') / step_name(5)}" in dry.stdout, dry.stdout + dry.stderr
+        assert dry.returncode == 0 and f"would remove {_tier_folder(local, 'a') / step_name(5)}" in dry.stdout, (
+            dry.stdout + dry.stderr
+        )
         done = subprocess.run(gc, capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == 0 and not (local / "a").exists(), done.stdout + done.stderr
         bad = subprocess.run(gc, capture_output=True, text=True, env={**os.environ, NODE_ENV: "../b"}, timeout=60)
-        assert bad.returncode == 1 and "SHARDSAFE_NODE='../b' is not a usable node id" in bad.stderr and "internal" not in bad.stderr, bad.stderr
+        assert (
+            bad.returncode == 1
+            and "SHARDSAFE_NODE='../b' is not a usable node id" in bad.stderr
+            and "internal" not in bad.stderr
+        ), bad.stderr
 
 
 def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path) -> None:
@@ -257,7 +294,8 @@ def test_replicas_restore_a_wiped_node_from_its_peer(tmp_path: Path) -> None:
         assert (got["step"], got["from"]) == (6, "local")
         _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
         assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
-    assert _files(_tier_folder(local, "b") / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)  # sent back to b
+    # sent back to b
+    assert _files(_tier_folder(local, "b") / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)
 
 
 def test_a_damaged_replica_is_detected_and_the_root_used(tmp_path: Path) -> None:
@@ -290,12 +328,27 @@ def test_fewer_ranks_restore_from_the_tier_with_resharding(tmp_path: Path) -> No
 def test_a_node_killed_before_its_copy_leaves_the_older_complete_step(tmp_path: Path) -> None:
     root, local = tmp_path / "ckpt", tmp_path / "shm"
     options = {"save_every": 4, "local_every": 1}
-    crashed = launch(_train_job, 4, str(root), str(local / "{node}"), 6, options, [5], None, (6, "tier:before-copy"), work_dir=tmp_path)
+    crashed = launch(
+        _train_job,
+        4,
+        str(root),
+        str(local / "{node}"),
+        6,
+        options,
+        [5],
+        None,
+        (6, "tier:before-copy"),
+        work_dir=tmp_path,
+    )
     assert not crashed.ok and crashed.exitcodes[2] == -9  # node b's leader, before its copy of step 6
     assert _files(_tier_folder(local, "a")) == [step_name(5), step_name(6)]  # a committed step 6; b did not
     assert [p.name for p in _tier_folder(local, "b").iterdir() if not p.name.startswith(".")] == [step_name(5)]
     second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
     for rank, got in enumerate(second):
         assert (got["step"], got["from"]) == (5, "local")
-        _assert_same_state(got["state"], torch.load(tmp_path / f"rank{rank}-step5.pt", weights_only=False), f"rank {rank}")
-    assert any("passed over step 6: no node holds shard-00002.index.json" in m for m in second[0]["log"]), second[0]["log"]
+        _assert_same_state(
+            got["state"], torch.load(tmp_path / f"rank{rank}-step5.pt", weights_only=False), f"rank {rank}"
+        )
+    assert any("passed over step 6: no node holds shard-00002.index.json" in m for m in second[0]["log"]), second[0][
+        "log"
+    ]

@@ -1,1 +1,2 @@
-"""Power-loss tests: a recording FUSE file system, crash states computed from its log, and checks (docs/RELIABILITY.md)."""
+"""Power-loss tests: a recording FUSE file system, crash states computed from its log, and checks
+(docs/RELIABILITY.md)."""

@@ -153,7 +153,9 @@ class SaveChecker(Checker):
             later = [b.split(":")[1] for b in started if b.split(":")[0] == folder]
             allowed = set(later[later.index(returned[-1]) :])
             if verdict.facts.get(folder) not in allowed:
-                problems.append(("lost", f"{folder}: save of {returned[-1]} had returned; now holds {verdict.facts.get(folder)}"))
+                problems.append(
+                    ("lost", f"{folder}: save of {returned[-1]} had returned; now holds {verdict.facts.get(folder)}")
+                )
         return problems
 
 
@@ -210,7 +212,9 @@ class ManagerChecker(Checker):
         top = max(epochs, default=0)
         for step, epoch in sorted(good.items()):
             if epoch is not None and epoch > top:
-                problems.append(("lease", f"step {step} was committed under lease epoch {epoch}; the highest epoch left is {top}"))
+                problems.append(
+                    ("lease", f"step {step} was committed under lease epoch {epoch}; the highest epoch left is {top}")
+                )
         copy = root.parent / (root.name + "-gc")
         shutil.copytree(root, copy, symlinks=True)
         try:
@@ -238,7 +242,13 @@ class ManagerChecker(Checker):
         # commits, and retires, before the workload's next marker says so)
         missing = sorted(s for s in required if s not in good and len([g for g in good if g > s]) < KEEP_LAST)
         if missing:
-            return [("lost", f"committed step(s) {missing} gone (committed {committed}, present {sorted(verdict.facts['good'])})")]
+            return [
+                (
+                    "lost",
+                    f"committed step(s) {missing} gone (committed {committed}, present "
+                    f"{sorted(verdict.facts['good'])})",
+                )
+            ]
         return []
 
 
@@ -314,7 +324,11 @@ class ExportsChecker(Checker):
         return Verdict(facts, problems)
 
     def judge(self, verdict: Verdict, markers: list[str]) -> list[Problem]:
-        return [("lost", f"{name} had returned; now {verdict.facts.get(name)}") for name in done(markers) if verdict.facts.get(name) != "good"]
+        return [
+            ("lost", f"{name} had returned; now {verdict.facts.get(name)}")
+            for name in done(markers)
+            if verdict.facts.get(name) != "good"
+        ]
 
 
 # ----------------------------------------------------------------------------- anchors
@@ -343,9 +357,14 @@ class DcpChecker(Checker):
             return Verdict({"version": "broken"}, [("broken", f".metadata present, dcp.load fails: {_error(exc)}")])
         for version in DCP_VERSIONS:
             want = dcp_state(version)
-            if int(state["step"]) == int(want["step"]) and all(torch.equal(state["model"][k], want["model"][k]) for k in want["model"]):
+            if int(state["step"]) == int(want["step"]) and all(
+                torch.equal(state["model"][k], want["model"][k]) for k in want["model"]
+            ):
                 return Verdict({"version": version})
-        return Verdict({"version": "broken"}, [("broken", f".metadata present, dcp.load returns step {int(state['step'])} with other tensors")])
+        return Verdict(
+            {"version": "broken"},
+            [("broken", f".metadata present, dcp.load returns step {int(state['step'])} with other tensors")],
+        )
 
     def judge(self, verdict: Verdict, markers: list[str]) -> list[Problem]:
         finished, started = done(markers), begun(markers)
@@ -353,7 +372,13 @@ class DcpChecker(Checker):
             return []
         allowed = set(started[started.index(finished[-1]) :])
         if verdict.facts["version"] not in allowed:
-            return [("lost", f"save {finished[-1]} had returned (or was the previous good one); the folder now holds {verdict.facts['version']}")]
+            return [
+                (
+                    "lost",
+                    f"save {finished[-1]} had returned (or was the previous good one); the folder now holds "
+                    f"{verdict.facts['version']}",
+                )
+            ]
         return []
 
 
@@ -367,7 +392,11 @@ def trainer_expected(log: Any) -> dict[int, dict[str, bytes]]:
         step = int(text[len("done:") :])
         prefix = f"out/checkpoint-{step}/"
         nodes = log.replay(pos + 1, "strict", everything)
-        expected[step] = {path[len(prefix) :]: bytes(n.data) for path, _, n in walk(nodes) if path.startswith(prefix) and n.kind == "f"}
+        expected[step] = {
+            path[len(prefix) :]: bytes(n.data)
+            for path, _, n in walk(nodes)
+            if path.startswith(prefix) and n.kind == "f"
+        }
     return expected
 
 
@@ -393,7 +422,9 @@ class TrainerChecker(Checker):
                     step = int(name.split("-")[1])
                     files = self.expected.get(step, {})
                     folder = out / name
-                    intact[step] = bool(files) and all((folder / f).is_file() and (folder / f).read_bytes() == data for f, data in files.items())
+                    intact[step] = bool(files) and all(
+                        (folder / f).is_file() and (folder / f).read_bytes() == data for f, data in files.items()
+                    )
         last = get_last_checkpoint(str(out)) if out.is_dir() else None
         problems: list[Problem] = []
         if last is not None and not intact[int(last.rsplit("-", 1)[1])]:

@@ -80,7 +80,9 @@ class OpLog:
 
     def __init__(self, logdir: str | os.PathLike[str]) -> None:
         logdir = Path(logdir)
-        self.entries: list[dict[str, Any]] = [json.loads(line) for line in (logdir / "ops.jsonl").read_text().splitlines() if line]
+        self.entries: list[dict[str, Any]] = [
+            json.loads(line) for line in (logdir / "ops.jsonl").read_text().splitlines() if line
+        ]
         self.data = (logdir / "data.bin").read_bytes()
         self.micro: list[Micro] = []
         self.markers: list[tuple[int, str]] = []  # (position, text): the marker is entry `position`
@@ -168,7 +170,9 @@ class OpLog:
 
     # ------------------------------------------------------------------ crash states
 
-    def crash_states(self, cut: int, profile: str, rng: random.Random, randoms: int) -> Iterator[tuple[str, frozenset[int]]]:
+    def crash_states(
+        self, cut: int, profile: str, rng: random.Random, randoms: int
+    ) -> Iterator[tuple[str, frozenset[int]]]:
         """(label, the pending micro-operations that survive) for the cut after ``cut`` log entries:
         drop all, keep all, and the structured and random subsets the profile allows."""
         forced = self.forced_at(profile)
@@ -185,7 +189,9 @@ class OpLog:
         yield from emit("keep-all", pending)
         if not pending:
             return
-        meta = [i for i in pending if self.micro[i].kind != "data" and (profile == "ext4" or self.micro[i].kind == "ns")]
+        meta = [
+            i for i in pending if self.micro[i].kind != "data" and (profile == "ext4" or self.micro[i].kind == "ns")
+        ]
         data = [i for i in pending if i not in set(meta)]
         yield from emit("meta-only", meta)
         yield from emit("data-only", data)
@@ -210,7 +216,10 @@ class OpLog:
             for j in steps:
                 yield from emit(f"journal-prefix-{j}", ext4_state(j, {}))
             for _ in range(randoms):
-                yield from emit("random", ext4_state(rng.randint(0, len(meta)), {ino: rng.randint(0, len(b)) for ino, b in per_file.items()}))
+                yield from emit(
+                    "random",
+                    ext4_state(rng.randint(0, len(meta)), {ino: rng.randint(0, len(b)) for ino, b in per_file.items()}),
+                )
             return
         ns = [i for i in meta if self.micro[i].kind == "ns"]
         for i in ns[-24:]:

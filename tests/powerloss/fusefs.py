@@ -113,7 +113,18 @@ class RecordingFS(mfusepy.Operations):
 
     def statfs(self, path: str) -> dict[str, int]:
         sv = os.statvfs(self._real(path))
-        keys = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_flag", "f_frsize", "f_namemax")
+        keys = (
+            "f_bavail",
+            "f_bfree",
+            "f_blocks",
+            "f_bsize",
+            "f_favail",
+            "f_ffree",
+            "f_files",
+            "f_flag",
+            "f_frsize",
+            "f_namemax",
+        )
         return {k: getattr(sv, k) for k in keys}
 
     def open(self, path: str, flags: int) -> int:
@@ -189,7 +200,16 @@ class RecordingFS(mfusepy.Operations):
         replaced = self._id_of(self._real(new)) if os.path.lexists(self._real(new)) else None
         if _renameat2(_AT_FDCWD, os.fsencode(self._real(old)), _AT_FDCWD, os.fsencode(self._real(new)), flags) != 0:
             raise mfusepy.FuseOSError(ctypes.get_errno())
-        self._emit(op="rename", sp=src_parent, sn=src_name, dp=dst_parent, dn=dst_name, ino=moved, replaced=replaced, flags=flags)
+        self._emit(
+            op="rename",
+            sp=src_parent,
+            sn=src_name,
+            dp=dst_parent,
+            dn=dst_name,
+            ino=moved,
+            replaced=replaced,
+            flags=flags,
+        )
         return 0
 
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
@@ -266,7 +286,9 @@ class FlagsFUSE(mfusepy.FUSE):
         return self.operations.truncate(None if path is None else path.decode(self.encoding, self.errors), length, fh)
 
     def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
-        return self.operations.rename(old.decode(self.encoding, self.errors), new.decode(self.encoding, self.errors), flags)
+        return self.operations.rename(
+            old.decode(self.encoding, self.errors), new.decode(self.encoding, self.errors), flags
+        )
 
 
 def main(argv: list[str]) -> None:

@@ -78,7 +78,10 @@ def record(workload: str, work: Path, arg: str = "", timeout: float = WORKLOAD_T
         deadline = time.monotonic() + MOUNT_TIMEOUT_S
         while not os.path.ismount(mount):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the FUSE server did not mount {mount}: {(logdir / 'server.log').read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"the FUSE server did not mount {mount}: "
+                    f"{(logdir / 'server.log').read_text(errors='replace')[-2000:]}"
+                )
             time.sleep(0.05)
         env = {**os.environ, "PYTHONPATH": f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         env.pop("SHARDSAFE_CRASH_AT", None)
@@ -93,7 +96,10 @@ def record(workload: str, work: Path, arg: str = "", timeout: float = WORKLOAD_T
                 proc.wait(timeout=30)
                 rc = None
         if rc != 0:
-            raise RuntimeError(f"workload {workload} {arg} exited {rc}:\n{(logdir / 'workload.log').read_text(errors='replace')[-6000:]}")
+            raise RuntimeError(
+                f"workload {workload} {arg} exited "
+                f"{rc}:\n{(logdir / 'workload.log').read_text(errors='replace')[-6000:]}"
+            )
     finally:
         _unmount(mount, server)
         server_log.close()
@@ -127,7 +133,10 @@ class Exploration:
             self.examples.append(f"cut {cut} ({label}): " + "; ".join(f"[{c}] {m}" for c, m in problems[:3]))
 
     def describe(self) -> str:
-        head = f"{self.workload} [{self.profile}]: {self.cuts} cuts, {self.states} states ({self.distinct} distinct), {self.failing} failing"
+        head = (
+            f"{self.workload} [{self.profile}]: {self.cuts} cuts, {self.states} states ({self.distinct} distinct), "
+            f"{self.failing} failing"
+        )
         return "\n  ".join([head, *self.examples])
 
 
@@ -189,7 +198,19 @@ def _report(result: Exploration) -> None:
     target = os.environ.get("SHARDSAFE_POWERLOSS_REPORT")
     if not target:
         return
-    keys = ("workload", "library", "profile", "cuts", "states", "distinct", "failing", "lost", "broken", "other", "examples")
+    keys = (
+        "workload",
+        "library",
+        "profile",
+        "cuts",
+        "states",
+        "distinct",
+        "failing",
+        "lost",
+        "broken",
+        "other",
+        "examples",
+    )
     entry = {k: getattr(result, k) for k in keys}
     with open(target, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

@@ -99,7 +99,12 @@ def _save_rank(rank: int, world_size: int, mount: str) -> str:
 
 
 def manager_options(variant: str) -> dict[str, Any]:
-    return {"sync": {}, "dedup": {"dedup": True}, "async": {"async_save": True}, "async-dedup": {"async_save": True, "dedup": True}}[variant]
+    return {
+        "sync": {},
+        "dedup": {"dedup": True},
+        "async": {"async_save": True},
+        "async-dedup": {"async_save": True, "dedup": True},
+    }[variant]
 
 
 def _manager_session(rank: int, world_size: int, mount: str, variant: str, steps: list[int], resume: bool) -> str:
@@ -162,8 +167,16 @@ def _exports(mount: str) -> None:
     run = os.path.join(mount, "run")
     steps = [
         ("ckpt", lambda: shardsafe.save(os.path.join(run, "ckpt"), {"model": model})),
-        ("hf", lambda: shardsafe.export_hf(os.path.join(run, "ckpt"), os.path.join(run, "hf"), config=model.config, progress=False)),
-        ("pushed", lambda: shardsafe.push(os.path.join(run, "hf"), "file://" + os.path.join(run, "pushed"), progress=False)),
+        (
+            "hf",
+            lambda: shardsafe.export_hf(
+                os.path.join(run, "ckpt"), os.path.join(run, "hf"), config=model.config, progress=False
+            ),
+        ),
+        (
+            "pushed",
+            lambda: shardsafe.push(os.path.join(run, "hf"), "file://" + os.path.join(run, "pushed"), progress=False),
+        ),
         ("dcp", lambda: shardsafe.export_dcp(os.path.join(run, "ckpt"), os.path.join(run, "dcp"))),
         ("fromdcp", lambda: shardsafe.convert_dcp(os.path.join(run, "dcp"), os.path.join(run, "fromdcp"))),
     ]
@@ -182,7 +195,10 @@ def dcp_state(version: str) -> dict[str, Any]:
     import torch
 
     gen = torch.Generator().manual_seed(zlib.crc32(version.encode()))
-    return {"model": {"w": torch.randn(96, 64, generator=gen), "b": torch.randn(300, generator=gen)}, "step": torch.tensor(ord(version))}
+    return {
+        "model": {"w": torch.randn(96, 64, generator=gen), "b": torch.randn(300, generator=gen)},
+        "step": torch.tensor(ord(version)),
+    }
 
 
 DCP_VERSIONS = ("A", "B", "C")

@@ -60,7 +60,9 @@ def hub(hub_server: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "ENDPOINT", hub_server.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub_server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub_server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -77,12 +77,21 @@ class FlakyProxy:
 
     # ------------------------------------------------------------------ control
 
-    def arm(self, mode: str, count: int | None = 1, methods: tuple[str, ...] = ("GET",), path: str | None = None, min_body: int = 0) -> None:
+    def arm(
+        self,
+        mode: str,
+        count: int | None = 1,
+        methods: tuple[str, ...] = ("GET",),
+        path: str | None = None,
+        min_body: int = 0,
+    ) -> None:
         """Break the next ``count`` responses (every one when None) to requests matching the rule."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         with self._lock:
-            self._rules.append(Rule(mode, tuple(m.upper() for m in methods), re.compile(path) if path else None, count, min_body))
+            self._rules.append(
+                Rule(mode, tuple(m.upper() for m in methods), re.compile(path) if path else None, count, min_body)
+            )
 
     def disarm(self) -> None:
         with self._lock:
@@ -230,7 +239,9 @@ def _content_length(head: bytes) -> int | None:
 
 def _with_connection_close(head: bytes) -> bytes:
     lines = head[:-4].split(b"\r\n")
-    kept = [lines[0]] + [line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")]
+    kept = [lines[0]] + [
+        line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")
+    ]
     return b"\r\n".join([*kept, b"Connection: close"]) + b"\r\n\r\n"
 
 

@@ -97,7 +97,9 @@ class Fault:
 
 
 class HubError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None, **extra: Any) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None, **extra: Any
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.headers, self.extra = status, message, code, headers or {}, extra
 
@@ -381,7 +383,12 @@ class _Handler(BaseHTTPRequestHandler):
         repo_type = "model"
         if parts and parts[0] in _PLURAL and parts[0] != "models":
             repo_type, parts = _PLURAL[parts[0]], parts[1:]
-        if len(parts) >= 2 and parts[1].endswith(".git") and parts[2:5] == ["info", "lfs", "objects"] and method == "POST":
+        if (
+            len(parts) >= 2
+            and parts[1].endswith(".git")
+            and parts[2:5] == ["info", "lfs", "objects"]
+            and method == "POST"
+        ):
             repo_id = f"{parts[0]}/{parts[1][: -len('.git')]}"
             if parts[5:] == ["batch"]:
                 return self._lfs_batch(repo_type, repo_id)
@@ -396,7 +403,16 @@ class _Handler(BaseHTTPRequestHandler):
             return self._create_repo()
         if parts == ["whoami-v2"] and method == "GET":
             self._require_auth()
-            self._send_json(200, {"type": "user", "name": "tester", "fullname": "Test User", "orgs": [], "auth": {"type": "access_token"}})
+            self._send_json(
+                200,
+                {
+                    "type": "user",
+                    "name": "tester",
+                    "fullname": "Test User",
+                    "orgs": [],
+                    "auth": {"type": "access_token"},
+                },
+            )
             return 200
         if parts == ["validate-yaml"] and method == "POST":
             return self._validate_yaml()
@@ -508,13 +524,24 @@ class _Handler(BaseHTTPRequestHandler):
             head, sep, _ = rest.partition("/")
             if sep and not recursive:
                 folder = f"{base}/{head}" if base else head
-                entries.setdefault(folder, {"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0, "path": folder})
+                entries.setdefault(
+                    folder,
+                    {"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0, "path": folder},
+                )
                 continue
             if recursive and sep:
                 parts = rest.split("/")[:-1]
                 for i in range(1, len(parts) + 1):
                     folder = "/".join(([base] if base else []) + parts[:i])
-                    entries.setdefault(folder, {"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0, "path": folder})
+                    entries.setdefault(
+                        folder,
+                        {
+                            "type": "directory",
+                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                            "size": 0,
+                            "path": folder,
+                        },
+                    )
             entry: dict[str, Any] = {"type": "file", "oid": f.git_oid, "size": f.size, "path": path}
             if f.lfs:
                 entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": len(_lfs_pointer(f.sha256, f.size))}
@@ -561,7 +588,12 @@ class _Handler(BaseHTTPRequestHandler):
                     "verify": {"href": f"{self.hub.url}/{REPO_TYPES[repo_type]}{repo_id}.git/info/lfs/objects/verify"},
                 }
             objects.append(entry)
-        self._send(200, json.dumps({"transfer": "basic", "objects": objects, "hash_algo": "sha256"}).encode(), {}, "application/vnd.git-lfs+json")
+        self._send(
+            200,
+            json.dumps({"transfer": "basic", "objects": objects, "hash_algo": "sha256"}).encode(),
+            {},
+            "application/vnd.git-lfs+json",
+        )
         return 200
 
     def _lfs_put(self, oid: str) -> int:
@@ -577,7 +609,11 @@ class _Handler(BaseHTTPRequestHandler):
                     out.write(data)
                     size += len(data)
             if hasher.hexdigest() != oid or (expected >= 0 and size != expected):
-                raise HubError(400, f"uploaded content does not match: sha256 {hasher.hexdigest()} size {size}, expected {oid} size {expected}")
+                raise HubError(
+                    400,
+                    f"uploaded content does not match: sha256 {hasher.hexdigest()} size {size}, expected {oid} size "
+                    f"{expected}",
+                )
             os.replace(tmp, self.hub.blob_path(oid))
         finally:
             tmp.unlink(missing_ok=True)
@@ -664,7 +700,9 @@ class _Handler(BaseHTTPRequestHandler):
                 start = max(0, stored.size - int(match.group(2)))
             if start >= stored.size:
                 raise HubError(
-                    416, f"range {self.headers['Range']} outside a {stored.size}-byte file", headers={"Content-Range": f"bytes */{stored.size}"}
+                    416,
+                    f"range {self.headers['Range']} outside a {stored.size}-byte file",
+                    headers={"Content-Range": f"bytes */{stored.size}"},
                 )
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{stored.size}"
@@ -694,7 +732,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", default=None, help="folder for file contents (default: a temporary folder)")
     args = parser.parse_args(argv)
     server = HubServer(args.root, port=args.port).start()
-    print(f"serving a local Hub at {server.url}; set HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1 HF_TOKEN=anything", flush=True)
+    print(
+        f"serving a local Hub at {server.url}; set HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1 HF_TOKEN=anything",
+        flush=True,
+    )
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -11,7 +11,13 @@ from shardsafe.state.registry import merge_trees
 
 
 def _optim(params: list[str], lr: float = 0.1, state: dict | None = None) -> dict:
-    return {"kind": "optimizer", "state": {"state": state or {}, "param_groups": [{"lr": lr, "betas": {"__tuple__": [0.9, 0.95]}, "params": params}]}}
+    return {
+        "kind": "optimizer",
+        "state": {
+            "state": state or {},
+            "param_groups": [{"lr": lr, "betas": {"__tuple__": [0.9, 0.95]}, "params": params}],
+        },
+    }
 
 
 def test_stage_trees_merge() -> None:
@@ -20,12 +26,23 @@ def test_stage_trees_merge() -> None:
         "optim": _optim(["layers.0.w"]),
         "only0": {"kind": "value", "state": 1},
     }
-    b = {"model": {"kind": "module", "state": {"layers.1.w": {"__tensor__": "model/layers.1.w"}}}, "optim": _optim(["layers.1.w"])}
-    c = {"model": {"kind": "module", "state": {"layers.1.w": {"__tensor__": "model/layers.1.w"}}}, "optim": _optim(["layers.1.w"])}
+    b = {
+        "model": {"kind": "module", "state": {"layers.1.w": {"__tensor__": "model/layers.1.w"}}},
+        "optim": _optim(["layers.1.w"]),
+    }
+    c = {
+        "model": {"kind": "module", "state": {"layers.1.w": {"__tensor__": "model/layers.1.w"}}},
+        "optim": _optim(["layers.1.w"]),
+    }
     merged = merge_trees([a, b, c])
     assert list(merged) == ["model", "optim", "only0"]
-    assert merged["model"]["state"] == {"layers.0.w": {"__tensor__": "model/layers.0.w"}, "layers.1.w": {"__tensor__": "model/layers.1.w"}}
-    assert merged["optim"]["state"]["param_groups"] == [{"lr": 0.1, "betas": {"__tuple__": [0.9, 0.95]}, "params": ["layers.0.w", "layers.1.w"]}]
+    assert merged["model"]["state"] == {
+        "layers.0.w": {"__tensor__": "model/layers.0.w"},
+        "layers.1.w": {"__tensor__": "model/layers.1.w"},
+    }
+    assert merged["optim"]["state"]["param_groups"] == [
+        {"lr": 0.1, "betas": {"__tuple__": [0.9, 0.95]}, "params": ["layers.0.w", "layers.1.w"]}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -36,9 +53,14 @@ def test_stage_trees_merge() -> None:
             {"s": {"kind": "stateful", "state": {"last_epoch": 4}}},
             "state['s']/state/last_epoch",
         ),
-        ({"s": {"kind": "value", "state": 1}}, {"s": {"kind": "value", "state": 1.0}}, "state['s']/state"),  # 1 and 1.0 are two values
+        # 1 and 1.0 are two values
+        ({"s": {"kind": "value", "state": 1}}, {"s": {"kind": "value", "state": 1.0}}, "state['s']/state"),
         ({"o": _optim(["a"], lr=0.1)}, {"o": _optim(["b"], lr=0.2)}, "param group 0/lr"),
-        ({"s": {"kind": "value", "state": {"__tuple__": [1, 2]}}}, {"s": {"kind": "value", "state": {"__tuple__": [1, 3]}}}, "state['s']/state"),
+        (
+            {"s": {"kind": "value", "state": {"__tuple__": [1, 2]}}},
+            {"s": {"kind": "value", "state": {"__tuple__": [1, 3]}}},
+            "state['s']/state",
+        ),
     ],
 )
 def test_disagreements_name_both_ranks_and_where(a: dict, b: dict, where: str) -> None:

@@ -45,7 +45,9 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_fresh_optimizer_gets_exactly_the_saved_state(tmp_path: Path, kind: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fresh_optimizer_gets_exactly_the_saved_state(
+    tmp_path: Path, kind: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = _model(dtype)
     model[3].weight.requires_grad_(False)  # in the optimizer, never gets a gradient: no state saved
     optimizer = OPTIMIZERS[kind](model.parameters())
@@ -111,7 +113,9 @@ class _TracingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_state_larger_than_its_parameter_is_created_the_optimizers_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_state_larger_than_its_parameter_is_created_the_optimizers_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Sizes from a checkpoint are not trusted for allocation beyond the parameter's own: such state is
     created by the optimizer (torch's zero-gradient step) and the load then fills it, or reports a mismatch."""
     model = _model(torch.float32)

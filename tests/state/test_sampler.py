@@ -68,7 +68,11 @@ def test_block_deals_contiguous_batches_like_the_trainer_and_resumes_at_another_
     order = ReshardableSampler(range(n), num_replicas=1, rank=0, seed=seed).global_order(0)
     two = _samplers(n, 2, seed=seed, block=3)
     assert [list(s) for s in two] == [
-        [order[(2 * k + r) * 3 + i] if (2 * k + r) * 3 + i < n else order[(2 * k + r) * 3 + i - n] for k in range(5) for i in range(3)]
+        [
+            order[(2 * k + r) * 3 + i] if (2 * k + r) * 3 + i < n else order[(2 * k + r) * 3 + i - n]
+            for k in range(5)
+            for i in range(3)
+        ]
         for r in range(2)
     ], "rank r's k-th batch is block 2k + r of the order; the last round padded from the start"
     assert {len(s) for s in two} == {15}
@@ -85,7 +89,9 @@ def test_block_deals_contiguous_batches_like_the_trainer_and_resumes_at_another_
             s.load_state_dict(state)
             s.set_epoch(0)
         rest = [list(s) for s in resumed]
-        merged = [i for k in range(len(rest[0]) // block) for r in range(world) for i in rest[r][k * block : (k + 1) * block]]
+        merged = [
+            i for k in range(len(rest[0]) // block) for r in range(world) for i in rest[r][k * block : (k + 1) * block]
+        ]
         assert taken + merged[: n - 12] == order, f"{world} ranks x {block}: not the uninterrupted order"
     with pytest.raises(ValueError, match="block must be a positive"):
         ReshardableSampler(range(4), num_replicas=1, rank=0, block=0)

@@ -94,13 +94,18 @@ def test_summaries_are_what_inspect_shows(tmp_path: Path) -> None:
 
 
 # api/source.py (whole tensors for export) still reads engine entries itself: not part of this table's work.
-CHECKED = [*(SRC / "state").glob("*.py"), *(SRC / "api" / name for name in ("checkpoint.py", "load.py", "save.py", "verify.py", "location.py"))]
+CHECKED = [
+    *(SRC / "state").glob("*.py"),
+    *(SRC / "api" / name for name in ("checkpoint.py", "load.py", "save.py", "verify.py", "location.py")),
+]
 
 
 def test_no_kind_dispatch_left_outside_the_registry() -> None:
     """The save, load and verify paths ask the table: a kind compared with a constant, or a value
     tested for being an engine or an optimizer, would be a parallel chain."""
-    pattern = re.compile(r"(\.get\(\"kind\"\)|\bkind)\s*(==|!=|in)\s*(\(|KIND_)|==\s*KIND_|is_deepspeed_engine\(|isinstance\([^)]*Optimizer\)")
+    pattern = re.compile(
+        r"(\.get\(\"kind\"\)|\bkind)\s*(==|!=|in)\s*(\(|KIND_)|==\s*KIND_|is_deepspeed_engine\(|isinstance\([^)]*Optimizer\)"
+    )
     hits = []
     for path in sorted(CHECKED):
         if path.name in ("deepspeed_engine.py", "optimizer.py"):  # the engine's and the optimizer's own adapters

@@ -47,7 +47,11 @@ REFUSED: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[], Any], str]] 
     "tensor named __metadata__": (lambda: {"__metadata__": torch.ones(2)}, lambda: None, "invalid tensor key"),
     "tensor under a lone surrogate": (lambda: {"v": {"\ud800": torch.ones(2)}}, lambda: None, "not valid UTF-8"),
     "tensor of 17 dimensions": (lambda: {"t": torch.zeros([1] * 17)}, lambda: None, "more than 16 dimensions"),
-    "complex128 tensor": (lambda: {"t": torch.zeros(2, dtype=torch.complex128)}, lambda: None, "cannot be stored by shardsafe"),
+    "complex128 tensor": (
+        lambda: {"t": torch.zeros(2, dtype=torch.complex128)},
+        lambda: None,
+        "cannot be stored by shardsafe",
+    ),
     "metadata int key": (lambda: {"v": 1}, lambda: {1: "a"}, "JSON keys must be strings"),
     "metadata int and str key 1": (lambda: {"v": 1}, lambda: {1: "a", "1": "b"}, "JSON keys must be strings"),
     "metadata nested int key": (lambda: {"v": 1}, lambda: {"a": [{"b": {2.5: 1}}]}, "JSON keys must be strings"),
@@ -112,14 +116,21 @@ def _nested_int_keys(depth: int) -> Any:
     return value
 
 
-FAMILIES: dict[str, Callable[[int], Any]] = {"lists": _nest, "dicts": _nested_dicts, "tuples": _nested_tuples, "int-keyed dicts": _nested_int_keys}
+FAMILIES: dict[str, Callable[[int], Any]] = {
+    "lists": _nest,
+    "dicts": _nested_dicts,
+    "tuples": _nested_tuples,
+    "int-keyed dicts": _nested_int_keys,
+}
 
 
 def _saves(folder: Path, state: dict[str, Any], metadata: Any = None) -> bool:
     try:
         shardsafe.save(folder, state, metadata=metadata)
     except FormatError:
-        assert not folder.exists() and not [n for n in os.listdir(folder.parent) if n.startswith(".")], "a refused save left files"
+        assert not folder.exists() and not [n for n in os.listdir(folder.parent) if n.startswith(".")], (
+            "a refused save left files"
+        )
         return False
     return True
 
@@ -138,7 +149,9 @@ def _deepest(folder: Path, make: Callable[[int], Any], as_metadata: bool = False
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_deepest_value_a_save_accepts_loads_and_one_deeper_is_refused_both_ways(tmp_path: Path, family: str) -> None:
+def test_the_deepest_value_a_save_accepts_loads_and_one_deeper_is_refused_both_ways(
+    tmp_path: Path, family: str
+) -> None:
     make = FAMILIES[family]
     deepest = _deepest(tmp_path, make)
     assert 20 <= deepest <= 64, deepest

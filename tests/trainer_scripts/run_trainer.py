@@ -1,4 +1,5 @@
-"""Real ``transformers.Trainer`` runs on CPU ranks (gloo), plain and ``ShardsafeTrainer``, for tests/integrations/test_trainer.py.
+"""Real ``transformers.Trainer`` runs on CPU ranks (gloo), plain and ``ShardsafeTrainer``, for
+tests/integrations/test_trainer.py.
 
 Run with ``python -m torch.distributed.run --nproc_per_node 2 run_trainer.py OUT SCENARIO [SCENARIO ...]``.
 Each scenario trains a tiny GPT-2 (built offline from a config; dropout on, so resuming needs the
@@ -64,7 +65,11 @@ Z3_CONFIG: dict[str, Any] = {
     "train_batch_size": "auto",
     "gradient_clipping": "auto",
     "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
 }
 
 
@@ -81,7 +86,9 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     return GPT2LMHeadModel(config)  # dropout 0.1 (default): the RNG state matters
 
 
@@ -146,7 +153,8 @@ def z3_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
 def listing(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name != LEASE_DIR) if folder.is_dir() else []  # the run's lease folder aside
+    # the run's lease folder aside
+    return sorted(p.name for p in folder.iterdir() if p.name != LEASE_DIR) if folder.is_dir() else []
 
 
 class Run:
@@ -279,7 +287,9 @@ def model_only(out: Path) -> None:
 
 def push_run(out: Path) -> None:
     run = Run(out, "push")
-    args = arguments(run.dir / "train", max_steps=4, push_to_hub=True, hub_model_id="owner/trained", hub_strategy="every_save")
+    args = arguments(
+        run.dir / "train", max_steps=4, push_to_hub=True, hub_model_id="owner/trained", hub_strategy="every_save"
+    )
     trainer = make(ShardsafeTrainer, args)
     trainer.train()
     run.result["url"] = trainer.push_to_hub()
@@ -368,15 +378,25 @@ class Recording(ShardsafeTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def order_trainer(root: Path, per_device: int, accumulation: int, dataset: Any = None, zero3: bool = False) -> Recording:
+def order_trainer(
+    root: Path, per_device: int, accumulation: int, dataset: Any = None, zero3: bool = False
+) -> Recording:
     make_args = z3_arguments if zero3 else arguments
-    args = make_args(root, max_steps=ORDER_STEPS, save_steps=3, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation)
+    args = make_args(
+        root,
+        max_steps=ORDER_STEPS,
+        save_steps=3,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+    )
     trainer = Recording(model=model(), args=args, train_dataset=Indexed() if dataset is None else dataset)
     trainer.taken = []
     return trainer
 
 
-def order_run(out: Path, name: str, per_device: int, accumulation: int, resume: str | None = None, callback: Any = None) -> Run:
+def order_run(
+    out: Path, name: str, per_device: int, accumulation: int, resume: str | None = None, callback: Any = None
+) -> Run:
     run = Run(out, name)
     trainer = order_trainer(run.dir / "train", per_device, accumulation, zero3=name.startswith("z3"))
     if callback is not None:
@@ -418,7 +438,8 @@ def z3_state_at(run: Run, trainer: Trainer, name: str) -> None:
 
 
 def z3_order_callback(event: str, step: int | None) -> Any:
-    """A callback writing the engine's whole state at ``event`` (``on_save`` of ``step``, or ``on_train_begin``: as loaded)."""
+    """A callback writing the engine's whole state at ``event`` (``on_save`` of ``step``, or ``on_train_begin``: as
+    loaded)."""
     from transformers import TrainerCallback
 
     class State(TrainerCallback):
@@ -450,9 +471,13 @@ SCENARIOS = {
     "z3_resume": z3_resume,
     "z3_nogather": z3_nogather,
     "order2": lambda out: order_run(out, "order2", per_device=3, accumulation=1).finish(),
-    "order3": lambda out: order_run(out, "order3", per_device=2, accumulation=1, resume=str(out / "order2" / "train" / "checkpoint-6")).finish(),
+    "order3": lambda out: order_run(
+        out, "order3", per_device=2, accumulation=1, resume=str(out / "order2" / "train" / "checkpoint-6")
+    ).finish(),
     "order1": order1,
-    "z3_order2": lambda out: order_run(out, "z3_order2", per_device=3, accumulation=1, callback=z3_order_callback("on_save", 6)).finish(),
+    "z3_order2": lambda out: order_run(
+        out, "z3_order2", per_device=3, accumulation=1, callback=z3_order_callback("on_save", 6)
+    ).finish(),
     "z3_order3": lambda out: order_run(
         out,
         "z3_order3",

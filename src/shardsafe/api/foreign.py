@@ -1,4 +1,5 @@
-"""Folders that are checkpoints of another format: a registry the readers above this layer fill, consulted by load and verify.
+"""Folders that are checkpoints of another format: a registry the readers above this layer fill, consulted by load and
+verify.
 
 The api layer does not import the interop readers (layers import only downward), yet
 ``shardsafe.load(folder)`` on, say, a DCP folder should say what it is and what to do instead of
@@ -25,7 +26,8 @@ __all__ = ["ForeignFormat", "foreign_format", "refuse_foreign", "register_format
 
 @dataclass(frozen=True)
 class ForeignFormat:
-    """A checkpoint format shardsafe reads only through conversion: its name, how to recognise a folder, what to run instead."""
+    """A checkpoint format shardsafe reads only through conversion: its name, how to recognise a folder, what to run
+    instead."""
 
     name: str
     detect: Callable[[Path], bool]
@@ -43,7 +45,8 @@ def register_format(fmt: ForeignFormat) -> None:
 
 def foreign_format(folder: Path | RemoteDir) -> ForeignFormat | None:
     """The registered format of ``folder`` when it has no manifest and one recognises it, else None."""
-    return as_location(folder).choose(local=_detect, remote=lambda _: None)  # formats are detected in local folders only
+    # formats are detected in local folders only
+    return as_location(folder).choose(local=_detect, remote=lambda _: None)
 
 
 def _detect(folder: Path) -> ForeignFormat | None:

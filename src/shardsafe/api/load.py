@@ -37,7 +37,15 @@ from shardsafe.protocol.commit import open_checkpoint
 from shardsafe.protocol.shared_read import plan_shared
 from shardsafe.protocol.transfer import ChunkReader, ReadRequest
 from shardsafe.state.base import LoadStep, SavedLayout
-from shardsafe.state.registry import LoadBinding, bind_for_load, check_binding, describe_mismatch, fresh_optimizers, prepare_steps, unclaimed
+from shardsafe.state.registry import (
+    LoadBinding,
+    bind_for_load,
+    check_binding,
+    describe_mismatch,
+    fresh_optimizers,
+    prepare_steps,
+    unclaimed,
+)
 from shardsafe.storage.local import prefault_writable
 from shardsafe.storage.remote import RemoteDir
 
@@ -112,7 +120,16 @@ def _load(
         check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
         return manifest, tree
 
-    return load_from(state, opened, lambda manifest: ChunkReader(folder, manifest, verify), process_group, strict, verify, atomic, share_reads)
+    return load_from(
+        state,
+        opened,
+        lambda manifest: ChunkReader(folder, manifest, verify),
+        process_group,
+        strict,
+        verify,
+        atomic,
+        share_reads,
+    )
 
 
 OpenChecked = Callable[[], tuple[Manifest, dict[str, Any]]]  # the manifest and the state tree, parsed and cross-checked
@@ -165,7 +182,9 @@ def load_from(
             problem = exc
         # Collective, so run by a rank whose planning failed too (it shares nothing): chunks several
         # ranks need are read by one of them and sent to the others (protocol/shared_read.py).
-        shared = plan_shared(comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads, remote=reader.remote)
+        shared = plan_shared(
+            comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads, remote=reader.remote
+        )
         fresh_reads, existing_reads = shared.local(fresh_reads), shared.local(existing_reads)
         try:
             if problem is not None:
@@ -266,11 +285,15 @@ def _agree(
         for optimizer in reset:
             optimizer.state.clear()
         if failed:
-            raise type(exc)(f"{exc}\nand restoring what was loaded before the failure failed for " + "; ".join(failed)) from exc
+            raise type(exc)(
+                f"{exc}\nand restoring what was loaded before the failure failed for " + "; ".join(failed)
+            ) from exc
         raise
 
 
-def _plan_targets(reader: ChunkReader, manifest: Manifest, binding: LoadBinding) -> tuple[list[ReadRequest], list[ReadRequest]]:
+def _plan_targets(
+    reader: ChunkReader, manifest: Manifest, binding: LoadBinding
+) -> tuple[list[ReadRequest], list[ReadRequest]]:
     """The reads of every in-place target, planned once: (those of fresh targets, those of the others)."""
     fresh: list[ReadRequest] = []
     existing: list[ReadRequest] = []
@@ -289,13 +312,17 @@ def _read(reader: ChunkReader, items: list[ReadRequest], checks: list[BlockRead]
         reader.read_all(items, checks)
 
 
-def _check_sources(reader: ChunkReader, fresh: list[ReadRequest], existing: list[ReadRequest], shared: list[BlockRead]) -> None:
+def _check_sources(
+    reader: ChunkReader, fresh: list[ReadRequest], existing: list[ReadRequest], shared: list[BlockRead]
+) -> None:
     """The first pass of an atomic load: everything the in-place reads of ``existing`` targets will
     read is checked and no live tensor is written. Tensors the load itself created (``fresh``: a
     fresh optimizer's state, which a failed load drops) are read, verified, straight into place:
     they are read once, not twice. ``shared``: the checks of the chunks this rank reads for others."""
     checks = [check for r in existing for check in reader.check_reads(r.key, r.op, r.saved_dtype)] + shared
-    prefault = threading.Thread(target=prefault_writable, args=([r.dest for r in fresh],), name="shardsafe-prefault", daemon=True)
+    prefault = threading.Thread(
+        target=prefault_writable, args=([r.dest for r in fresh],), name="shardsafe-prefault", daemon=True
+    )
     prefault.start()  # the new memory's page faults are taken while the reads wait on the disk
     try:
         _read(reader, fresh, checks)  # one pass over the files, in order

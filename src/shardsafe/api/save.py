@@ -32,7 +32,15 @@ from shardsafe.state.registry import SaveView, describe_for_save, merge_trees
 from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["HASH_BLOCK_SIZE", "RankResult", "describe_collectively", "new_manifest", "save", "tensor_entries", "write_checkpoint"]
+__all__ = [
+    "HASH_BLOCK_SIZE",
+    "RankResult",
+    "describe_collectively",
+    "new_manifest",
+    "save",
+    "tensor_entries",
+    "write_checkpoint",
+]
 
 
 def save(
@@ -171,7 +179,11 @@ def write_checkpoint(
                 index_record = IndexRef(target.write_index(comm.rank, data), len(data), hash_bytes(data))
             file_record = (written.name, written.size) if written.name is not None else None
         specs = {c.key: c.spec() for c in mine}
-        result = Outcome(value=RankResult(file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank))
+        result = Outcome(
+            value=RankResult(
+                file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank
+            )
+        )
     except Exception as exc:  # every rank must still reach the agreement step
         result = Outcome.failure(exc, comm.rank, SaveError)
 
@@ -185,7 +197,9 @@ def write_checkpoint(
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
         tensors = tensor_entries(results, layout if plan.rule else None, rules)
-        made = new_manifest(comm.world_size, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name())
+        made = new_manifest(
+            comm.world_size, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name()
+        )
         manifest = CheckedManifest.of(made)
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
@@ -254,7 +268,9 @@ def _merged(comm: Comm, trees: list[dict[str, Any]] | None, mine: dict[str, Any]
     return merged if comm.is_coordinator else mine
 
 
-def _mine(comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan, rules: dict[str, LayoutRule]) -> list[LocalChunk]:
+def _mine(
+    comm: Comm, view: SaveView, layout: LocalLayout, plan: SavePlan, rules: dict[str, LayoutRule]
+) -> list[LocalChunk]:
     """This rank's chunks to write under ``plan`` (``rules``: each rule-described tensor's, writers set)."""
     if not plan.rule:
         assert plan.full is not None
@@ -281,7 +297,9 @@ def _sibling(final: Path | RemoteDir, name: str) -> Path | RemoteDir:
     return as_location(final).sibling(name).native
 
 
-def tensor_entries(results: list[RankResult], layout: LocalLayout | None, rules: dict[str, LayoutRule]) -> dict[str, TensorEntry]:
+def tensor_entries(
+    results: list[RankResult], layout: LocalLayout | None, rules: dict[str, LayoutRule]
+) -> dict[str, TensorEntry]:
     """The manifest's tensors: listed chunks from the results; with the rule plan, every
     rule-described tensor of the coordinator's layout (equal on every rank: the digests agreed) as
     its rule (``rules``: with the writers the save used)."""
@@ -299,5 +317,7 @@ def tensor_entries(results: list[RankResult], layout: LocalLayout | None, rules:
     for key in sorted(meta):
         dtype, shape = meta[key]
         ordered = sorted(chunks.get(key, []), key=lambda c: c.offsets)
-        out[key] = TensorEntry(dtype_from_name(dtype.removeprefix("torch."), key), tuple(shape), tuple(ordered), rules.get(key))
+        out[key] = TensorEntry(
+            dtype_from_name(dtype.removeprefix("torch."), key), tuple(shape), tuple(ordered), rules.get(key)
+        )
     return out

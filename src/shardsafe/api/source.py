@@ -25,7 +25,15 @@ from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.state.engine_entry import KIND_DEEPSPEED_ENGINE, engine_model_tensors
 from shardsafe.storage.local import safe_child
 
-__all__ = ["CHECKPOINT_DIR", "CheckpointSource", "DTYPE_CHOICES", "EXPORT_META", "TensorInfo", "TensorSource", "find_config_files"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CheckpointSource",
+    "DTYPE_CHOICES",
+    "EXPORT_META",
+    "TensorInfo",
+    "TensorSource",
+    "find_config_files",
+]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +101,8 @@ def find_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder}: no such folder")
     raise CheckpointNotFoundError(
-        f"{folder}: neither a shardsafe checkpoint ({MANIFEST_NAME}) nor a model folder holding one in {CHECKPOINT_DIR}/{MANIFEST_NAME}"
+        f"{folder}: neither a shardsafe checkpoint ({MANIFEST_NAME}) nor a model folder holding one in "
+        f"{CHECKPOINT_DIR}/{MANIFEST_NAME}"
     )
 
 
@@ -107,7 +116,14 @@ class CheckpointSource:
     transformers config.
     """
 
-    def __init__(self, path: str | os.PathLike[str], key: str = "model", *, verify: bool = True, aliases: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        key: str = "model",
+        *,
+        verify: bool = True,
+        aliases: dict[str, str] | None = None,
+    ) -> None:
         self.model_folder, self.folder = find_checkpoint(path)
         self.manifest, self.tree = open_checkpoint(self.folder)
         self.key = key = self._engine_key_for(key)
@@ -115,13 +131,17 @@ class CheckpointSource:
         meta = self.manifest.metadata.get(EXPORT_META)
         self.export_meta: dict[str, Any] = meta if isinstance(meta, dict) and meta.get("key", key) == key else {}
         stored = self.export_meta.get("dtype")
-        self.default_dtype: torch.dtype | None = dtype_from_name(stored, "checkpoint metadata") if stored is not None else None
+        self.default_dtype: torch.dtype | None = (
+            dtype_from_name(stored, "checkpoint metadata") if stored is not None else None
+        )
         total = self.export_meta.get("total_parameters")
         self.total_parameters: int | None = total if isinstance(total, int) and not isinstance(total, bool) else None
         self._stored = self._stored_layout()
         if not self._stored:
             names = sorted({k.split("/", 1)[0] for k in self.manifest.tensors})
-            raise FormatError(f"{self.folder}: no tensors under {key!r} (the checkpoint holds {names}); pick one with key=/--key")
+            raise FormatError(
+                f"{self.folder}: no tensors under {key!r} (the checkpoint holds {names}); pick one with key=/--key"
+            )
         self._reader = ChunkReader(self.folder, self.manifest, verify)
         recorded = self.export_meta.get("aliases")
         self.aliases_recorded = isinstance(recorded, dict)
@@ -133,7 +153,11 @@ class CheckpointSource:
         (ShardsafeTrainer under ZeRO-3 saves it as ``engine``) when there is no ``model`` entry."""
         if key != "model" or key in self.tree:
             return key
-        engines = [name for name, entry in self.tree.items() if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE]
+        engines = [
+            name
+            for name, entry in self.tree.items()
+            if isinstance(entry, dict) and entry.get("kind") == KIND_DEEPSPEED_ENGINE
+        ]
         return engines[0] if len(engines) == 1 else key
 
     def _stored_layout(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
@@ -146,9 +170,14 @@ class CheckpointSource:
             for name, (stored, shape) in layout.items():
                 entry_ = self.manifest.tensors.get(stored)
                 if entry_ is None:
-                    raise FormatError(f"{self.folder}: state.json refers to tensor {stored!r}, which the manifest does not list")
+                    raise FormatError(
+                        f"{self.folder}: state.json refers to tensor {stored!r}, which the manifest does not list"
+                    )
                 if shape is not None and math.prod(shape) != math.prod(entry_.shape):
-                    raise FormatError(f"{self.folder}: {stored!r} holds {math.prod(entry_.shape)} elements, {name!r} needs {list(shape)}")
+                    raise FormatError(
+                        f"{self.folder}: {stored!r} holds {math.prod(entry_.shape)} elements, {name!r} needs "
+                        f"{list(shape)}"
+                    )
             return layout
         keys = [k for k in self.manifest.tensors if k.startswith(self.prefix)]
         recorded = tensor_keys_of(entry.get("state")) if isinstance(entry, dict) else []
@@ -177,7 +206,9 @@ class CheckpointSource:
                 if self._same_stored_content(alias, target):
                     self.aliases[alias] = target
                 else:
-                    log.warning("%s and %s are declared tied but hold different values; both are exported", alias, target)
+                    log.warning(
+                        "%s and %s are declared tied but hold different values; both are exported", alias, target
+                    )
 
     def tensors(self) -> list[TensorInfo]:
         out = []

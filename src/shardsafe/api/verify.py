@@ -31,8 +31,16 @@ def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     with ChunkReader(folder, manifest, verify=True) as reader:
         for name in manifest.files:
             reader.open_file(None, name)  # and its index (format version 2), checked against the manifest
-        stored = {key: reader.chunks_of(key, entry) for key, entry in manifest.tensors.items()}  # every part of every rule
-        reader.run([check for key, chunks in stored.items() for chunk in chunks for check in reader.whole_chunk_checks(key, chunk)])
+        # every part of every rule
+        stored = {key: reader.chunks_of(key, entry) for key, entry in manifest.tensors.items()}
+        reader.run(
+            [
+                check
+                for key, chunks in stored.items()
+                for chunk in chunks
+                for check in reader.whole_chunk_checks(key, chunk)
+            ]
+        )
         checked = sum(chunk.end - chunk.begin for chunks in stored.values() for chunk in chunks)
     return {
         "path": shown(folder),

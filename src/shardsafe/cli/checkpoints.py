@@ -24,26 +24,44 @@ def add_parsers(sub: Any) -> None:
         "and which is the latest and the best.",
     )
     p.add_argument("root", metavar="ROOT", help="the CheckpointManager root")
-    p.add_argument("--metric", default=None, help="metric that ranks checkpoints (default: the one the manager recorded)")
-    p.add_argument("--mode", choices=("min", "max"), default=None, help="whether smaller or larger is better (default: recorded)")
+    p.add_argument(
+        "--metric", default=None, help="metric that ranks checkpoints (default: the one the manager recorded)"
+    )
+    p.add_argument(
+        "--mode", choices=("min", "max"), default=None, help="whether smaller or larger is better (default: recorded)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser(
         "gc",
         help="remove what interrupted saves and deletions left under a root",
-        description="Remove hidden temporary, old and deleting folders and step folders without a manifest (keeping data "
-        "that committed checkpoints still reference). Do not run it on a root another job is saving into: entries younger "
+        description="Remove hidden temporary, old and deleting folders and step folders without a manifest (keeping "
+        "data "
+        "that committed checkpoints still reference). Do not run it on a root another job is saving into: entries "
+        "younger "
         "than --min-age are left alone.",
     )
     p.add_argument("root", metavar="ROOT", help="the CheckpointManager root (or any folder checkpoints are saved into)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
-    p.add_argument("--min-age", type=float, default=600.0, metavar="SECONDS", help="leave younger entries alone (default: %(default)s)")
+    p.add_argument(
+        "--min-age",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="leave younger entries alone (default: %(default)s)",
+    )
     p.add_argument(
         "--local",
         action="store_true",
-        help="instead, remove this node's local-tier steps of ROOT (what a job that died left in host memory; run it on each node)",
+        help="instead, remove this node's local-tier steps of ROOT (what a job that died left in host memory; run it "
+        "on each node)",
     )
-    p.add_argument("--local-dir", default=DEFAULT_LOCAL_DIR, metavar="DIR", help="the manager's local_dir, {node} included (default: %(default)s)")
+    p.add_argument(
+        "--local-dir",
+        default=DEFAULT_LOCAL_DIR,
+        metavar="DIR",
+        help="the manager's local_dir, {node} included (default: %(default)s)",
+    )
     p.set_defaults(func=_cmd_gc)
 
 
@@ -66,7 +84,15 @@ def _cmd_list(args: Any) -> int:
             for i in infos
         ]
         rows += [
-            {"step": d.step, "path": where(d.path), "bytes": None, "metrics": {}, "best": False, "latest": False, "damaged": d.reason}
+            {
+                "step": d.step,
+                "path": where(d.path),
+                "bytes": None,
+                "metrics": {},
+                "best": False,
+                "latest": False,
+                "damaged": d.reason,
+            }
             for d in listing.damaged
         ]
         print(json.dumps(sorted(rows, key=lambda r: r["step"]), indent=2))
@@ -81,12 +107,20 @@ def _cmd_list(args: Any) -> int:
         created = _when(i.created)
         metrics = " ".join(f"{k}={v}" for k, v in i.metrics.items())
         writer = f"{i.run_id} (epoch {i.lease_epoch})" if i.run_id else "-"
-        lines.append((i.step, f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {writer:22}  {flags:11}  {metrics}"))
-    lines += [(d.step, f"{d.step:>12}  {'-':>10}  {'-':19}  {'-':22}  {'damaged':11}  skipped: {d.reason}") for d in listing.damaged]
+        lines.append(
+            (i.step, f"{i.step:>12}  {format_bytes(i.size):>10}  {created}  {writer:22}  {flags:11}  {metrics}")
+        )
+    lines += [
+        (d.step, f"{d.step:>12}  {'-':>10}  {'-':19}  {'-':22}  {'damaged':11}  skipped: {d.reason}")
+        for d in listing.damaged
+    ]
     for _, line in sorted(lines):
         print(line)
     if listing.damaged:
-        print(f"note: {len(listing.damaged)} damaged checkpoint(s) skipped (not loadable; retention and gc leave them in place)")
+        print(
+            f"note: {len(listing.damaged)} damaged checkpoint(s) skipped (not loadable; retention and gc leave them in "
+            "place)"
+        )
     return 0
 
 
@@ -118,5 +152,7 @@ def _cmd_gc(args: Any) -> int:
         print(f"left {path}: a damaged checkpoint may reference its files")
     print(f"{verb} {len(report.removed)} entries under {args.root}")
     if report.damaged:
-        print(f"note: {len(report.damaged)} damaged checkpoint(s) left in place; repair or delete them, then run gc again")
+        print(
+            f"note: {len(report.damaged)} damaged checkpoint(s) left in place; repair or delete them, then run gc again"
+        )
     return 0

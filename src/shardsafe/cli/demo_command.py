@@ -1,4 +1,5 @@
-"""``shardsafe demo``: its options (the run itself is the package :mod:`shardsafe.cli.demo`, imported when it starts)."""
+"""``shardsafe demo``: its options (the run itself is the package :mod:`shardsafe.cli.demo`, imported when it
+starts)."""
 
 from __future__ import annotations
 
@@ -16,29 +17,45 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
         help="train a small GPT under FSDP2 with a CheckpointManager: preempt, crash, resume, reshard onto 1 process",
-        description="Launch P CPU ranks (gloo) with torchrun to train a small GPT under FSDP2, saving through a CheckpointManager "
-        "(async saves every K steps, keep the last 3 and the best by held-out loss, preemption handling). Run 1 gets SIGTERM "
-        "partway (a simulated preemption: all ranks write a final checkpoint at the step boundary and exit cleanly); run 2 "
-        "resumes from it and is SIGKILLed later; run 3 resumes from the newest committed checkpoint and finishes. The final "
-        "checkpoint is reloaded onto one plain process (no process group) to evaluate it, verified, and a summary is printed "
-        "(blocked time per async save vs a sync save, retention, resume steps). Takes about a minute on a 2-core machine.",
+        description="Launch P CPU ranks (gloo) with torchrun to train a small GPT under FSDP2, saving through a "
+        "CheckpointManager "
+        "(async saves every K steps, keep the last 3 and the best by held-out loss, preemption handling). Run 1 gets "
+        "SIGTERM "
+        "partway (a simulated preemption: all ranks write a final checkpoint at the step boundary and exit cleanly); "
+        "run 2 "
+        "resumes from it and is SIGKILLed later; run 3 resumes from the newest committed checkpoint and finishes. The "
+        "final "
+        "checkpoint is reloaded onto one plain process (no process group) to evaluate it, verified, and a summary is "
+        "printed "
+        "(blocked time per async save vs a sync save, retention, resume steps). Takes about a minute on a 2-core "
+        "machine.",
     )
     p.add_argument("--steps", type=positive_int, default=40, help="total training steps (default: %(default)s)")
-    p.add_argument("--save-every", type=positive_int, default=5, metavar="K", help="save a checkpoint every K steps (default: %(default)s)")
+    p.add_argument(
+        "--save-every",
+        type=positive_int,
+        default=5,
+        metavar="K",
+        help="save a checkpoint every K steps (default: %(default)s)",
+    )
     p.add_argument(
         "--out",
         type=Path,
         default=Path("demo-run"),
         metavar="DIR",
-        help="output folder, wiped at start; a non-empty folder the demo did not make is refused (default: %(default)s)",
+        help="output folder, wiped at start; a non-empty folder the demo did not make is refused (default: "
+        "%(default)s)",
     )
-    p.add_argument("--nproc", type=positive_int, default=2, metavar="P", help="number of CPU ranks (default: %(default)s)")
+    p.add_argument(
+        "--nproc", type=positive_int, default=2, metavar="P", help="number of CPU ranks (default: %(default)s)"
+    )
     p.add_argument(
         "--preempt-at",
         type=positive_int,
         default=None,
         metavar="STEP",
-        help="send SIGTERM to every rank of the first run after this step (default: between two saves, about a third of the way)",
+        help="send SIGTERM to every rank of the first run after this step (default: between two saves, about a third "
+        "of the way)",
     )
     p.add_argument(
         "--crash-after",
@@ -47,8 +64,16 @@ def add_parser(sub: Any) -> None:
         metavar="STEP",
         help="SIGKILL the second run after this step (default: just before a save, about two thirds of the way)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for the initial weights and data order (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="give up on a launch after this long (default: %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for the initial weights and data order (default: %(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="give up on a launch after this long (default: %(default)s)",
+    )
     p.set_defaults(func=_run)
 
 

@@ -28,13 +28,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="consolidate a sharded checkpoint into a Hugging Face model folder (safetensors)",
         description="Write the tensors under KEY of a shardsafe checkpoint (or of a folder saved with "
         "save_pretrained(gather_16bit=False)) as a Hugging Face model folder: model.safetensors, or "
-        "model-0000k-of-0000N.safetensors + model.safetensors.index.json, plus config.json / generation_config.json when "
-        "the source has them. One process, one tensor in memory at a time, reading only the chunks it needs. Tensor names "
-        "safetensors cannot store (__metadata__, non-UTF-8, duplicates) are refused before anything is written. OUT is built "
+        "model-0000k-of-0000N.safetensors + model.safetensors.index.json, plus config.json / generation_config.json "
+        "when "
+        "the source has them. One process, one tensor in memory at a time, reading only the chunks it needs. Tensor "
+        "names "
+        "safetensors cannot store (__metadata__, non-UTF-8, duplicates) are refused before anything is written. OUT is "
+        "built "
         "hidden next to itself, checked by the model-folder guard and renamed into place; an existing non-empty OUT is "
         "refused unless --overwrite.",
     )
-    p.add_argument("src", type=Path, metavar="SRC", help="checkpoint folder (holding manifest.json) or a save_pretrained(gather_16bit=False) folder")
+    p.add_argument(
+        "src",
+        type=Path,
+        metavar="SRC",
+        help="checkpoint folder (holding manifest.json) or a save_pretrained(gather_16bit=False) folder",
+    )
     p.add_argument("out", type=Path, metavar="OUT", help="model folder to create")
     p.add_argument(
         "--dtype",
@@ -52,12 +60,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--key",
         default="model",
-        help="state entry holding the model (default: %(default)s, else the one DeepSpeed engine entry); its prefix is stripped from names",
+        help="state entry holding the model (default: %(default)s, else the one DeepSpeed engine entry); its prefix is "
+        "stripped from names",
     )
-    p.add_argument("--config", type=Path, default=None, metavar="PATH", help="config.json (or a folder holding one) to write with the weights")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="config.json (or a folder holding one) to write with the weights",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-fsync", action="store_true", help="skip fsync of the output (faster; a crash soon after may lose the files)")
+    p.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="skip fsync of the output (faster; a crash soon after may lose the files)",
+    )
     p.set_defaults(func=_run)
     return p
 
@@ -78,5 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     except CheckpointExistsError as exc:
         raise CheckpointExistsError(f"{args.out}: exists and is not empty; pass --overwrite to replace it") from exc
     summary = check_model_folder(out)
-    print(f"exported {summary.tensors} tensors ({summary.tensor_bytes} bytes) into {len(summary.files)} file(s) in {out}")
+    print(
+        f"exported {summary.tensors} tensors ({summary.tensor_bytes} bytes) into {len(summary.files)} file(s) in {out}"
+    )
     return 0

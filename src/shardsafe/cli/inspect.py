@@ -92,7 +92,9 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         if f.index is not None
     ]
     files.append({"name": manifest.state_file, "kind": "state", "rank": None, "size": manifest.state_size})
-    files.append({"name": MANIFEST_NAME, "kind": "manifest", "rank": None, "size": (folder / MANIFEST_NAME).lstat().st_size})
+    files.append(
+        {"name": MANIFEST_NAME, "kind": "manifest", "rank": None, "size": (folder / MANIFEST_NAME).lstat().st_size}
+    )
     real_shapes = _engine_shapes(tree, state_where)
     tensors = [
         {"key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": _chunk_count(t), "bytes": t.nbytes}
@@ -100,7 +102,9 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         | ({"param_shape": list(real_shapes[key])} if key in real_shapes else {})
         for key, t in sorted(manifest.tensors.items(), key=lambda item: natural_key(item[0]))
     ]
-    external = sorted({c.checkpoint for t in manifest.tensors.values() for c in t.chunks if c.checkpoint is not None}, key=natural_key)
+    external = sorted(
+        {c.checkpoint for t in manifest.tensors.values() for c in t.chunks if c.checkpoint is not None}, key=natural_key
+    )
     return {
         "path": str(folder),
         "format_version": manifest.format_version,
@@ -140,7 +144,9 @@ def _engine_shapes(tree: dict[str, Any], where: str) -> dict[str, tuple[int, ...
             try:
                 shapes.update(flat_tensor_shapes(entry, name))
             except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-                raise FormatError(f"{where}: entry {name!r} is not a well-formed DeepSpeed engine entry ({type(exc).__name__})") from None
+                raise FormatError(
+                    f"{where}: entry {name!r} is not a well-formed DeepSpeed engine entry ({type(exc).__name__})"
+                ) from None
     return shapes
 
 
@@ -219,13 +225,18 @@ def _file_count(info: dict[str, Any]) -> str:
     others = ", ".join(printable(f["name"]) for f in info["files"] if f["kind"] not in ("shard", "index"))
     if indexes:
         others = f"{plural(indexes, 'index file')}, {others}"
-    return f"{plural(len(info['files']), 'file')}: {plural(info['shard_files'], 'shard file')} ({format_bytes(shards)}), {others}"
+    return (
+        f"{plural(len(info['files']), 'file')}: {plural(info['shard_files'], 'shard file')} "
+        f"({format_bytes(shards)}), {others}"
+    )
 
 
 def _layout_text(t: dict[str, Any]) -> str:
     if t["written_by"] is None or not t["written_by"]:
         return str(t["layout"])
-    return f"rank {_ranks_text(t['written_by'])}" if len(t["written_by"]) == 1 else f"ranks {_ranks_text(t['written_by'])}"
+    return (
+        f"rank {_ranks_text(t['written_by'])}" if len(t["written_by"]) == 1 else f"ranks {_ranks_text(t['written_by'])}"
+    )
 
 
 def format_inspection(info: dict[str, Any]) -> str:
@@ -233,10 +244,12 @@ def format_inspection(info: dict[str, Any]) -> str:
     created = datetime.fromtimestamp(info["created"], tz=timezone.utc).astimezone()
     lines = [
         f"checkpoint    {printable(info['path'])}",
-        f"format        shardsafe format v{info['format_version']}, written by shardsafe {printable(info['writer_version'] or '?')}",
+        f"format        shardsafe format v{info['format_version']}, written by shardsafe "
+        f"{printable(info['writer_version'] or '?')}",
         f"created       {created:%Y-%m-%d %H:%M:%S %Z}",
         f"world size    {info['world_size']}",
-        f"total size    {format_bytes(info['total_bytes'])} in {_file_count(info)} ({format_bytes(info['tensor_bytes'])} of tensors; "
+        f"total size    {format_bytes(info['total_bytes'])} in {_file_count(info)} "
+        f"({format_bytes(info['tensor_bytes'])} of tensors; "
         f"{printable(info['hash_algorithm'])} hash per {_block_size(info['hash_block_size'])} block)",
         "",
         f"state entries ({len(info['state'])})",
@@ -246,7 +259,14 @@ def format_inspection(info: dict[str, Any]) -> str:
         *table(
             ["key", "dtype", "shape", "chunks", "bytes", "layout"],
             [
-                [t["key"], t["dtype"], _shape(t["shape"], t.get("param_shape")), str(t["chunks"]), format_bytes(t["bytes"]), _layout_text(t)]
+                [
+                    t["key"],
+                    t["dtype"],
+                    _shape(t["shape"], t.get("param_shape")),
+                    str(t["chunks"]),
+                    format_bytes(t["bytes"]),
+                    _layout_text(t),
+                ]
                 for t in info["tensors"]
             ],
             right={3, 4},
@@ -274,17 +294,24 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
         help="show what a checkpoint holds",
-        description="Show a checkpoint's world size, format, creation time, tensors (dtype, global shape, chunks, bytes), files, "
-        "state entries and user metadata. Reads and validates manifest.json and state.json only; use `verify` to check the data.",
+        description="Show a checkpoint's world size, format, creation time, tensors (dtype, global shape, chunks, "
+        "bytes), files, "
+        "state entries and user metadata. Reads and validates manifest.json and state.json only; use `verify` to check "
+        "the data.",
     )
     p.add_argument("path", type=Path, metavar="PATH", help="checkpoint folder (the one holding manifest.json)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables (sizes in bytes, shapes as lists)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print machine-readable JSON instead of tables (sizes in bytes, shapes as lists)",
+    )
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser(
         "verify",
         help="check a checkpoint completely (exit 0 when sound, 1 otherwise)",
-        description="Check manifest, state file, shard headers and every block hash. Prints one summary line and exits 0 when the "
+        description="Check manifest, state file, shard headers and every block hash. Prints one summary line and exits "
+        "0 when the "
         "checkpoint is sound; prints `error: <reason>` (naming the file) and exits 1 otherwise.",
     )
     p.add_argument("path", type=Path, metavar="PATH", help="checkpoint folder (the one holding manifest.json)")
@@ -304,7 +331,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     summary = verify(args.path)
-    files = summary["files"] + summary.get("indexes", 0) + 2  # shard and index files, the state file and the manifest, as inspect counts them
+    # shard and index files, the state file and the manifest, as inspect counts them
+    files = summary["files"] + summary.get("indexes", 0) + 2
     print(
         f"ok: {printable(summary['path'])}: {plural(files, 'file')} checked ({plural(summary['files'], 'shard file')}, "
         f"{plural(summary['indexes'], 'index file') + ', ' if summary.get('indexes') else ''}the state file "

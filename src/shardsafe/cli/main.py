@@ -43,8 +43,10 @@ MAX_INTERNAL_MESSAGE = 160  # characters of an unexpected exception's message sh
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardsafe",
-        description="Inspect, verify, export, convert and push shardsafe checkpoints, or run the preempt/crash/resume/reshard demo.",
-        epilog=f"Exit status: 0 ok, 1 the input has a problem (or a demo stage failed), 2 bad usage. Set {DEBUG_ENV}=1 to see "
+        description="Inspect, verify, export, convert and push shardsafe checkpoints, or run the "
+        "preempt/crash/resume/reshard demo.",
+        epilog=f"Exit status: 0 ok, 1 the input has a problem (or a demo stage failed), 2 bad usage. Set {DEBUG_ENV}=1 "
+        "to see "
         "the traceback behind an error.",
     )
     parser.add_argument("--version", action="version", version=f"shardsafe {__version__}")
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the boundary, not at interpreter exit
         return code
     except BrokenPipeError:  # `shardsafe inspect ... | head`: not an error worth a message
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        # no second error when Python flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -114,7 +117,10 @@ def describe_error(exc: BaseException, command: str) -> str:
     message = " ".join(printable(exc, newlines=True).split())
     if len(message) > MAX_INTERNAL_MESSAGE:
         message = message[: MAX_INTERNAL_MESSAGE - 3] + "..."
-    return f"{command}: internal error {type(exc).__name__}: {message}{_raised_at(exc)}; please report it ({DEBUG_ENV}=1 shows the traceback)"
+    return (
+        f"{command}: internal error {type(exc).__name__}: {message}{_raised_at(exc)}; please report it "
+        f"({DEBUG_ENV}=1 shows the traceback)"
+    )
 
 
 def _raised_at(exc: BaseException) -> str:

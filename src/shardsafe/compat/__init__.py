@@ -1,4 +1,5 @@
-"""The framework seams: every private or patched name of transformers, Accelerate and huggingface_hub shardsafe touches, one module per framework.
+"""The framework seams: every private or patched name of transformers, Accelerate and huggingface_hub shardsafe touches,
+one module per framework.
 
 Each module imports only its framework (and :mod:`shardsafe.errors`), lists in its docstring what
 it touches and the versions that was checked against, and raises :class:`CompatError` naming the
@@ -32,6 +33,7 @@ def installed_version(distribution: str) -> str:
 def missing(distribution: str, name: str, checked: str) -> CompatError:
     """The error for a touched name ``name`` that the installed ``distribution`` lacks."""
     return CompatError(
-        f"shardsafe relies on {name} of {distribution}, which the installed {distribution} {installed_version(distribution)} lacks; "
+        f"shardsafe relies on {name} of {distribution}, which the installed {distribution} "
+        f"{installed_version(distribution)} lacks; "
         f"shardsafe was checked against {distribution} {checked}: install a version in that range"
     )

@@ -2,14 +2,16 @@
 
 Checked against accelerate ``CHECKED`` (below).
 
-=============================================================  ===========================================================
+=============================================================  ================================================
 touched                                                        why
-=============================================================  ===========================================================
-``Accelerator._models``, ``_optimizers``, ``_schedulers``,     what ``save_state`` saves, read as the Accelerator's own
-``_dataloaders``, ``_custom_objects``                          ``save_state`` reads them (:func:`registries`)
-``accelerate.data_loader.BatchSamplerShard``:                  set to 1 and 0, making the shard wrapper a passthrough for a
-``num_processes``, ``process_index`` (set)                     sampler that already shards (:func:`make_shard_passthrough`)
-=============================================================  ===========================================================
+=============================================================  ================================================
+``Accelerator._models``, ``_optimizers``, ``_schedulers``,     what ``save_state`` saves, read as the
+``_dataloaders``, ``_custom_objects``                          Accelerator's own ``save_state`` reads them
+                                                               (:func:`registries`)
+``accelerate.data_loader.BatchSamplerShard``:                  set to 1 and 0, making the shard wrapper a
+``num_processes``, ``process_index`` (set)                     passthrough for a sampler that already shards
+                                                               (:func:`make_shard_passthrough`)
+=============================================================  ================================================
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def is_deepspeed(accelerator: Any) -> bool:
 
 
 def make_shard_passthrough(loader: Any, sampler: Any) -> None:
-    """Make accelerate's ``BatchSamplerShard`` around ``loader``'s batches a passthrough: ``sampler`` already gives each rank its share.
+    """Make accelerate's ``BatchSamplerShard`` around ``loader``'s batches a passthrough: ``sampler`` already gives each
+    rank its share.
 
     Raises CompatError if ``sampler`` is not where the wrapper keeps it (a changed wrapping).
     """

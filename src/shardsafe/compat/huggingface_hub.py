@@ -6,7 +6,8 @@ Checked against huggingface_hub ``CHECKED`` (below).
 touched                                                why
 =====================================================  ============================================================
 ``CommitOperationAdd.as_file(with_tqdm)`` (subclassed)  the LFS upload reads the file through it: a subclass counts
-                                                       the bytes read for shardsafe's progress bar (:func:`tracked_add_class`)
+                                                       the bytes read for shardsafe's progress bar
+                                                       (:func:`tracked_add_class`)
 ``CommitOperationAdd.path_or_fileobj``                 the file the upload reads
 ``huggingface_hub.utils._runtime.is_xet_available``    whether uploads go through Xet (which bypasses ``as_file``)
 =====================================================  ============================================================
@@ -28,7 +29,8 @@ CHECKED = ">=1.3, checked on 1.3.0 and the latest (make test-compat)"
 
 
 def xet_enabled() -> bool:
-    """Whether this huggingface_hub uploads through Xet (private ``utils._runtime.is_xet_available``; False when absent)."""
+    """Whether this huggingface_hub uploads through Xet (private ``utils._runtime.is_xet_available``; False when
+    absent)."""
     try:
         from huggingface_hub.utils._runtime import is_xet_available
     except ImportError:

@@ -68,7 +68,8 @@ def check_trainer() -> None:
 
 
 def skips_batches_by_function() -> bool:
-    """Whether the Trainer skips resumed batches through ``transformers.trainer.skip_first_batches`` (what is patched)."""
+    """Whether the Trainer skips resumed batches through ``transformers.trainer.skip_first_batches`` (what is
+    patched)."""
     return callable(getattr(hf_trainer, "skip_first_batches", None))
 
 
@@ -85,7 +86,13 @@ def get_dataloader(trainer: Any, sampler_fn: Callable[[Any], Any]) -> Any:
     build = getattr(trainer, "_get_dataloader", None)
     if build is None:
         raise missing("transformers", "Trainer._get_dataloader", CHECKED)
-    return build(dataset=trainer.train_dataset, description="Training", batch_size=train_batch_size(trainer), sampler_fn=sampler_fn, is_training=True)
+    return build(
+        dataset=trainer.train_dataset,
+        description="Training",
+        batch_size=train_batch_size(trainer),
+        sampler_fn=sampler_fn,
+        is_training=True,
+    )
 
 
 def run_output_dir(trainer: Any, trial: Any) -> str:
@@ -116,7 +123,8 @@ def _passthrough(dataloader: Any, num_batches: int = 0) -> Any:
 
 @contextmanager
 def save_total_limit_hidden(args: Any) -> Iterator[None]:
-    """``args.save_total_limit`` is None inside (the Trainer's end-of-training deletion then deletes nothing), restored after."""
+    """``args.save_total_limit`` is None inside (the Trainer's end-of-training deletion then deletes nothing), restored
+    after."""
     limit = args.save_total_limit
     args.save_total_limit = None
     try:
@@ -126,7 +134,8 @@ def save_total_limit_hidden(args: Any) -> Iterator[None]:
 
 
 def init_hf_repo(trainer: Any, token: str | None, private: bool | None) -> None:
-    """``trainer.init_hf_repo``, with ``private`` where this transformers takes it (else it reads ``args.hub_private_repo``)."""
+    """``trainer.init_hf_repo``, with ``private`` where this transformers takes it (else it reads
+    ``args.hub_private_repo``)."""
     if "private" in inspect.signature(trainer.init_hf_repo).parameters:
         trainer.init_hf_repo(token=token, private=private)
     else:

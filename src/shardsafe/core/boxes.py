@@ -125,7 +125,9 @@ def local_boxes(global_shape: tuple[int, ...], steps_per_dim: tuple[tuple[DimSpl
     for runs in per_dim:
         count *= len(runs)
     if count > MAX_BOXES:
-        raise FormatError(f"a local tensor of shape {list(global_shape)} would cover {count} separate boxes (at most {MAX_BOXES})")
+        raise FormatError(
+            f"a local tensor of shape {list(global_shape)} would cover {count} separate boxes (at most {MAX_BOXES})"
+        )
     return [
         LocalBox(tuple(r.start for r in combo), tuple(r.length for r in combo), tuple(r.local_start for r in combo))
         for combo in itertools.product(*per_dim)

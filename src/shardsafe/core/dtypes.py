@@ -61,5 +61,7 @@ def element_size(dtype: torch.dtype) -> int:
 def dtype_from_safetensors_name(name: object, where: str) -> torch.dtype:
     if not isinstance(name, str) or name not in _BY_ST_NAME:
         what = f"a {len(name)}-character string" if isinstance(name, str) else f"a {type(name).__name__}"
-        raise FormatError(f"{where}: unknown dtype (safetensors name, {what}; expected one of {', '.join(sorted(_BY_ST_NAME))})")
+        raise FormatError(
+            f"{where}: unknown dtype (safetensors name, {what}; expected one of {', '.join(sorted(_BY_ST_NAME))})"
+        )
     return _BY_ST_NAME[name]

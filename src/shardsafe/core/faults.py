@@ -30,7 +30,8 @@ POINTS = (
     "retention:after-rename",  # manager: a retired checkpoint is hidden but not yet deleted
     "retention:mid-delete",  # manager: a hidden retired checkpoint is partly deleted (its manifest first)
     "push:before-marker",  # push to an object store: every file uploaded, the commit marker not yet
-    "tier:before-copy",  # local tier: a node's leader (not the coordinator's node) before writing its copy of the shared files
+    # local tier: a node's leader (not the coordinator's node) before writing its copy of the shared files
+    "tier:before-copy",
 )
 
 

@@ -260,7 +260,9 @@ class Manifest:
         return dump_json(self.to_json())
 
 
-def _parse_chunk(raw: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...], files: dict[str, FileEntry], block: int) -> ChunkEntry:
+def _parse_chunk(
+    raw: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...], files: dict[str, FileEntry], block: int
+) -> ChunkEntry:
     where = f"manifest tensor {key!r}"
     if not isinstance(raw, dict):
         raise FormatError(f"{where}: chunk is not an object")
@@ -276,7 +278,9 @@ def _parse_chunk(raw: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...],
     if checkpoint is not None:
         check_component(checkpoint, where)
         if checkpoint.startswith("."):  # hidden temporaries and retired folders are never committed siblings
-            raise FormatError(f"{where}: chunk refers to hidden folder {checkpoint!r}, not a committed sibling checkpoint")
+            raise FormatError(
+                f"{where}: chunk refers to hidden folder {checkpoint!r}, not a committed sibling checkpoint"
+            )
     begin = _expect(raw, "begin", int, where)
     end = _expect(raw, "end", int, where)
     nbytes = numel(cshape) * element_size(dtype)
@@ -286,7 +290,9 @@ def _parse_chunk(raw: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...],
         if file not in files:
             raise FormatError(f"{where}: chunk refers to unlisted file {file!r}")
         if end > files[file].size:
-            raise FormatError(f"{where}: byte range [{begin}, {end}) runs past the end of {file} ({files[file].size} bytes)")
+            raise FormatError(
+                f"{where}: byte range [{begin}, {end}) runs past the end of {file} ({files[file].size} bytes)"
+            )
     hashes = _expect(raw, "hashes", list, where)
     if len(hashes) != num_blocks(nbytes, block) or not all(isinstance(h, str) and len(h) <= 64 for h in hashes):
         raise FormatError(f"{where}: expected {num_blocks(nbytes, block)} block hashes")
@@ -306,7 +312,9 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: list[ChunkEntry]) 
     """
     total = sum(numel(c.shape) for c in chunks)
     if total != numel(shape):
-        raise FormatError(f"manifest tensor {key!r}: chunks hold {total} elements, shape {list(shape)} needs {numel(shape)}")
+        raise FormatError(
+            f"manifest tensor {key!r}: chunks hold {total} elements, shape {list(shape)} needs {numel(shape)}"
+        )
     boxes = [c for c in chunks if numel(c.shape)]
     if len(boxes) < 2 or not shape:
         return
@@ -340,15 +348,24 @@ def _check_disjoint_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
         for (_, end, key), (begin, _, other) in zip(ranges, ranges[1:]):
             if begin < end:
                 shown = f"{checkpoint}/{file}" if checkpoint is not None else file
-                raise FormatError(f"{where}: tensors {key!r:.100} and {other!r:.100} claim the same bytes of {shown} (from {begin})")
+                raise FormatError(
+                    f"{where}: tensors {key!r:.100} and {other!r:.100} claim the same bytes of {shown} (from {begin})"
+                )
 
 
 def _parse_index_ref(entry: Any, name: str, version: int, where: str) -> IndexRef | None:
     raw = entry.get("index")
     if raw is None:
         return None
-    if version >= 2 and type(raw) is dict and type(raw.get("file")) is str and type(raw.get("size")) is int and type(raw.get("hash")) is str:
-        file, size, digest = check_component(raw["file"], where), raw["size"], raw["hash"]  # the common case, checked fast
+    if (
+        version >= 2
+        and type(raw) is dict
+        and type(raw.get("file")) is str
+        and type(raw.get("size")) is int
+        and type(raw.get("hash")) is str
+    ):
+        # the common case, checked fast
+        file, size, digest = check_component(raw["file"], where), raw["size"], raw["hash"]
     else:  # the same checks, for their messages
         fwhere = f"{where} file {name!r}"
         if version < 2:
@@ -357,7 +374,10 @@ def _parse_index_ref(entry: Any, name: str, version: int, where: str) -> IndexRe
         size = _expect(raw, "size", int, fwhere)
         digest = _expect(raw, "hash", str, fwhere)
     if not file.endswith(INDEX_SUFFIX) or not 0 <= size <= MAX_JSON_BYTES or len(digest) > 64:
-        raise FormatError(f"{where} file {name!r}: index {file!r} must be named *{INDEX_SUFFIX}, at most {MAX_JSON_BYTES} bytes, with an xxh3 hash")
+        raise FormatError(
+            f"{where} file {name!r}: index {file!r} must be named *{INDEX_SUFFIX}, at most {MAX_JSON_BYTES} bytes, "
+            "with an xxh3 hash"
+        )
     return IndexRef(file, size, digest)
 
 
@@ -373,7 +393,9 @@ def _check_file_names(files: dict[str, FileEntry], world_size: int, where: str) 
             raise FormatError(f"{where}: file {name!r}: index name {f.index.file!r} is another file's name")
         seen.add(f.index.file)
         if f.rank in ranks or f.rank >= world_size:
-            raise FormatError(f"{where}: file {name!r}: rank {f.rank} is outside the world or has a second indexed file")
+            raise FormatError(
+                f"{where}: file {name!r}: rank {f.rank} is outside the world or has a second indexed file"
+            )
         ranks.add(f.rank)
 
 
@@ -383,7 +405,10 @@ def _parse_rule(entry: Any, shape: tuple[int, ...], world_size: int, version: in
         raise FormatError(f"{where}: a tensor has a split rule or a layout rule, not both")
     if "layout" in entry:
         if version < LAYOUT_VERSION:
-            raise FormatError(f"{where}: a layout rule is a format version {LAYOUT_VERSION} field, the manifest says version {version}")
+            raise FormatError(
+                f"{where}: a layout rule is a format version {LAYOUT_VERSION} field, the manifest says version "
+                f"{version}"
+            )
         rule = LayoutRule.from_json(entry["layout"], where)
         rule.check(shape, world_size, where)
         return rule
@@ -391,20 +416,28 @@ def _parse_rule(entry: Any, shape: tuple[int, ...], world_size: int, version: in
     if raw is None:
         return None
     if version < RULE_VERSION:
-        raise FormatError(f"{where}: a split rule is a format version {RULE_VERSION} field, the manifest says version {version}")
+        raise FormatError(
+            f"{where}: a split rule is a format version {RULE_VERSION} field, the manifest says version {version}"
+        )
     dim, parts, size = (_expect(raw, k, int, where) for k in ("dim", "parts", "size"))
     if dim != 0 or not shape or shape[0] == 0 or parts != world_size or size != -(-shape[0] // parts):
-        raise FormatError(f"{where}: split rule {raw!r:.100} does not split dim 0 of shape {list(shape)} over the {world_size} ranks")
+        raise FormatError(
+            f"{where}: split rule {raw!r:.100} does not split dim 0 of shape {list(shape)} over the {world_size} ranks"
+        )
     return LayoutRule.split(world_size)
 
 
-def _check_overrides(rule: LayoutRule, shape: tuple[int, ...], chunks: list[ChunkEntry], where: str) -> dict[tuple[int, ...], ChunkEntry]:
+def _check_overrides(
+    rule: LayoutRule, shape: tuple[int, ...], chunks: list[ChunkEntry], where: str
+) -> dict[tuple[int, ...], ChunkEntry]:
     """The chunks listed beside a rule (boxes stored in a sibling checkpoint): each exactly one
     non-empty box of one part, no box twice."""
     out: dict[tuple[int, ...], ChunkEntry] = {}
     for c in chunks:
         if c.offsets in out or not all(c.shape) or rule.part_holding(shape, c.offsets, c.shape) is None:
-            raise FormatError(f"{where}: chunk at {list(c.offsets)} of shape {list(c.shape)} is not a part of its layout rule")
+            raise FormatError(
+                f"{where}: chunk at {list(c.offsets)} of shape {list(c.shape)} is not a part of its layout rule"
+            )
         out[c.offsets] = c
     return out
 
@@ -419,7 +452,10 @@ def _parse_files(raw: dict[str, Any], version: int, where: str) -> dict[str, Fil
         if not names_safe:
             check_component(name, where)
         if (
-            type(entry) is dict and type(entry.get("size")) is int and type(entry.get("rank")) is int and entry["size"] >= 0
+            type(entry) is dict
+            and type(entry.get("size")) is int
+            and type(entry.get("rank")) is int
+            and entry["size"] >= 0
         ):  # the common case (an index reference has its own fast path)
             files[name] = FileEntry(entry["size"], entry["rank"], _parse_index_ref(entry, name, version, where))
             continue
@@ -437,15 +473,23 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         raise FormatError(f"{where}: not a shardsafe manifest")
     version = _expect(raw, "format_version", int, where)
     if version > FORMAT_VERSION:
-        raise FormatError(f"{where}: format version {version} is newer than this shardsafe understands ({FORMAT_VERSION}); upgrade shardsafe")
+        raise FormatError(
+            f"{where}: format version {version} is newer than this shardsafe understands ({FORMAT_VERSION}); upgrade "
+            "shardsafe"
+        )
     if version < OLDEST_FORMAT_VERSION:
         raise FormatError(f"{where}: format version {version} is not a shardsafe format version")
     algorithm = _expect(raw, "hash_algorithm", str, where)
     if algorithm != HASH_ALGORITHM:
-        raise FormatError(f"{where}: unknown hash algorithm (a {len(algorithm)}-character string; expected {HASH_ALGORITHM})")
+        raise FormatError(
+            f"{where}: unknown hash algorithm (a {len(algorithm)}-character string; expected {HASH_ALGORITHM})"
+        )
     block = _expect(raw, "hash_block_size", int, where)
     if not MIN_HASH_BLOCK_SIZE <= block <= MAX_HASH_BLOCK_SIZE or block & (block - 1):
-        raise FormatError(f"{where}: hash block size {block} is not a power of two between {MIN_HASH_BLOCK_SIZE} and {MAX_HASH_BLOCK_SIZE}")
+        raise FormatError(
+            f"{where}: hash block size {block} is not a power of two between {MIN_HASH_BLOCK_SIZE} and "
+            f"{MAX_HASH_BLOCK_SIZE}"
+        )
     world_size = _expect(raw, "world_size", int, where)
     if world_size < 1:
         raise FormatError(f"{where}: world size {world_size} is invalid")

@@ -37,10 +37,21 @@ def build_index(rank: int, file: str, entries: list[tuple[str, ChunkEntry]]) -> 
     """The index bytes of rank ``rank``'s shard ``file`` (compact JSON: one line, fast to make and parse)."""
     by_key: dict[str, list[dict[str, Any]]] = {}
     for key, c in entries:
-        item = {"offsets": list(c.offsets), "shape": list(c.shape), "begin": c.begin, "end": c.end, "hashes": list(c.hashes)}
+        item = {
+            "offsets": list(c.offsets),
+            "shape": list(c.shape),
+            "begin": c.begin,
+            "end": c.end,
+            "hashes": list(c.hashes),
+        }
         by_key.setdefault(key, []).append(item)
-    chunks = {key: items[0] if len(items) == 1 else sorted(items, key=lambda i: i["offsets"]) for key, items in sorted(by_key.items())}
-    return dump_json({"format": INDEX_FORMAT, "rank": rank, "file": file, "chunks": chunks}, f"index of {file}", compact=True)
+    chunks = {
+        key: items[0] if len(items) == 1 else sorted(items, key=lambda i: i["offsets"])
+        for key, items in sorted(by_key.items())
+    }
+    return dump_json(
+        {"format": INDEX_FORMAT, "rank": rank, "file": file, "chunks": chunks}, f"index of {file}", compact=True
+    )
 
 
 IndexParts = dict[str, dict[tuple[int, ...], ChunkEntry]]  # key -> box offsets -> where that box lies
@@ -72,7 +83,9 @@ def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> Index
     ranges = sorted(r for r in ranges if r[1] > r[0])
     for (_, end, key), (begin, _, other) in zip(ranges, ranges[1:]):
         if begin < end:
-            raise FormatError(f"{where}: tensors {key!r:.100} and {other!r:.100} claim the same bytes of {file} (from {begin})")
+            raise FormatError(
+                f"{where}: tensors {key!r:.100} and {other!r:.100} claim the same bytes of {file} (from {begin})"
+            )
     return out
 
 
@@ -85,7 +98,10 @@ def _parse_part(key: str, item: Any, manifest: Manifest, file: str, entry: FileE
     rule = tensor.rule
     part = rule.part_of(entry.rank)
     if rule.writer_of(part) != entry.rank:
-        raise FormatError(f"{kwhere}: rank {entry.rank} holds part {part}, which rank {rule.writer_of(part)} writes under the layout rule")
+        raise FormatError(
+            f"{kwhere}: rank {entry.rank} holds part {part}, which rank {rule.writer_of(part)} writes under the layout "
+            "rule"
+        )
     expected = rule.box_shapes(tensor.shape, part)
     items = item if isinstance(item, list) else [item]
     if not items or len(items) > len(expected):
@@ -94,7 +110,13 @@ def _parse_part(key: str, item: Any, manifest: Manifest, file: str, entry: FileE
 
 
 def _parse_box(
-    kwhere: str, item: Any, tensor: TensorEntry, expected: dict[tuple[int, ...], tuple[int, ...]], manifest: Manifest, file: str, entry: FileEntry
+    kwhere: str,
+    item: Any,
+    tensor: TensorEntry,
+    expected: dict[tuple[int, ...], tuple[int, ...]],
+    manifest: Manifest,
+    file: str,
+    entry: FileEntry,
 ) -> ChunkEntry:
     if not isinstance(item, dict):
         raise FormatError(f"{kwhere}: an index entry is not an object")
@@ -111,7 +133,9 @@ def _parse_box(
     end = expect_field(item, "end", int, kwhere)
     nbytes = numel(shape) * element_size(tensor.dtype)
     if begin < 0 or end - begin != nbytes or end > entry.size:
-        raise FormatError(f"{kwhere}: byte range [{begin}, {end}) does not hold {nbytes} bytes inside {file} ({entry.size} bytes)")
+        raise FormatError(
+            f"{kwhere}: byte range [{begin}, {end}) does not hold {nbytes} bytes inside {file} ({entry.size} bytes)"
+        )
     hashes = expect_field(item, "hashes", list, kwhere)
     blocks = num_blocks(nbytes, manifest.hash_block_size)
     if len(hashes) != blocks or not all(isinstance(h, str) and len(h) <= 64 for h in hashes):

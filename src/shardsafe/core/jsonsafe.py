@@ -13,7 +13,15 @@ from typing import Any
 
 from shardsafe.errors import FormatError
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "check_depth", "check_json_string", "check_plain_json", "dump_json", "parse_json"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "check_depth",
+    "check_json_string",
+    "check_plain_json",
+    "dump_json",
+    "parse_json",
+]
 
 MAX_JSON_BYTES = 1 << 30
 MAX_JSON_DEPTH = 64
@@ -83,7 +91,9 @@ def check_json_string(text: str, where: str) -> None:
     """Refuse a string JSON cannot give back as it is: a high surrogate followed by a low one is
     written as two escapes that every reader decodes as one character. (Lone surrogates survive.)"""
     if not text.isascii() and _SURROGATE_PAIR.search(text):
-        raise FormatError(f"{where}: {text[:40]!r} holds a surrogate pair (two code points JSON reads back as one character)")
+        raise FormatError(
+            f"{where}: {text[:40]!r} holds a surrogate pair (two code points JSON reads back as one character)"
+        )
 
 
 def check_plain_json(value: Any, where: str) -> None:

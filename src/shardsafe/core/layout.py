@@ -2,7 +2,8 @@
 
 The rule itself is core/rule.py: a DTensor's mesh and placements when its mesh spans the job, or
 format version 2's dim-0 split over the world for the flat shards of FSDP2 ``Shard(0)``, FSDP1
-and DeepSpeed (recognised from offsets alone). Save side: each rank classifies its chunks *locally* (no exchange of chunk lists) and sends the
+and DeepSpeed (recognised from offsets alone). Save side: each rank classifies its chunks *locally* (no exchange of
+chunk lists) and sends the
 coordinator only a digest of what it holds (:func:`layout_digest`); equal digests mean every rank
 holds the same tensors, with the same dtypes, shapes and classes. Replicated ("whole") tensors get
 their writer from :func:`whole_writers`, a deterministic function of that common list, so every
@@ -24,7 +25,18 @@ from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
 from shardsafe.core.rule import LayoutRule
 
-__all__ = ["IRREGULAR", "LocalLayout", "SPLIT", "WHOLE", "classify", "describe_layout", "follows_rule", "is_stored", "rule_for", "whole_writers"]
+__all__ = [
+    "IRREGULAR",
+    "LocalLayout",
+    "SPLIT",
+    "WHOLE",
+    "classify",
+    "describe_layout",
+    "follows_rule",
+    "is_stored",
+    "rule_for",
+    "whole_writers",
+]
 
 
 class ChunkClass(str, Enum):
@@ -62,7 +74,9 @@ def classify(spec: ChunkSpec, rank: int, world_size: int) -> ChunkClass:
     start, stop = min(rank * size, full[0]), min((rank + 1) * size, full[0])
     if stop == start:
         return SPLIT if 0 in shape else IRREGULAR
-    return SPLIT if (spec.offsets, shape) == ((start, *([0] * (len(full) - 1))), (stop - start, *full[1:])) else IRREGULAR
+    return (
+        SPLIT if (spec.offsets, shape) == ((start, *([0] * (len(full) - 1))), (stop - start, *full[1:])) else IRREGULAR
+    )
 
 
 def follows_rule(rule: LayoutRule, chunks: list[LocalChunk], rank: int, world_size: int) -> bool:
@@ -90,7 +104,13 @@ class HeldTensor:
         return numel(self.shape) * element_size(getattr(torch, self.dtype.removeprefix("torch.")))
 
     def digest_entry(self) -> tuple[object, ...]:
-        return (self.key, self.dtype, list(self.shape), self.cls.value, self.rule.to_json() if self.rule is not None else None)
+        return (
+            self.key,
+            self.dtype,
+            list(self.shape),
+            self.cls.value,
+            self.rule.to_json() if self.rule is not None else None,
+        )
 
 
 def layout_digest(tensors: list[HeldTensor]) -> str:
@@ -117,7 +137,11 @@ def is_stored(chunk: LocalChunk) -> bool:
     (a scalar, a (0,) or (0, 4) tensor: without a chunk the manifest would not list a tensor that
     state.json names). Empty shards of other tensors are only described (they say which part this
     rank holds), never written."""
-    return bool(numel(chunk.shape)) or not any(chunk.global_shape) or (chunk.shape == chunk.global_shape and not any(chunk.offsets))
+    return (
+        bool(numel(chunk.shape))
+        or not any(chunk.global_shape)
+        or (chunk.shape == chunk.global_shape and not any(chunk.offsets))
+    )
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,11 @@ _SAFE_NODE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 def node_id() -> str:
     """This process's node id: ``$SHARDSAFE_NODE`` if set and not empty, else the host name reduced
     to a plain name (each character other than letters, digits, ``.``, ``_``, ``-`` becomes ``_``)."""
-    return os.environ.get(NODE_ENV) or re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:128].lstrip(".") or "localhost"
+    return (
+        os.environ.get(NODE_ENV)
+        or re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:128].lstrip(".")
+        or "localhost"
+    )
 
 
 def folder_node_id() -> str:
@@ -32,7 +36,8 @@ def folder_node_id() -> str:
     node = node_id()
     if not _SAFE_NODE.fullmatch(node):
         raise ValueError(
-            f"{NODE_ENV}={node!r} is not a usable node id: it names a folder, so use 1-128 letters, digits, '.', '_' or '-', not starting with '.'"
+            f"{NODE_ENV}={node!r} is not a usable node id: it names a folder, so use 1-128 letters, digits, '.', '_' "
+            "or '-', not starting with '.'"
         )
     return node
 

@@ -61,7 +61,8 @@ def assign_writers(specs_by_rank: list[list[ChunkSpec]]) -> list[list[int]]:
             first = seen.setdefault(spec.key, (spec.dtype, spec.global_shape, rank))
             if first[:2] != (spec.dtype, spec.global_shape):
                 raise SaveError(
-                    f"tensor {spec.key!r} is {first[0]} {list(first[1])} on rank {first[2]} but {spec.dtype} {list(spec.global_shape)} on rank {rank}"
+                    f"tensor {spec.key!r} is {first[0]} {list(first[1])} on rank {first[2]} but {spec.dtype} "
+                    f"{list(spec.global_shape)} on rank {rank}"
                 )
             holders.setdefault((spec.key, spec.offsets, spec.shape), []).append((rank, index))
     load = [0] * len(specs_by_rank)
@@ -89,7 +90,8 @@ def _check_tiling(specs_by_rank: list[list[ChunkSpec]], assignment: list[list[in
         if total != numel(shapes[key]):
             raise SaveError(
                 f"tensor {key!r}: the ranks' chunks hold {total} elements but its shape {list(shapes[key])} "
-                f"has {numel(shapes[key])}; chunks overlap or are missing (is a per-rank tensor saved under a shared name?)"
+                f"has {numel(shapes[key])}; chunks overlap or are missing (is a per-rank tensor saved under a shared "
+                "name?)"
             )
 
 
@@ -102,10 +104,13 @@ class ReadOp:
     shape: tuple[int, ...]
 
 
-PartLookup = Callable[[int, tuple[int, ...]], ChunkEntry]  # (writer rank, box offsets) -> the box, from that rank's index
+# (writer rank, box offsets) -> the box, from that rank's index
+PartLookup = Callable[[int, tuple[int, ...]], ChunkEntry]
 
 
-def candidate_chunks(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...], part: PartLookup | None) -> list[ChunkEntry]:
+def candidate_chunks(
+    entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...], part: PartLookup | None
+) -> list[ChunkEntry]:
     """The stored chunks that may overlap the box: all listed ones, or, for a layout rule, only the
     boxes of the parts that meet it (found without visiting the others, core/rule.py), each resolved
     by ``part`` (its writer's index) unless the manifest lists the box itself (dedup)."""
@@ -122,7 +127,9 @@ def candidate_chunks(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_sha
     return out
 
 
-def plan_reads(entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...], part: PartLookup | None = None) -> list[ReadOp]:
+def plan_reads(
+    entry: TensorEntry, dest_offsets: tuple[int, ...], dest_shape: tuple[int, ...], part: PartLookup | None = None
+) -> list[ReadOp]:
     """The stored pieces overlapping the box this rank owns, in file order."""
     ops = []
     if numel(dest_shape) == 0:

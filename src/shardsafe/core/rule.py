@@ -38,7 +38,8 @@ from typing import Any
 from shardsafe.core.boxes import MAX_BOXES, DimSplit, LocalBox, Run, dim_runs, local_boxes
 from shardsafe.errors import FormatError
 
-MAX_WORLD_SIZE = 1 << 20  # ranks a rule may span: far beyond any job, and a bound on the work a hostile rule can ask for
+# ranks a rule may span: far beyond any job, and a bound on the work a hostile rule can ask for
+MAX_WORLD_SIZE = 1 << 20
 MAX_MESH_DIMS = 8
 
 
@@ -65,7 +66,9 @@ class Placement:
             return cls(raw[1])
         if isinstance(raw, list) and len(raw) == 3 and raw[0] == "strided" and _is_int(raw[1]) and _is_int(raw[2]):
             return cls(raw[1], raw[2])
-        raise FormatError(f'{where}: placement {raw!r:.80} is not ["shard", d], ["strided", d, factor] or ["replicate"]')
+        raise FormatError(
+            f'{where}: placement {raw!r:.80} is not ["shard", d], ["strided", d, factor] or ["replicate"]'
+        )
 
 
 def _is_int(value: Any) -> bool:
@@ -185,7 +188,9 @@ class LayoutRule:
             found = self._memo[key] = {b.offsets: b.shape for b in self.boxes(shape, part)}
         return found  # type: ignore[return-value]
 
-    def parts_overlapping(self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]) -> list[int]:
+    def parts_overlapping(
+        self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]
+    ) -> list[int]:
         """The parts holding any element of the box (``offsets``, ``box_shape``), without visiting
         the others: per tensor dim, the coordinates of the mesh dims splitting it whose indices meet
         the box's range; the parts are their products. Small answers are remembered: a load asks
@@ -198,7 +203,9 @@ class LayoutRule:
                 self._memo[key] = found
         return list(found)  # type: ignore[call-overload]
 
-    def _find_overlapping(self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]) -> list[int]:
+    def _find_overlapping(
+        self, shape: tuple[int, ...], offsets: tuple[int, ...], box_shape: tuple[int, ...]
+    ) -> list[int]:
         if not all(box_shape):
             return []
         per_dim: list[list[tuple[int, ...]]] = []
@@ -232,7 +239,9 @@ class LayoutRule:
             acting = self._acting(d)
             sizes, factors = tuple(self.mesh[i] for i in acting), tuple(self.placements[i].split_factor for i in acting)
             subs = _coordinates_meeting(size, sizes, factors, 0, size)
-            total *= sum(len(dim_runs(size, tuple(DimSplit(n, c, f) for n, c, f in zip(sizes, sub, factors)))) for sub in subs)
+            total *= sum(
+                len(dim_runs(size, tuple(DimSplit(n, c, f) for n, c, f in zip(sizes, sub, factors)))) for sub in subs
+            )
         return total
 
     # --------------------------------------------------------------- records
@@ -255,14 +264,25 @@ class LayoutRule:
     def check(self, shape: tuple[int, ...], world_size: int, where: str) -> None:
         """Refuse a rule a reader cannot follow for a tensor of ``shape`` in a checkpoint of ``world_size`` ranks."""
         if not 1 <= len(self.mesh) <= MAX_MESH_DIMS or len(self.placements) != len(self.mesh):
-            raise FormatError(f"{where}: layout rule needs 1 to {MAX_MESH_DIMS} mesh dims and one placement per mesh dim")
-        if any(not _is_int(n) or n < 1 for n in self.mesh) or self.world_size != world_size or world_size > MAX_WORLD_SIZE:
-            raise FormatError(f"{where}: layout mesh {list(self.mesh)} does not span the checkpoint's {world_size} ranks")
+            raise FormatError(
+                f"{where}: layout rule needs 1 to {MAX_MESH_DIMS} mesh dims and one placement per mesh dim"
+            )
+        if (
+            any(not _is_int(n) or n < 1 for n in self.mesh)
+            or self.world_size != world_size
+            or world_size > MAX_WORLD_SIZE
+        ):
+            raise FormatError(
+                f"{where}: layout mesh {list(self.mesh)} does not span the checkpoint's {world_size} ranks"
+            )
         for p in self.placements:
             if p.dim is not None and (not 0 <= p.dim < len(shape) or not 1 <= p.split_factor <= MAX_BOXES):
                 raise FormatError(f"{where}: placement {p.to_json()} does not split a dim of shape {list(shape)}")
         if not self.shard_dims or not 0 <= self.writer < self.replicas:
-            raise FormatError(f"{where}: layout rule shards nothing, or its writer {self.writer} is not a replica number below {self.replicas}")
+            raise FormatError(
+                f"{where}: layout rule shards nothing, or its writer {self.writer} is not a replica number below "
+                f"{self.replicas}"
+            )
         if not shape or not all(shape):
             raise FormatError(f"{where}: a layout rule describes a tensor with elements, not shape {list(shape)}")
 
@@ -271,12 +291,22 @@ class LayoutRule:
         if not isinstance(raw, dict) or set(raw) != {"mesh", "placements", "writer"}:
             raise FormatError(f"{where}: layout must be an object with exactly mesh, placements and writer")
         mesh, placements, writer = raw["mesh"], raw["placements"], raw["writer"]
-        if not isinstance(mesh, list) or not all(_is_int(n) for n in mesh) or not isinstance(placements, list) or not _is_int(writer):
+        if (
+            not isinstance(mesh, list)
+            or not all(_is_int(n) for n in mesh)
+            or not isinstance(placements, list)
+            or not _is_int(writer)
+        ):
             raise FormatError(f"{where}: layout mesh must be a list of integers, placements a list, writer an integer")
         if len(mesh) > MAX_MESH_DIMS or any(n < 1 or n > MAX_WORLD_SIZE for n in mesh):
-            raise FormatError(f"{where}: layout mesh {mesh!r:.80} is not a list of at most {MAX_MESH_DIMS} sizes in 1..{MAX_WORLD_SIZE}")
+            raise FormatError(
+                f"{where}: layout mesh {mesh!r:.80} is not a list of at most {MAX_MESH_DIMS} sizes in "
+                f"1..{MAX_WORLD_SIZE}"
+            )
         if len(placements) > MAX_MESH_DIMS:
-            raise FormatError(f"{where}: layout rule needs 1 to {MAX_MESH_DIMS} mesh dims and one placement per mesh dim")
+            raise FormatError(
+                f"{where}: layout rule needs 1 to {MAX_MESH_DIMS} mesh dims and one placement per mesh dim"
+            )
         return _interned(tuple(mesh), tuple(Placement.from_json(p, where) for p in placements), writer)
 
 
@@ -288,13 +318,18 @@ def _interned(mesh: tuple[int, ...], placements: tuple[Placement, ...], writer: 
 
 
 @lru_cache(maxsize=1 << 14)
-def _part_boxes(mesh: tuple[int, ...], placements: tuple[Placement, ...], shape: tuple[int, ...], part: int) -> tuple[LocalBox, ...]:
+def _part_boxes(
+    mesh: tuple[int, ...], placements: tuple[Placement, ...], shape: tuple[int, ...], part: int
+) -> tuple[LocalBox, ...]:
     """The non-empty boxes of ``part`` (cached: a model's layers repeat a few shapes and layouts,
     and a load asks for the same part of every tensor)."""
     shard_dims = tuple(i for i, p in enumerate(placements) if p.dim is not None)
     coordinate = dict(zip(shard_dims, _unravel(part, tuple(mesh[i] for i in shard_dims))))
     steps = tuple(
-        tuple(DimSplit(mesh[i], coordinate[i], placements[i].split_factor) for i in shard_dims if placements[i].dim == d) for d in range(len(shape))
+        tuple(
+            DimSplit(mesh[i], coordinate[i], placements[i].split_factor) for i in shard_dims if placements[i].dim == d
+        )
+        for d in range(len(shape))
     )
     return tuple(b for b in local_boxes(shape, steps) if all(b.shape))
 
@@ -324,7 +359,9 @@ def _pieces_meeting(length: int, parts: int, factor: int, intervals: list[tuple[
     return sorted(found)
 
 
-def _coordinates_meeting(size: int, parts: tuple[int, ...], factors: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, ...]]:
+def _coordinates_meeting(
+    size: int, parts: tuple[int, ...], factors: tuple[int, ...], lo: int, hi: int
+) -> list[tuple[int, ...]]:
     """The coordinates of the mesh dims (``parts`` sizes) splitting one tensor dim of ``size`` whose
     indices meet [lo, hi): a search down the splits that never enters a piece outside the range, so
     its cost follows what it finds, not the product of the mesh sizes."""

@@ -36,15 +36,25 @@ def build_safetensors_header(entries: list[HeaderEntry]) -> tuple[bytes, list[tu
     pos = 0
     for e in entries:
         if e.name in header:  # a second entry would silently replace the first: its bytes unlisted
-            raise FormatError(f"safetensors header: two entries named {e.name!r:.100} (a tensor key containing '@'?), or the reserved name")
+            raise FormatError(
+                f"safetensors header: two entries named {e.name!r:.100} (a tensor key containing '@'?), or the "
+                "reserved name"
+            )
         size = numel(e.shape) * element_size(e.dtype)
-        header[e.name] = {"dtype": safetensors_dtype(e.dtype), "shape": list(e.shape), "data_offsets": [pos, pos + size]}
+        header[e.name] = {
+            "dtype": safetensors_dtype(e.dtype),
+            "shape": list(e.shape),
+            "data_offsets": [pos, pos + size],
+        }
         relative.append((pos, pos + size))
         pos += size
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     if len(body) > MAX_HEADER_BYTES:
-        raise FormatError(f"safetensors header: {len(body)} bytes for {len(entries)} entries is more than the {MAX_HEADER_BYTES} readers accept")
+        raise FormatError(
+            f"safetensors header: {len(body)} bytes for {len(entries)} entries is more than the {MAX_HEADER_BYTES} "
+            "readers accept"
+        )
     prefix = struct.pack("<Q", len(body)) + body
     return prefix, [(len(prefix) + b, len(prefix) + e) for b, e in relative]
 
@@ -59,7 +69,9 @@ def header_sizes(prefix: bytes) -> list[int]:
     return [end - begin for begin, end in spans]
 
 
-def parse_safetensors_header(head: bytes, file_size: int, where: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+def parse_safetensors_header(
+    head: bytes, file_size: int, where: str
+) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
     """Validate a safetensors header; returns name -> (dtype, shape, absolute begin, absolute end).
 
     ``head`` must start at byte 0 and hold at least the 8-byte length plus the header.

@@ -17,7 +17,15 @@ from shardsafe.core.format import STATE_NAME, Manifest, check_tensor_key
 from shardsafe.core.jsonsafe import MAX_JSON_DEPTH, check_json_string, dump_json, parse_json
 from shardsafe.errors import FormatError, SaveError
 
-__all__ = ["TENSOR_REF", "check_state_tree", "decode_value", "encode_state", "encode_value", "merge_values", "state_tensor_keys"]
+__all__ = [
+    "TENSOR_REF",
+    "check_state_tree",
+    "decode_value",
+    "encode_state",
+    "encode_value",
+    "merge_values",
+    "state_tensor_keys",
+]
 
 TENSOR_REF = "__tensor__"
 TUPLE_TAG = "__tuple__"
@@ -33,7 +41,10 @@ def encode_value(value: Any, path: str, tensor_ref: Any, depth: int = 0) -> Any:
     refused here, as the reader would refuse it (and before a circular value recurses forever).
     """
     if depth > MAX_JSON_DEPTH:
-        raise FormatError(f"state value at {path[:200]!r}: nested deeper than {MAX_JSON_DEPTH} levels (or circular); readers refuse deeper JSON")
+        raise FormatError(
+            f"state value at {path[:200]!r}: nested deeper than {MAX_JSON_DEPTH} levels (or circular); readers refuse "
+            "deeper JSON"
+        )
     if isinstance(value, str):
         check_json_string(value, f"state value at {path[:200]!r}")
         return value
@@ -52,7 +63,9 @@ def encode_value(value: Any, path: str, tensor_ref: Any, depth: int = 0) -> Any:
             if isinstance(k, str):
                 check_json_string(k, f"state value at {path[:200]!r}: dict key")
             elif not isinstance(k, (int, float, bool)) and k is not None:
-                raise FormatError(f"state value at {path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored")
+                raise FormatError(
+                    f"state value at {path!r}: dict key {k!r} of type {type(k).__name__} cannot be stored"
+                )
         if all(isinstance(k, str) for k in value) and not any(t in value for t in _TAGS):
             return {k: encode_value(v, f"{path}/{k}", tensor_ref, depth + 1) for k, v in value.items()}
         pairs = [[k, encode_value(v, f"{path}/{k}", tensor_ref, depth + 3)] for k, v in value.items()]
@@ -84,7 +97,11 @@ def decode_value(value: Any, tensor_lookup: Any, where: str = STATE_NAME) -> Any
         if tag == PAIRS_TAG and isinstance(inner, list):
             out = {}
             for pair in inner:
-                if not isinstance(pair, list) or len(pair) != 2 or not (pair[0] is None or isinstance(pair[0], (str, int, float))):
+                if (
+                    not isinstance(pair, list)
+                    or len(pair) != 2
+                    or not (pair[0] is None or isinstance(pair[0], (str, int, float)))
+                ):
                     raise FormatError(f"{where}: bad key/value pair {pair!r:.60}")
                 out[pair[0]] = decode_value(pair[1], tensor_lookup, where)
             return out
@@ -124,7 +141,9 @@ def check_state_tree(tree: Any, where: str = STATE_NAME, manifest: Manifest | No
         for key in keys[name]:
             check_tensor_key(key, f"{where}: {name!r:.100}")
             if manifest is not None and key not in manifest.tensors:
-                raise FormatError(f"{where}: {name!r:.100} refers to tensor {key!r:.200}, which the manifest does not list")
+                raise FormatError(
+                    f"{where}: {name!r:.100} refers to tensor {key!r:.200}, which the manifest does not list"
+                )
     return keys
 
 
@@ -169,7 +188,9 @@ def merge_values(values: list[tuple[int, Any]], where: str) -> Any:
     for rank, value in values[1:]:
         if value != first or type(value) is not type(first):
             raise SaveError(
-                f"{where[:300]}: rank {first_rank} saves {_shown(first)}, rank {rank} saves {_shown(value)}; a value several ranks save "
-                "under one name must be the same on all of them (give per-stage values their own names, or make the object per_rank)"
+                f"{where[:300]}: rank {first_rank} saves {_shown(first)}, rank {rank} saves {_shown(value)}; a value "
+                "several ranks save "
+                "under one name must be the same on all of them (give per-stage values their own names, or make the "
+                "object per_rank)"
             )
     return first

@@ -143,7 +143,13 @@ class ReshardableSampler(torch.utils.data.Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         consumed = self._resume_at if self._resume_at is not None else self.consumed
-        return {"epoch": self.epoch, "seed": self.seed, "consumed": consumed, "shuffle": self.shuffle, "dataset_length": self._length()}
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "consumed": consumed,
+            "shuffle": self.shuffle,
+            "dataset_length": self._length(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the global order at the saved position (any world size); validated before anything changes."""

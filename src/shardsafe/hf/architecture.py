@@ -70,7 +70,8 @@ class ExpectedWeights:
 class Mismatch:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # (name, in files, in model)
+    # (name, in files, in model)
+    shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.shapes)
@@ -82,7 +83,9 @@ class Mismatch:
         if self.unexpected:
             parts.append(f"{len(self.unexpected)} unexpected ({_first(self.unexpected)})")
         if self.shapes:
-            shown = ", ".join(f"{n!r}: {list(f)} in the files, {list(m)} in the model" for n, f, m in self.shapes[:_SHOWN])
+            shown = ", ".join(
+                f"{n!r}: {list(f)} in the files, {list(m)} in the model" for n, f, m in self.shapes[:_SHOWN]
+            )
             parts.append(f"{len(self.shapes)} of another shape ({shown}{', ...' if len(self.shapes) > _SHOWN else ''})")
         return "; ".join(parts)
 
@@ -113,11 +116,17 @@ def _build(config: dict[str, Any]) -> ExpectedWeights | str:
     except ImportError:
         return "transformers is not installed"
     architectures = config.get("architectures") or []
-    name = architectures[0] if isinstance(architectures, list) and architectures and isinstance(architectures[0], str) else None
+    name = (
+        architectures[0]
+        if isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
+        else None
+    )
     cls = getattr(transformers, name, None) if name else None
     if name is not None:  # the class decides the config class (and the model_type is then not needed)
         if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-            return f"config.json names {name[:60]!r}, which is not a transformers model class (custom code is never run)"
+            return (
+                f"config.json names {name[:60]!r}, which is not a transformers model class (custom code is never run)"
+            )
         config_class = cls.config_class
         if config_class is None:
             return f"{name} declares no config class"
@@ -162,12 +171,17 @@ def _describe_model(model: Any, heads_checked: bool) -> ExpectedWeights:
     ignore_missing: set[str] = set()
     ignore_unexpected: set[str] = set()
     never_saved: set[str] = set()
-    for prefix, sub in model.named_modules():  # transformers 4 keeps the lists on each class; 5 gathers them on the top one
+    # transformers 4 keeps the lists on each class; 5 gathers them on the top one
+    for prefix, sub in model.named_modules():
         ignore_missing.update(str(p) for p in getattr(sub, "_keys_to_ignore_on_load_missing", None) or ())
         ignore_unexpected.update(str(p) for p in getattr(sub, "_keys_to_ignore_on_load_unexpected", None) or ())
-        never_saved.update(f"{prefix}.{k}" if prefix else str(k) for k in getattr(sub, "_keys_to_ignore_on_save", None) or ())
+        never_saved.update(
+            f"{prefix}.{k}" if prefix else str(k) for k in getattr(sub, "_keys_to_ignore_on_save", None) or ()
+        )
     buffers = [name for name, _ in model.named_buffers()]
-    ignore_unexpected.update(p for suffix, p in _OLD_BUFFER_PATTERNS.items() if any(b.endswith(suffix) for b in buffers))
+    ignore_unexpected.update(
+        p for suffix, p in _OLD_BUFFER_PATTERNS.items() if any(b.endswith(suffix) for b in buffers)
+    )
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     converts = _has_conversions(model)
     return ExpectedWeights(
@@ -199,7 +213,8 @@ def _has_conversions(model: Any) -> bool:
 
 
 def _checkpoint_layout(model: Any, state: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
-    """The names and shapes transformers' ``save_pretrained`` would write (its load-time conversion reversed, on meta tensors)."""
+    """The names and shapes transformers' ``save_pretrained`` would write (its load-time conversion reversed, on meta
+    tensors)."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
@@ -231,7 +246,12 @@ def judge(expected: ExpectedWeights, found: dict[str, tuple[int, ...]], where: s
             return f"names and shapes of {name} (in its checkpoint layout)", other
         mismatch = min(mismatch, other, key=lambda m: len(m.missing) + len(m.unexpected) + len(m.shapes))
     elif looks_converted(expected, mismatch) and counts_agree(expected, found):
-        log.info("%s: names differ from %s's (%s), as when transformers converts them at load; counts agree", where, name, mismatch.describe())
+        log.info(
+            "%s: names differ from %s's (%s), as when transformers converts them at load; counts agree",
+            where,
+            name,
+            mismatch.describe(),
+        )
         return f"parameter count of {name} (names in a converted layout)", mismatch
     return None, mismatch
 
@@ -247,12 +267,20 @@ def compare(expected: ExpectedWeights, found: dict[str, tuple[int, ...]]) -> Mis
     missing -= expected.may_be_missing
     missing = {n for n in missing if not _matches(n, expected.ignore_missing)}
     tolerated = outside | expected.non_persistent
-    unexpected = {n for n in names - set(expected.shapes) if n not in tolerated and not _matches(n, expected.ignore_unexpected)}
-    shapes = [(n, found[n], expected.shapes[n]) for n in sorted(names & set(expected.shapes)) if found[n] != expected.shapes[n]]
+    unexpected = {
+        n for n in names - set(expected.shapes) if n not in tolerated and not _matches(n, expected.ignore_unexpected)
+    }
+    shapes = [
+        (n, found[n], expected.shapes[n])
+        for n in sorted(names & set(expected.shapes))
+        if found[n] != expected.shapes[n]
+    ]
     return Mismatch(sorted(missing), sorted(unexpected), shapes)
 
 
-def _align_prefix(expected: ExpectedWeights, found: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def _align_prefix(
+    expected: ExpectedWeights, found: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """The files' names in the model's terms: the base-model prefix added or dropped as from_pretrained does.
 
     Also returns the names that lie outside the base model when only the base model is checked.

@@ -78,7 +78,8 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"``, ``"20KB"`` (decimal, as Hugging Face uses)."""
+    """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"``, ``"20KB"`` (decimal, as Hugging Face
+    uses)."""
     if isinstance(size, bool):
         raise ValueError(f"invalid size {size!r}")
     if isinstance(size, int):
@@ -136,17 +137,27 @@ def check_tensor_names(names: Iterable[str], where: str) -> None:
         if not isinstance(name, str) or not name:
             raise FormatError(f"{where}: tensor name {name!r} is not a non-empty string; safetensors cannot store it")
         if name == METADATA_KEY:
-            raise FormatError(f"{where}: a tensor is named {METADATA_KEY!r}, the key safetensors keeps its metadata under; rename it")
+            raise FormatError(
+                f"{where}: a tensor is named {METADATA_KEY!r}, the key safetensors keeps its metadata under; rename it"
+            )
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            raise FormatError(f"{where}: tensor name {show_name(name)} is not valid UTF-8 (a lone surrogate); safetensors cannot store it") from None
+            raise FormatError(
+                f"{where}: tensor name {show_name(name)} is not valid UTF-8 (a lone surrogate); safetensors cannot "
+                "store it"
+            ) from None
         if name in seen:
-            raise FormatError(f"{where}: two tensors would both be named {show_name(name)} in the model folder (after the key prefix is stripped)")
+            raise FormatError(
+                f"{where}: two tensors would both be named {show_name(name)} in the model folder (after the key prefix "
+                "is stripped)"
+            )
         seen.add(name)
 
 
-def plan_shards(tensors: list[TensorInfo], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, *, where: str = "model folder") -> ShardPlan:
+def plan_shards(
+    tensors: list[TensorInfo], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, *, where: str = "model folder"
+) -> ShardPlan:
     """Split ``tensors`` (in state-dict order) into files the way ``huggingface_hub`` does.
 
     Greedy, in order: a tensor that would push the current file over ``max_shard_size`` starts a
@@ -200,7 +211,9 @@ class SafetensorsStreamWriter:
         self.tensors = tensors
         check_tensor_names((t.name for t in tensors), str(path))
         prefix, _ = build_safetensors_header([HeaderEntry(t.name, t.dtype, t.shape) for t in tensors])
-        self._writer = SafetensorsWriter(LocalSink(path, write_behind), prefix, [t.nbytes for t in tensors], where=str(path))
+        self._writer = SafetensorsWriter(
+            LocalSink(path, write_behind), prefix, [t.nbytes for t in tensors], where=str(path)
+        )
         self.size = self._writer.size
 
     def write(self, tensor: torch.Tensor) -> None:
@@ -210,7 +223,8 @@ class SafetensorsStreamWriter:
         info = self.tensors[index]
         if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
             raise ShardsafeError(
-                f"{self.path}: tensor {info.name!r} is {tensor.dtype} {list(tensor.shape)}, the header says {info.dtype} {list(info.shape)}"
+                f"{self.path}: tensor {info.name!r} is {tensor.dtype} {list(tensor.shape)}, the header says "
+                f"{info.dtype} {list(info.shape)}"
             )
         self._writer.write(tensor)
 
@@ -258,7 +272,9 @@ def hf_tied_aliases(config: Any) -> dict[str, str]:
         tied = getattr(model, "all_tied_weights_keys", None)
         return {str(k): str(v) for k, v in (tied or {}).items()}
     except Exception as exc:  # a config transformers cannot build: export everything
-        log.warning("could not determine tied weights from the config (%s: %s); exporting every tensor", type(exc).__name__, exc)
+        log.warning(
+            "could not determine tied weights from the config (%s: %s); exporting every tensor", type(exc).__name__, exc
+        )
         return {}
 
 
@@ -357,7 +373,8 @@ def export_hf(
     source: Any = src
     if own:
         assert isinstance(src, (str, os.PathLike))
-        from shardsafe.interop.sources import open_source  # a DCP folder, a DeepSpeed ZeRO folder, else a shardsafe checkpoint
+        # a DCP folder, a DeepSpeed ZeRO folder, else a shardsafe checkpoint
+        from shardsafe.interop.sources import open_source
 
         source = open_source(src, key, verify=verify)
     try:
@@ -370,13 +387,17 @@ def export_hf(
         target = dtype if dtype is not None else source.default_dtype
         stored = source.tensors()
         where = f"export {getattr(source, 'folder', None) or type(source).__name__} -> {final}"
-        plan = plan_shards([TensorInfo(t.name, output_dtype(t.dtype, target), t.shape) for t in stored], max_shard_size, where=where)
+        plan = plan_shards(
+            [TensorInfo(t.name, output_dtype(t.dtype, target), t.shape) for t in stored], max_shard_size, where=where
+        )
         total_parameters = getattr(source, "total_parameters", None) or sum(numel(t.shape) for t in stored)
         with prepare(Comm(None, 0, 1), final, overwrite, fsync) as temp:  # removed unless published
             tmp = temp.path
             from tqdm.auto import tqdm
 
-            with tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress) as bar:
+            with tqdm(
+                total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress
+            ) as bar:
 
                 def fetch(info: TensorInfo) -> torch.Tensor:
                     return source.read(info.name).to(info.dtype)
@@ -386,7 +407,11 @@ def export_hf(
             if config_json is not None:
                 write_small_file(tmp / "config.json", _with_dtype(config_json, target), fsync)
             if "generation_config.json" in files:
-                write_small_file(tmp / "generation_config.json", read_small_file(files["generation_config.json"], MAX_JSON_BYTES), fsync)
+                write_small_file(
+                    tmp / "generation_config.json",
+                    read_small_file(files["generation_config.json"], MAX_JSON_BYTES),
+                    fsync,
+                )
             check_model_folder(tmp)
             temp.publish()
     finally:

@@ -50,7 +50,8 @@ class ModelFolderSummary:
     tensors: int = 0
     parameters: int = 0
     tensor_bytes: int = 0
-    architecture: str = ""  # what the architecture check did: "names and shapes of X", "parameter count of X", or "skipped: why"
+    # what the architecture check did: "names and shapes of X", "parameter count of X", or "skipped: why"
+    architecture: str = ""
 
 
 def check_model_folder(folder: str | os.PathLike[str]) -> ModelFolderSummary:
@@ -80,7 +81,8 @@ def _child(folder: Path, name: str) -> Path:
 
 
 def _check_safetensors(folder: Path, weights: list[WeightsFile], kind: str) -> ModelFolderSummary:
-    """The checks every safetensors folder gets once each file's header passed: architecture, then safetensors itself."""
+    """The checks every safetensors folder gets once each file's header passed: architecture, then safetensors
+    itself."""
     found: dict[str, tuple[int, ...]] = {}
     for w in weights:
         for name, t in w.tensors.items():
@@ -118,26 +120,37 @@ def _sharded_files(folder: Path) -> list[WeightsFile]:
     paths = {file: _child(folder, file) for file in sorted(by_file)}
     missing = [path for path in paths.values() if not path.exists()]
     if missing:  # the most telling problem first: a shard that was never written
-        raise ModelFolderError(f"{missing[0]}: weights file is missing ({len(missing)} of the {len(paths)} files {INDEX_FILE} names)")
+        raise ModelFolderError(
+            f"{missing[0]}: weights file is missing ({len(missing)} of the {len(paths)} files {INDEX_FILE} names)"
+        )
     weights = []
     problems = []
     for file, names in sorted(by_file.items()):
         w = read_weights_file(paths[file])
         lacking = sorted(names - set(w.tensors))
         if lacking:
-            problems.append(f"{w.path}: lacks {len(lacking)} tensors its index maps to it (e.g. {show_name(lacking[0])})")
+            problems.append(
+                f"{w.path}: lacks {len(lacking)} tensors its index maps to it (e.g. {show_name(lacking[0])})"
+            )
         unlisted = sorted(set(w.tensors) - names)
         if unlisted:
-            problems.append(f"{w.path}: holds {len(unlisted)} tensors {INDEX_FILE} does not map to it (e.g. {show_name(unlisted[0])})")
+            problems.append(
+                f"{w.path}: holds {len(unlisted)} tensors {INDEX_FILE} does not map to it (e.g. "
+                f"{show_name(unlisted[0])})"
+            )
         weights.append(w)
     if problems:  # all of them at once: a tensor in the wrong file shows up twice
-        raise ModelFolderError("; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else ""))
+        raise ModelFolderError(
+            "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        )
     metadata = index.get("metadata")
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
     held = sum(w.tensor_bytes for w in weights)
     if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total != held):
         shown = total if isinstance(total, int) else type(total).__name__
-        raise ModelFolderError(f"{folder}: the weights files hold {held} bytes of tensors, {INDEX_FILE} says total_size {shown}")
+        raise ModelFolderError(
+            f"{folder}: the weights files hold {held} bytes of tensors, {INDEX_FILE} says total_size {shown}"
+        )
     return weights
 
 
@@ -159,7 +172,8 @@ def _check_architecture(folder: Path, found: dict[str, tuple[int, ...]]) -> str:
     config = _read_config(folder)
     if config is None:
         return "skipped: no config.json"
-    if config.get("quantization_config") is not None:  # packed weights (GPTQ, AWQ, bitsandbytes...) have their own names and shapes
+    # packed weights (GPTQ, AWQ, bitsandbytes...) have their own names and shapes
+    if config.get("quantization_config") is not None:
         note = "skipped: quantized weights (config.json has a quantization_config)"
         log.info("%s: no architecture check of the weights (%s)", folder, note.removeprefix("skipped: "))
         return note
@@ -178,7 +192,8 @@ def _check_architecture(folder: Path, found: dict[str, tuple[int, ...]]) -> str:
     if not count.agrees(found):
         total = sum(numel(s) for s in found.values())
         raise ModelFolderError(
-            f"{folder}: the weights hold {total:,} parameters, the {count.architecture} architecture in {CONFIG_FILE} has "
+            f"{folder}: the weights hold {total:,} parameters, the {count.architecture} architecture in {CONFIG_FILE} "
+            "has "
             f"{count.parameters:,} ({expected}, so only the parameter count was compared)"
         )
     return f"parameter count of {count.architecture} ({expected})"
@@ -192,7 +207,9 @@ def _check_checkpoint(folder: Path) -> ModelFolderSummary:
         path = _child(folder, name)
         size = path.stat().st_size if path.is_file() else -1
         if size != entry.size:
-            raise ModelFolderError(f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the manifest says {entry.size}")
+            raise ModelFolderError(
+                f"{path}: {'missing' if size < 0 else f'{size} bytes'}, the manifest says {entry.size}"
+            )
     tensor_bytes = sum(t.nbytes for t in manifest.tensors.values())
     if tensor_bytes == 0:
         raise ModelFolderError(f"{folder}: checkpoint holds no tensor data")

@@ -66,7 +66,8 @@ class _Target:
     stored: StoredTensor
     local: torch.Tensor
     offsets: tuple[int, ...]
-    flat: bool = False  # local is elements [offsets[0], offsets[0] + local.numel()) of the flattened tensor (a ZeRO-3 partition)
+    # local is elements [offsets[0], offsets[0] + local.numel()) of the flattened tensor (a ZeRO-3 partition)
+    flat: bool = False
 
 
 def _resolve(source: str | os.PathLike[str], revision: str | None, comm: Comm) -> Path:
@@ -106,7 +107,8 @@ def _files_of(folder: Path) -> list[str]:
 
 
 def read_layout(folder: Path) -> dict[str, StoredTensor]:
-    """Every tensor of a model folder: file, dtype, shape and absolute byte range (headers checked by the guard's reader)."""
+    """Every tensor of a model folder: file, dtype, shape and absolute byte range (headers checked by the guard's
+    reader)."""
     layout: dict[str, StoredTensor] = {}
     for file in _files_of(folder):
         weights = read_weights_file(safe_child(folder, file))
@@ -150,7 +152,8 @@ def _match_names(wanted: list[str], stored: dict[str, StoredTensor], prefix: str
 
 @dataclass(frozen=True)
 class _Plan:
-    """Every destination to fill, and the names only the model (``missing``) or only the folder (``unexpected``) holds."""
+    """Every destination to fill, and the names only the model (``missing``) or only the folder (``unexpected``)
+    holds."""
 
     targets: list[_Target]
     missing: list[str]
@@ -183,13 +186,17 @@ def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero
             shape, held = pieces(tensor)
         dtype = held[0].local.dtype
         if tuple(shape) != stored.shape:
-            problems.append(f"{name}: the model has shape {list(shape)}, {stored.file} stores {stored_name} as {list(stored.shape)}")
+            problems.append(
+                f"{name}: the model has shape {list(shape)}, {stored.file} stores {stored_name} as {list(stored.shape)}"
+            )
         elif stored.dtype.is_floating_point != dtype.is_floating_point and stored.dtype != dtype:
             problems.append(f"{name}: cannot load {stored.dtype} weights into a {dtype} tensor")
         else:
             targets += [_Target(name, stored, piece.local, piece.offsets, flat) for piece in held]
     if strict:
-        problems += [f"missing in the model folder: {n}" for n in missing] + [f"unexpected in the model folder: {n}" for n in unexpected]
+        problems += [f"missing in the model folder: {n}" for n in missing] + [
+            f"unexpected in the model folder: {n}" for n in unexpected
+        ]
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise StateMismatchError("the model folder does not fit the model:\n  " + "\n  ".join(shown))
@@ -197,7 +204,8 @@ def _plan(module: nn.Module, layout: dict[str, StoredTensor], strict: bool, zero
 
 
 def _read_elements(fd: int, stored: StoredTensor, first: int, count: int, where: str) -> torch.Tensor:
-    """Elements ``[first, first + count)`` of the flattened stored tensor, in its dtype: one pread of exactly their bytes."""
+    """Elements ``[first, first + count)`` of the flattened stored tensor, in its dtype: one pread of exactly their
+    bytes."""
     out = torch.empty(count, dtype=stored.dtype)
     pread_into(fd, [tensor_bytes(out)], stored.begin + first * element_size(stored.dtype), where)
     return out
@@ -219,7 +227,9 @@ def _fill_flat(target: _Target, fd: int, where: str) -> int:
     with torch.no_grad():  # the fp32 master partitions require grad (DeepSpeed marks them so)
         for start in range(0, total, step):
             count = min(step, total - start)
-            target.local[start : start + count].copy_(_read_elements(fd, target.stored, target.offsets[0] + start, count, where))
+            target.local[start : start + count].copy_(
+                _read_elements(fd, target.stored, target.offsets[0] + start, count, where)
+            )
     return total * size
 
 
@@ -248,11 +258,19 @@ def _fill(target: _Target, fd: int, where: str) -> int:
 
 
 def _unwrap(model: nn.Module) -> tuple[nn.Module, Zero3Targets]:
-    """The module whose names the model folder uses (inside DDP or a DeepSpeed engine), and where its ZeRO-3 partitions go."""
+    """The module whose names the model folder uses (inside DDP or a DeepSpeed engine), and where its ZeRO-3 partitions
+    go."""
     if not is_deepspeed_engine(model):
         return unwrap_module(model), Zero3Targets("load_pretrained")
-    if getattr(model, "mp_world_size", 1) != 1 or getattr(model, "pipeline_parallelism", False) or getattr(model, "has_moe_layers", False):
-        raise ShardsafeError("load_pretrained: the DeepSpeed engine uses tensor, pipeline or expert parallelism, which shardsafe does not support")
+    if (
+        getattr(model, "mp_world_size", 1) != 1
+        or getattr(model, "pipeline_parallelism", False)
+        or getattr(model, "has_moe_layers", False)
+    ):
+        raise ShardsafeError(
+            "load_pretrained: the DeepSpeed engine uses tensor, pipeline or expert parallelism, which shardsafe does "
+            "not support"
+        )
     module = model.module
     assert isinstance(module, nn.Module)
     return module, Zero3Targets("load_pretrained", getattr(model, "optimizer", None))
@@ -273,7 +291,8 @@ def load_pretrained(
     ``deepspeed.zero.Init``): each rank reads its flat partition only, into the fp32 master weights
     of an engine's optimizer (the 16-bit partitions are refreshed from them). Floating-point weights
     are converted to the parameters' dtype (bf16 files into fp32 parameters); a tied weight stored
-    under either name fills both; non-persistent buffers are left as the model built them. With ``strict``, missing and unexpected keys are errors
+    under either name fills both; non-persistent buffers are left as the model built them. With ``strict``, missing and
+    unexpected keys are errors
     (all reported at once, before anything is written); otherwise they are returned.
     The guard refuses a folder without real weights first (a ZeRO-3 dummy file, say).
 
@@ -305,4 +324,9 @@ def load_pretrained(
         for fd in fds.values():
             os.close(fd)
         zero3.finish()  # even after a failed read: the 16-bit partitions match the master, no stale gathered copy
-    return {"missing_keys": plan.missing, "unexpected_keys": plan.unexpected, "tensors": len({t.name for t in targets}), "bytes_read": read}
+    return {
+        "missing_keys": plan.missing,
+        "unexpected_keys": plan.unexpected,
+        "tensors": len({t.name for t in targets}),
+        "bytes_read": read,
+    }

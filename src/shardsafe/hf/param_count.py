@@ -79,7 +79,12 @@ _FORMULAS: dict[str, Callable[[dict[str, Any]], tuple[int, int]]] = {
     "GPT2LMHeadModel": functools.partial(_gpt2, head=True),
     "GPT2Model": functools.partial(_gpt2, head=False),
 }
-for _family, _qkv_bias, _qk_norm in (("Llama", False, False), ("Mistral", False, False), ("Qwen2", True, False), ("Qwen3", False, True)):
+for _family, _qkv_bias, _qk_norm in (
+    ("Llama", False, False),
+    ("Mistral", False, False),
+    ("Qwen2", True, False),
+    ("Qwen3", False, True),
+):
     _FORMULAS[f"{_family}ForCausalLM"] = functools.partial(_llama_like, qkv_bias=_qkv_bias, qk_norm=_qk_norm, head=True)
     _FORMULAS[f"{_family}Model"] = functools.partial(_llama_like, qkv_bias=_qkv_bias, qk_norm=_qk_norm, head=False)
 _GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older GPT-2 files carry
@@ -88,7 +93,11 @@ _GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older
 def config_parameter_count(config: dict[str, Any]) -> ParameterCount | str:
     """The count ``config`` (a parsed config.json) implies for its first architecture, or a note why there is none."""
     architectures = config.get("architectures")
-    name = architectures[0] if isinstance(architectures, list) and architectures and isinstance(architectures[0], str) else None
+    name = (
+        architectures[0]
+        if isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
+        else None
+    )
     if name is None:
         return "config.json records no architecture"
     formula = _FORMULAS.get(name)

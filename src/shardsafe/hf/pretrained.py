@@ -31,7 +31,14 @@ from shardsafe.core.comm import Comm, Outcome, get_comm
 from shardsafe.core.format import dtype_name, dump_json
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import DistributedError, SaveError, ShardsafeError
-from shardsafe.hf.export import DEFAULT_MAX_SHARD_SIZE, SafetensorsStreamWriter, ShardPlan, output_dtype, plan_shards, write_index
+from shardsafe.hf.export import (
+    DEFAULT_MAX_SHARD_SIZE,
+    SafetensorsStreamWriter,
+    ShardPlan,
+    output_dtype,
+    plan_shards,
+    write_index,
+)
 from shardsafe.hf.guard import check_model_folder
 from shardsafe.protocol.commit import prepare
 from shardsafe.state.adapters import unwrap_module
@@ -71,7 +78,8 @@ def save_pretrained(
     ``push_to`` (a Hub repo or object-store URL) then uploads the folder with
     :func:`shardsafe.push` (which runs the guard again on the published folder). The folder is
     checked by the model-folder guard (:func:`~shardsafe.hf.guard.check_model_folder`: real
-    tensors that fit the architecture in its config.json) before it is published. Raises :class:`~shardsafe.errors.CheckpointExistsError` when
+    tensors that fit the architecture in its config.json) before it is published. Raises
+    :class:`~shardsafe.errors.CheckpointExistsError` when
     ``out_dir`` is a non-empty folder and ``overwrite`` is False; on any failure nothing is
     published and every rank raises the same error. Returns ``out_dir``.
     """
@@ -82,7 +90,11 @@ def save_pretrained(
     module = unwrap_module(model)
     state: dict[str, Any] = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
     aliases = tied_aliases(module, list(state))
-    infos = [TensorInfo(name, output_dtype(t.dtype, dtype), tuple(t.shape)) for name, t in state.items() if name not in aliases]
+    infos = [
+        TensorInfo(name, output_dtype(t.dtype, dtype), tuple(t.shape))
+        for name, t in state.items()
+        if name not in aliases
+    ]
     plan = plan_shards(infos, max_shard_size, where=f"save_pretrained {final}")
     _check_same_plan(comm, plan, aliases)
     total_parameters = sum(p.numel() for p in module.parameters())
@@ -146,11 +158,20 @@ def save_pretrained_stream(
         write_index(tmp, plan, total_parameters, fsync)
         check_model_folder(tmp)
 
-    _build_model_folder(comm, final, overwrite, fsync, lambda tmp: _write_stream(comm, tmp, plan, iter(stream), fsync), complete)
+    _build_model_folder(
+        comm, final, overwrite, fsync, lambda tmp: _write_stream(comm, tmp, plan, iter(stream), fsync), complete
+    )
     return final
 
 
-def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple[str, torch.Tensor | None]], fsync: bool, bar: Any = None) -> None:
+def _write_stream(
+    comm: Comm,
+    tmp: Path,
+    plan: ShardPlan,
+    stream: Iterator[tuple[str, torch.Tensor | None]],
+    fsync: bool,
+    bar: Any = None,
+) -> None:
     """Every rank consumes ``stream`` in plan order; the coordinator writes each tensor into its file."""
     for file, infos in plan.files:
         failure: Outcome[None] = Outcome()  # the coordinator's first failed write of this file, if any
@@ -165,7 +186,9 @@ def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple
                 name, value = next(stream, (None, None))
                 if name != info.name or (value is None and writer is not None):
                     # the same on every rank (each iterates the same model), so raising here splits no one
-                    raise ShardsafeError(f"save_pretrained_stream: expected tensor {info.name!r} next, the stream gave {name!r}")
+                    raise ShardsafeError(
+                        f"save_pretrained_stream: expected tensor {info.name!r} next, the stream gave {name!r}"
+                    )
                 if writer is not None and value is not None and failure.ok:
                     try:
                         with torch.no_grad():
@@ -188,7 +211,9 @@ def _write_stream(comm: Comm, tmp: Path, plan: ShardPlan, stream: Iterator[tuple
             raise SaveError(f"save_pretrained failed, nothing was published: {failure.message}")
     extra = next(stream, None)
     if extra is not None:
-        raise ShardsafeError(f"save_pretrained_stream: the stream gave {extra[0]!r}, which the tensor list does not have")
+        raise ShardsafeError(
+            f"save_pretrained_stream: the stream gave {extra[0]!r}, which the tensor list does not have"
+        )
 
 
 def _file_failure(path: Path, exc: Exception, rank: int) -> Outcome[None]:
@@ -230,12 +255,24 @@ def save_pretrained_sharded(
         _write_config(unwrap_module(module), tmp, dtype or stored, fsync)
         _complete_sharded(tmp, final, dtype, comm.world_size, fsync)
 
-    _build_model_folder(comm, final, overwrite, fsync, lambda tmp: _save_checkpoint_dir(tmp, sharded, meta, process_group, fsync), complete)
+    _build_model_folder(
+        comm,
+        final,
+        overwrite,
+        fsync,
+        lambda tmp: _save_checkpoint_dir(tmp, sharded, meta, process_group, fsync),
+        complete,
+    )
     return final
 
 
 def _build_model_folder(
-    comm: Comm, final: Path, overwrite: bool, fsync: bool, write: Callable[[Path], None], complete: Callable[[Path], None]
+    comm: Comm,
+    final: Path,
+    overwrite: bool,
+    fsync: bool,
+    write: Callable[[Path], None],
+    complete: Callable[[Path], None],
 ) -> None:
     """The steps every model-folder writer shares: a hidden folder next to ``final``; ``write``
     (collective) fills it, ``complete`` (coordinator) adds the small files and runs the guard; then
@@ -254,7 +291,12 @@ def _build_model_folder(
 
 def _export_meta(dtype: torch.dtype | None, aliases: dict[str, str], total_parameters: int) -> dict[str, Any]:
     """What ``export_hf`` needs to know about a ``gather_16bit=False`` folder's checkpoint."""
-    return {"key": "model", "dtype": dtype_name(dtype) if dtype is not None else None, "aliases": aliases, "total_parameters": total_parameters}
+    return {
+        "key": "model",
+        "dtype": dtype_name(dtype) if dtype is not None else None,
+        "aliases": aliases,
+        "total_parameters": total_parameters,
+    }
 
 
 def _save_checkpoint_dir(tmp: Path, model: nn.Module, meta: dict[str, Any], process_group: Any, fsync: bool) -> None:
@@ -273,10 +315,15 @@ def _check_same_plan(comm: Comm, plan: ShardPlan, aliases: dict[str, str]) -> No
     digests = comm.all_gather(digest)
     if len(set(digests)) > 1:
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise DistributedError(f"ranks {differ} see a different model (names, shapes or dtypes) than rank 0; every rank must pass the same model")
+        raise DistributedError(
+            f"ranks {differ} see a different model (names, shapes or dtypes) than rank 0; every rank must pass the "
+            "same model"
+        )
 
 
-def _gather_and_write(comm: Comm, tmp: Path, state: dict[str, Any], plan: ShardPlan, fsync: bool, progress: bool) -> None:
+def _gather_and_write(
+    comm: Comm, tmp: Path, state: dict[str, Any], plan: ShardPlan, fsync: bool, progress: bool
+) -> None:
     """All ranks gather each tensor in plan order; the coordinator streams it into its file."""
     bar = None
     if comm.is_coordinator and progress:
@@ -319,11 +366,17 @@ def _gather_to_coordinator(comm: Comm, value: Any) -> torch.Tensor | None:
     from torch.distributed.tensor import Shard
 
     mesh = value.device_mesh
-    fsdp_layout = mesh.ndim == 1 and tuple(value.placements) == (Shard(0),) and value.dim() > 0 and comm.group is not None
+    fsdp_layout = (
+        mesh.ndim == 1 and tuple(value.placements) == (Shard(0),) and value.dim() > 0 and comm.group is not None
+    )
     group = mesh.get_group() if fsdp_layout else None
     ranks = dist.get_process_group_ranks(group) if group is not None else []
     # shard i must live on mesh position i = group rank i, and the group be the save's ranks
-    if not ranks or mesh.mesh.flatten().tolist() != ranks or sorted(ranks) != sorted(dist.get_process_group_ranks(comm.group)):
+    if (
+        not ranks
+        or mesh.mesh.flatten().tolist() != ranks
+        or sorted(ranks) != sorted(dist.get_process_group_ranks(comm.group))
+    ):
         whole = value.full_tensor()
         return whole if comm.is_coordinator else None
     coordinator = dist.get_global_rank(comm.group, 0)
@@ -404,7 +457,11 @@ def _write_config(module: nn.Module, folder: Path, dtype: torch.dtype | None, fs
 
 
 def _note(final: Path, dtype: torch.dtype | None, world_size: int) -> str:
-    cast = f"in {dtype_name(dtype)} (recorded; `--dtype float32` keeps full precision)" if dtype is not None else "in the stored dtypes"
+    cast = (
+        f"in {dtype_name(dtype)} (recorded; `--dtype float32` keeps full precision)"
+        if dtype is not None
+        else "in the stored dtypes"
+    )
     return f"""# No weights file here yet
 
 This folder was written by `shardsafe.save_pretrained(..., gather_16bit=False)` on {world_size} rank(s).

@@ -33,12 +33,29 @@ from shardsafe.core.comm import get_comm
 from shardsafe.errors import PushError, ShardsafeError
 from shardsafe.hf.push_fsspec import push_fsspec
 from shardsafe.hf.push_hub import DEFAULT_MESSAGE, push_hub
-from shardsafe.hf.push_plan import COMMIT_MARKERS, Destination, UploadFile, UploadPlan, parse_destination, plan_upload, where
+from shardsafe.hf.push_plan import (
+    COMMIT_MARKERS,
+    Destination,
+    UploadFile,
+    UploadPlan,
+    parse_destination,
+    plan_upload,
+    where,
+)
 from shardsafe.hf.push_retry import describe
 
 log = logging.getLogger("shardsafe.hf.push")
 
-__all__ = ["COMMIT_MARKERS", "DEFAULT_MESSAGE", "Destination", "UploadFile", "UploadPlan", "parse_destination", "plan_upload", "push"]
+__all__ = [
+    "COMMIT_MARKERS",
+    "DEFAULT_MESSAGE",
+    "Destination",
+    "UploadFile",
+    "UploadPlan",
+    "parse_destination",
+    "plan_upload",
+    "push",
+]
 
 
 def push(
@@ -64,18 +81,28 @@ def push(
     if not comm.distributed:
         return _push_here(src, dest, revision=revision, private=private, message=message, progress=progress)
     return comm.on_coordinator(
-        lambda: _push_here(src, dest, revision=revision, private=private, message=message, progress=progress), default=PushError
+        lambda: _push_here(src, dest, revision=revision, private=private, message=message, progress=progress),
+        default=PushError,
     )
 
 
-def _push_here(src: str | os.PathLike[str], dest: str, *, revision: str | None, private: bool, message: str | None, progress: bool) -> str:
+def _push_here(
+    src: str | os.PathLike[str], dest: str, *, revision: str | None, private: bool, message: str | None, progress: bool
+) -> str:
     """The coordinator's part (or the whole push without a process group): guard, plan, then one backend."""
     target = parse_destination(dest)
     if target.kind != "hub" and (revision is not None or private):
         option = "revision" if revision is not None else "private"
         raise PushError(f"{target.url}: `{option}` only applies to Hub destinations (hf://owner/name)")
     plan = plan_upload(src)
-    log.info("pushing %s (%s, %d files, %d bytes) to %s", plan.folder, plan.kind, len(plan.files), plan.total_bytes, target.url)
+    log.info(
+        "pushing %s (%s, %d files, %d bytes) to %s",
+        plan.folder,
+        plan.kind,
+        len(plan.files),
+        plan.total_bytes,
+        target.url,
+    )
     try:
         if target.kind == "hub":
             return push_hub(plan, target, revision=revision, private=private, message=message, progress=progress)

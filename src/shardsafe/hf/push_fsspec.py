@@ -47,8 +47,12 @@ def push_fsspec(plan: UploadPlan, target: Destination, *, progress: bool) -> str
     local = "file" in _protocols(fs)
 
     # An older model at the destination becomes invisible before any of its files is replaced.
-    for marker in with_retries(lambda: _markers_at(fs, root, plan.marker_names), "listing the destination", at, fsspec_transient):
-        with_retries(functools.partial(fs.rm_file, f"{root}/{marker}"), f"removing the old {marker}", at, fsspec_transient)
+    for marker in with_retries(
+        lambda: _markers_at(fs, root, plan.marker_names), "listing the destination", at, fsspec_transient
+    ):
+        with_retries(
+            functools.partial(fs.rm_file, f"{root}/{marker}"), f"removing the old {marker}", at, fsspec_transient
+        )
         if local:  # durably: after a power cut the old marker must not come back over half-replaced files
             fsync_dir(Path(f"{root}/{marker}").parent)
         log.info("%s: removed the commit marker %s of an earlier upload", target.url, marker)
@@ -58,7 +62,9 @@ def push_fsspec(plan: UploadPlan, target: Destination, *, progress: bool) -> str
             if f.name == plan.marker:
                 crash_point("push:before-marker", 0)
             # looked up at each call, so tests can wrap the upload of one file
-            with_retries(functools.partial(_put_one, fs, root, f, local, bar), f"uploading {f.name}", at, fsspec_transient)
+            with_retries(
+                functools.partial(_put_one, fs, root, f, local, bar), f"uploading {f.name}", at, fsspec_transient
+            )
             log.debug("uploaded %s (%d bytes) to %s/%s", f.name, f.size, target.url, f.name)
     return target.url
 
@@ -69,7 +75,8 @@ def _put_one(fs: Any, root: str, f: UploadFile, local: bool, bar: Progress) -> N
     callback = bar.fsspec_callback(f)
     if local:
         # A local copy is not atomic: copy to a hidden name, then rename.
-        # Durable before the next file (and so before the marker): its data, then its name (new folders: as they are made).
+        # Durable before the next file (and so before the marker): its data, then its name (new folders: as they are
+        # made).
         parent, _, base = remote.rpartition("/")
         make_dirs(Path(parent or "/"))
         tmp = f"{parent}/{hidden_name(base, PUSH_MARK)}"
@@ -90,12 +97,16 @@ def _put_one(fs: Any, root: str, f: UploadFile, local: bool, bar: Progress) -> N
         fs.put_file(str(f.path), remote, callback=callback)
     stored = fs.info(remote).get("size")
     if stored != f.size:
-        raise PushError(f"{remote}: the store holds {stored} bytes after the upload, the local file {f.path} had {f.size} (changed while pushing?)")
+        raise PushError(
+            f"{remote}: the store holds {stored} bytes after the upload, the local file {f.path} had {f.size} (changed "
+            "while pushing?)"
+        )
     bar.finished(f)
 
 
 def _markers_at(fs: Any, root: str, candidates: list[str]) -> list[str]:
-    """Which of ``candidates`` (paths below ``root``) exist: one listing for the top level, a look-up for each deeper one."""
+    """Which of ``candidates`` (paths below ``root``) exist: one listing for the top level, a look-up for each deeper
+    one."""
     try:
         names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
     except FileNotFoundError:  # nothing there yet (or no bucket: the first upload says so)

@@ -24,7 +24,9 @@ log = logging.getLogger("shardsafe.hf.push")
 DEFAULT_MESSAGE = "Upload model with shardsafe"
 
 
-def push_hub(plan: UploadPlan, target: Destination, *, revision: str | None, private: bool, message: str | None, progress: bool) -> str:
+def push_hub(
+    plan: UploadPlan, target: Destination, *, revision: str | None, private: bool, message: str | None, progress: bool
+) -> str:
     """Upload ``plan`` to the Hub repo ``target`` in one commit; returns the commit URL."""
     try:
         from huggingface_hub import CommitOperationDelete, HfApi
@@ -32,18 +34,29 @@ def push_hub(plan: UploadPlan, target: Destination, *, revision: str | None, pri
 
         from shardsafe.compat.huggingface_hub import tracked_add_class, xet_enabled
     except ImportError:
-        raise PushError(f"{target.url}: pushing to the Hub needs huggingface_hub (pip install huggingface_hub)") from None
+        raise PushError(
+            f"{target.url}: pushing to the Hub needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
     at = where(plan, target)
     api = HfApi()
     repo_id = target.repo_id
     # private=None (not False) when not asked for: a new repo then follows the namespace's default visibility
-    with_retries(lambda: api.create_repo(repo_id, private=private or None, exist_ok=True), "creating the repo", at, hub_transient)
+    with_retries(
+        lambda: api.create_repo(repo_id, private=private or None, exist_ok=True), "creating the repo", at, hub_transient
+    )
     if revision is not None and revision != "main":
-        with_retries(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), f"creating the branch {revision}", at, hub_transient)
+        with_retries(
+            lambda: api.create_branch(repo_id, branch=revision, exist_ok=True),
+            f"creating the branch {revision}",
+            at,
+            hub_transient,
+        )
 
     # A commit marker of another kind left by an earlier push would shadow this model (transformers
     # prefers model.safetensors to an index): delete it in the same commit.
-    existing = set(with_retries(lambda: api.list_repo_files(repo_id, revision=revision), "listing the repo", at, hub_transient))
+    existing = set(
+        with_retries(lambda: api.list_repo_files(repo_id, revision=revision), "listing the repo", at, hub_transient)
+    )
     names = {f.name for f in plan.files}
     stale = sorted(m for m in COMMIT_MARKERS.values() if m in existing and m not in names)
 
@@ -66,8 +79,11 @@ def push_hub(plan: UploadPlan, target: Destination, *, revision: str | None, pri
             disable_progress_bars()
         try:
             info = with_retries(
-                lambda: api.create_commit(repo_id, operations, commit_message=message or DEFAULT_MESSAGE, revision=revision),
-                f"committing {len(plan.files)} files ({', '.join(f.name for f in plan.files[:3])}{', ...' if len(plan.files) > 3 else ''})",
+                lambda: api.create_commit(
+                    repo_id, operations, commit_message=message or DEFAULT_MESSAGE, revision=revision
+                ),
+                f"committing {len(plan.files)} files "
+                f"({', '.join(f.name for f in plan.files[:3])}{', ...' if len(plan.files) > 3 else ''})",
                 at,
                 hub_transient,
             )

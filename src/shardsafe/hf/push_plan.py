@@ -116,7 +116,9 @@ def parse_destination(dest: str) -> Destination:
         return Destination("fsspec", f"{protocol}://{path.rstrip('/')}")
     if _HUB_REPO_ID.fullmatch(text):
         return Destination("hub", f"hf://{text}", text)
-    raise PushError(f"{dest!r}: DEST must be a Hub repo (hf://owner/name or owner/name) or an fsspec URL (s3://bucket/prefix, file:///path)")
+    raise PushError(
+        f"{dest!r}: DEST must be a Hub repo (hf://owner/name or owner/name) or an fsspec URL (s3://bucket/prefix, file:///path)"
+    )
 
 
 def where(plan: UploadPlan, target: Destination) -> str:

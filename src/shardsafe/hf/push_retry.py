@@ -66,7 +66,15 @@ def with_retries(action: Callable[[], T], what: str, where: str, transient: Call
             if attempt >= MAX_ATTEMPTS or not transient(exc):
                 tries = f" after {attempt} attempts" if attempt > 1 else ""
                 raise PushError(f"{where}: {what} failed{tries}: {describe(exc)}") from exc
-            log.warning("%s: %s failed (attempt %d of %d), retrying in %.1fs: %s", where, what, attempt, MAX_ATTEMPTS, delay, describe(exc))
+            log.warning(
+                "%s: %s failed (attempt %d of %d), retrying in %.1fs: %s",
+                where,
+                what,
+                attempt,
+                MAX_ATTEMPTS,
+                delay,
+                describe(exc),
+            )
         time.sleep(delay)
         delay = min(MAX_BACKOFF_S, delay * 2)
         attempt += 1
@@ -106,7 +114,9 @@ class Progress:
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled, leave=True)
+        self._bar = tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled, leave=True
+        )
         self._lock = threading.Lock()
         self._done: dict[str, int] = {}
 

@@ -100,7 +100,8 @@ def read_weights_file(path: Path) -> WeightsFile:
     empty = [name for name, t in tensors.items() if numel(t.shape) == 0]
     if empty:
         raise ModelFolderError(
-            f"{path}: {len(empty)} tensors are empty (e.g. {show_name(empty[0])}); this looks like weights saved by one rank "
+            f"{path}: {len(empty)} tensors are empty (e.g. {show_name(empty[0])}); this looks like weights saved by "
+            "one rank "
             "without gathering the ZeRO-3/FSDP shards - refusing it"
         )
     _check_layout(path, 8 + length, size, tensors)
@@ -110,14 +111,18 @@ def read_weights_file(path: Path) -> WeightsFile:
 def _check_raw_header(path: Path, raw: dict[str, object]) -> None:
     """What the shared header parser lets through but safetensors refuses: a bad ``__metadata__``, non-UTF-8 names."""
     metadata = raw.get(METADATA_KEY)
-    if metadata is not None and (not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
         what = "a tensor" if isinstance(metadata, dict) and "data_offsets" in metadata else "not a map of strings"
         raise ModelFolderError(f"{path}: its {METADATA_KEY} entry is {what}; safetensors cannot open such a file")
     for name in [*raw, *(metadata if isinstance(metadata, dict) else ())]:
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            raise ModelFolderError(f"{path}: the header name {show_name(name)} is not valid UTF-8 (a lone surrogate)") from None
+            raise ModelFolderError(
+                f"{path}: the header name {show_name(name)} is not valid UTF-8 (a lone surrogate)"
+            ) from None
 
 
 def _check_layout(path: Path, data_start: int, size: int, tensors: dict[str, HeaderTensor]) -> None:
@@ -127,7 +132,9 @@ def _check_layout(path: Path, data_start: int, size: int, tensors: dict[str, Hea
         if t.begin < position:
             raise ModelFolderError(f"{path}: the data of tensor {show_name(name)} overlaps another tensor's")
         if t.begin > position:
-            raise ModelFolderError(f"{path}: {t.begin - position} bytes before tensor {show_name(name)} belong to no tensor")
+            raise ModelFolderError(
+                f"{path}: {t.begin - position} bytes before tensor {show_name(name)} belong to no tensor"
+            )
         position = t.end
     if position != size:
         raise ModelFolderError(f"{path}: {size - position} bytes after the last tensor belong to no tensor")

@@ -65,7 +65,11 @@ def _name(kind: str, i: int) -> str:
 
 def _position_of(dataloader: Any) -> Any:
     """What holds a prepared dataloader's position: a ReshardableSampler, or the dataloader itself when stateful."""
-    for holder in (dataloader, getattr(dataloader, "batch_sampler", None), getattr(dataloader, "base_dataloader", None)):
+    for holder in (
+        dataloader,
+        getattr(dataloader, "batch_sampler", None),
+        getattr(dataloader, "base_dataloader", None),
+    ):
         for attr in ("sampler", "batch_sampler"):
             candidate = getattr(holder, attr, None) if holder is not None else None
             inner = getattr(candidate, "sampler", None)
@@ -85,7 +89,8 @@ def _check_zero3(model: Any, i: int) -> None:
     stage = int(model.zero_optimization_stage())
     if stage != 3:
         raise ShardsafeError(
-            f"model {i} is a DeepSpeed ZeRO stage {stage} engine; shardsafe's save_state/load_state handle ZeRO stage 3 only. "
+            f"model {i} is a DeepSpeed ZeRO stage {stage} engine; shardsafe's save_state/load_state handle ZeRO stage "
+            "3 only. "
             "Use accelerator.save_state for stages 0-2 (`shardsafe convert <its folder> OUT` converts that checkpoint)"
         )
 
@@ -109,7 +114,9 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
         for i, optimizer in enumerate(found.optimizers):
             inner = getattr(optimizer, "optimizer", optimizer)
             if not isinstance(inner, torch.optim.Optimizer):
-                raise ShardsafeError(f"optimizer {i} is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it")
+                raise ShardsafeError(
+                    f"optimizer {i} is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it"
+                )
             state[_name("optimizer", i)] = inner
     for i, scheduler in enumerate(found.schedulers):
         state[_name("scheduler", i)] = getattr(scheduler, "scheduler", scheduler)
@@ -151,7 +158,9 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
     if auto:
         target = _checkpoints_dir(accelerator) / ACCELERATE_NAMING.name(config.iteration)
     elif output_dir is None:
-        raise ShardsafeError("save_state: pass output_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
+        raise ShardsafeError(
+            "save_state: pass output_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)"
+        )
     else:
         target = Path(output_dir)
     comm = get_comm()
@@ -175,11 +184,14 @@ _LOADED: dict[str, set[int]] = {}  # checkpoints folder -> the checkpoint number
 
 
 def _refuse_other_runs_checkpoint(folder: Path, number: int, lease: RootLease, comm: Any) -> None:
-    """Collective: every rank raises the same CheckpointExistsError if ``checkpoint_<number>`` is another run's (the manager's rule)."""
+    """Collective: every rank raises the same CheckpointExistsError if ``checkpoint_<number>`` is another run's (the
+    manager's rule)."""
     loaded = _LOADED.get(str(folder.absolute()), set())
 
     def check() -> None:
-        refuse_other_runs_step(folder, number, lease.run_id, loaded, _REPLACE_REMEDY, naming=ACCELERATE_NAMING, key=META_KEY)
+        refuse_other_runs_step(
+            folder, number, lease.run_id, loaded, _REPLACE_REMEDY, naming=ACCELERATE_NAMING, key=META_KEY
+        )
 
     comm.on_coordinator(check, default=SaveError)
 
@@ -230,7 +242,9 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
         config.iteration = numbered[-1][0] + 1
         _LOADED.setdefault(str(folder.absolute()), set()).add(numbered[-1][0])
     else:
-        raise ShardsafeError("load_state: pass input_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
+        raise ShardsafeError(
+            "load_state: pass input_dir, or use ProjectConfiguration(automatic_checkpoint_naming=True)"
+        )
     state = accelerator_state(accelerator)
     load(path, state, strict=strict)
     accelerator.step = int(state[STEP_KEY])

@@ -35,14 +35,17 @@ _KINDS = {"model": "module", "optim": "optimizer"}
 
 
 def _insert(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any, limit: int, where: str) -> None:
-    """Put ``value`` at ``path`` of the nested state dict ``tree``: an int part indexes a list (below ``limit``, the number
+    """Put ``value`` at ``path`` of the nested state dict ``tree``: an int part indexes a list (below ``limit``, the
+    number
     of entries, so a path cannot make a huge list), any other a dict; two paths that conflict are refused."""
     node: Any = tree
     for i, part in enumerate(path):
         nxt: Any = value if i == len(path) - 1 else ([] if isinstance(path[i + 1], int) else {})
         if isinstance(node, list):
             if not isinstance(part, int) or isinstance(part, bool) or not 0 <= part < limit:
-                raise FormatError(f"{where}: a state-dict path {list(path)[:8]!r:.200} indexes a list with {part!r:.40}")
+                raise FormatError(
+                    f"{where}: a state-dict path {list(path)[:8]!r:.200} indexes a list with {part!r:.40}"
+                )
             node.extend([None] * (part + 1 - len(node)))
             current = node[part]
             if current is None:
@@ -84,7 +87,9 @@ def dcp_state_tree(ckpt: DcpCheckpoint) -> tuple[dict[str, str], dict[str, Any]]
 
         def ref(path: str, tensor: torch.Tensor) -> str:
             if id(tensor) not in key_of:
-                raise FormatError(f"{ckpt.folder}: value {path!r} holds a tensor saved as a value; only plain values are converted")
+                raise FormatError(
+                    f"{ckpt.folder}: value {path!r} holds a tensor saved as a value; only plain values are converted"
+                )
             return key_of[id(tensor)]
 
         kind = _KINDS.get(name, "value") if isinstance(value, dict) else "value"
@@ -100,7 +105,8 @@ def convert_dcp(
     fsync: bool = True,
     progress: bool = False,
 ) -> Path:
-    """Turn the DCP checkpoint folder ``src`` into a shardsafe checkpoint at ``out``, in this process. Returns ``out``."""
+    """Turn the DCP checkpoint folder ``src`` into a shardsafe checkpoint at ``out``, in this process. Returns
+    ``out``."""
     from shardsafe.api.checkpoint import location
 
     final = location(out)
@@ -108,15 +114,21 @@ def convert_dcp(
         if isinstance(final, Path) and final == ckpt.folder:
             raise ShardsafeError(f"{final}: the output folder must not be the source")
         keys, tree = dcp_state_tree(ckpt)
-        planned = [Planned(keys[fqn], entry.dtype, entry.shape, functools.partial(ckpt.read_fqn, fqn)) for fqn, entry in ckpt.meta.tensors.items()]
+        planned = [
+            Planned(keys[fqn], entry.dtype, entry.shape, functools.partial(ckpt.read_fqn, fqn))
+            for fqn, entry in ckpt.meta.tensors.items()
+        ]
         planned.sort(key=lambda p: p.key)
         info = {"format": "torch.distributed.checkpoint", "version": ckpt.meta.version, "folder": str(ckpt.folder)}
-        write_planned(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)
+        write_planned(
+            final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress
+        )
     return Path(final) if isinstance(final, Path) else Path(str(out))
 
 
 def export_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-    """Write the shardsafe checkpoint ``src`` as a DCP checkpoint at ``out`` with ``dcp.save`` (one process, whole tensors).
+    """Write the shardsafe checkpoint ``src`` as a DCP checkpoint at ``out`` with ``dcp.save`` (one process, whole
+    tensors).
 
     The folder is built hidden next to ``out`` and renamed into place, so a failure leaves no half DCP folder.
     """
@@ -135,7 +147,10 @@ def export_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], *, over
         def lookup(key: str) -> torch.Tensor:
             return source.read(key)
 
-        state = {name: decode_value(entry.get("state"), lookup, f"{source.folder}/{manifest.state_file}") for name, entry in tree.items()}
+        state = {
+            name: decode_value(entry.get("state"), lookup, f"{source.folder}/{manifest.state_file}")
+            for name, entry in tree.items()
+        }
     finally:
         source.close()
     from shardsafe.core.comm import Comm

@@ -1,4 +1,5 @@
-"""``shardsafe.load(dcp_folder, state)``: a DCP checkpoint loaded in place (resharded, any world size), with no copy on disk.
+"""``shardsafe.load(dcp_folder, state)``: a DCP checkpoint loaded in place (resharded, any world size), with no copy on
+disk.
 
 Registered with :mod:`shardsafe.api.foreign` when the package is imported. The folder's checked
 ``.metadata`` (:mod:`~shardsafe.interop.dcp_metadata`) is described as a shardsafe manifest and
@@ -34,7 +35,13 @@ __all__: list[str] = []
 
 
 def load_dcp(
-    folder: Path, state: dict[str, Any], *, process_group: Any = None, strict: bool = True, verify: bool = True, atomic: bool = True
+    folder: Path,
+    state: dict[str, Any],
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    verify: bool = True,
+    atomic: bool = True,
 ) -> dict[str, Any]:
     """Load the DCP folder into ``state`` like :func:`shardsafe.load` (collective), reading its items in place."""
 
@@ -45,14 +52,23 @@ def load_dcp(
         check_state_tree(tree, f"{folder / METADATA_NAME}", manifest)
         return manifest, tree
 
-    return load_from(state, opened, lambda manifest: DcpChunkReader(Path(folder), manifest, verify), process_group, strict, verify, atomic)
+    return load_from(
+        state,
+        opened,
+        lambda manifest: DcpChunkReader(Path(folder), manifest, verify),
+        process_group,
+        strict,
+        verify,
+        atomic,
+    )
 
 
 register_format(
     ForeignFormat(
         "torch.distributed.checkpoint (DCP)",
         is_dcp_folder,
-        "DCP records no hashes to verify: `shardsafe inspect` checks its metadata, `shardsafe convert SRC OUT` reads every item",
+        "DCP records no hashes to verify: `shardsafe inspect` checks its metadata, `shardsafe convert SRC OUT` reads "
+        "every item",
         load_dcp,
     )
 )

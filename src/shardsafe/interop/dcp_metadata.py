@@ -10,7 +10,8 @@ metadata classes, ``torch.Size``, dtypes, the layout and memory-format encodings
 as strings, plain containers), unpickles it into the stand-ins below (nothing of torch's DCP is
 imported or constructed), and turns it into a :class:`DcpMetadata` whose every path is a plain file
 name in the folder and every ``(offset, length)`` lies inside that file (no two items sharing bytes),
-and whose chunks lie inside their tensors and hold at most as many bytes as their item. Every refusal is a :class:`FormatError`
+and whose chunks lie inside their tensors and hold at most as many bytes as their item. Every refusal is a
+:class:`FormatError`
 naming the file.
 """
 
@@ -28,7 +29,14 @@ from typing import Any
 import torch
 
 from shardsafe.errors import CheckpointNotFoundError, FormatError
-from shardsafe.interop.pickle_scan import MAX_DIMS, MAX_PICKLE_BYTES, GlobalRules, RestrictedUnpickler, check_value_graph, scan_pickle
+from shardsafe.interop.pickle_scan import (
+    MAX_DIMS,
+    MAX_PICKLE_BYTES,
+    GlobalRules,
+    RestrictedUnpickler,
+    check_value_graph,
+    scan_pickle,
+)
 
 __all__ = ["DcpItem", "DcpMetadata", "METADATA_NAME", "RULES", "is_dcp_folder", "read_metadata"]
 
@@ -86,8 +94,15 @@ class TensorPropertiesStandIn(_StandIn):
     dtype: torch.dtype
 
     def __setstate__(self, state: Any) -> None:
-        if not isinstance(state, tuple) or len(state) != 5 or not isinstance(state[0], torch.dtype) or state[1] is not torch.strided:
-            raise FormatError("a TensorProperties that is not (dtype, torch.strided, requires_grad, memory format, pin_memory)")
+        if (
+            not isinstance(state, tuple)
+            or len(state) != 5
+            or not isinstance(state[0], torch.dtype)
+            or state[1] is not torch.strided
+        ):
+            raise FormatError(
+                "a TensorProperties that is not (dtype, torch.strided, requires_grad, memory format, pin_memory)"
+            )
         self.dtype = state[0]
 
 
@@ -122,7 +137,9 @@ def _size(*args: Any) -> torch.Size:
 
 
 _QUANTIZED = {torch.qint8, torch.qint32, torch.quint8, torch.quint4x2, torch.quint2x4}
-DTYPES = {n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype) and d not in _QUANTIZED and d.itemsize >= 1}
+DTYPES = {
+    n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype) and d not in _QUANTIZED and d.itemsize >= 1
+}
 _CLASSES: dict[str, type] = {
     f"{_MD}.Metadata": MetadataStandIn,
     f"{_MD}.TensorStorageMetadata": TensorStorageStandIn,
@@ -188,12 +205,14 @@ class DcpTensor:
 
 @dataclass(frozen=True)
 class DcpMetadata:
-    """A checked ``.metadata``: tensors and non-tensor values by flattened key, their state-dict paths, the files' sizes."""
+    """A checked ``.metadata``: tensors and non-tensor values by flattened key, their state-dict paths, the files'
+    sizes."""
 
     folder: Path
     tensors: dict[str, DcpTensor] = field(default_factory=dict)
     values: dict[str, DcpItem] = field(default_factory=dict)
-    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # flattened key -> path in the nested state dict
+    # flattened key -> path in the nested state dict
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
     file_sizes: dict[str, int] = field(default_factory=dict)
     version: str | None = None
 
@@ -262,10 +281,14 @@ def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 -
         if not isinstance(fqn, str):
             raise FormatError(f"{where}: a storage_data key without a name")
         if info.get("transform_descriptors"):
-            raise FormatError(f"{where}: {fqn[:120]!r} is stored through extensions (compression, ...); only plain items are read")
+            raise FormatError(
+                f"{where}: {fqn[:120]!r} is stored through extensions (compression, ...); only plain items are read"
+            )
         name = info.get("relative_path")
         if not isinstance(name, str) or not _DATA_FILE.match(name) or name.startswith("."):
-            raise FormatError(f"{where}: {fqn[:120]!r} is stored in {str(name)[:120]!r}, not a .distcp file of the folder")
+            raise FormatError(
+                f"{where}: {fqn[:120]!r} is stored in {str(name)[:120]!r}, not a .distcp file of the folder"
+            )
         if name not in meta.file_sizes:
             child = folder / name
             try:
@@ -275,9 +298,15 @@ def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 -
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError(f"{child}: not a regular file (symbolic links are not followed)")
             meta.file_sizes[name] = st.st_size
-        begin, length = _int(info.get("offset"), f"{fqn[:120]!r}'s offset", where), _int(info.get("length"), f"{fqn[:120]!r}'s length", where)
+        begin, length = (
+            _int(info.get("offset"), f"{fqn[:120]!r}'s offset", where),
+            _int(info.get("length"), f"{fqn[:120]!r}'s length", where),
+        )
         if begin + length > meta.file_sizes[name]:
-            raise FormatError(f"{where}: {fqn[:120]!r} lies at bytes {begin}..{begin + length} of {name}, which holds {meta.file_sizes[name]}")
+            raise FormatError(
+                f"{where}: {fqn[:120]!r} lies at bytes {begin}..{begin + length} of {name}, which holds "
+                f"{meta.file_sizes[name]}"
+            )
         key = (fqn, tuple(offset) if isinstance(offset, torch.Size) else None)
         if key in items:
             raise FormatError(f"{where}: {fqn[:120]!r} is stored twice at the same offsets")
@@ -297,7 +326,12 @@ def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 -
     planner = raw.get("planner_data")
     if isinstance(planner, dict):
         for fqn, path in planner.items():
-            if fqn in sd_meta and isinstance(path, tuple) and path and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+            if (
+                fqn in sd_meta
+                and isinstance(path, tuple)
+                and path
+                and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
+            ):
                 meta.paths[fqn] = path
     for fqn in sd_meta:
         meta.paths.setdefault(fqn, (fqn,))
@@ -315,13 +349,22 @@ def _check_disjoint(items: dict[tuple[str, tuple[int, ...] | None], DcpItem], wh
         spans.sort()
         for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
             if begin < end:
-                raise FormatError(f"{where}: {a[:120]!r} and {b[:120]!r} share bytes of {name} (at {begin}); each item is stored once")
+                raise FormatError(
+                    f"{where}: {a[:120]!r} and {b[:120]!r} share bytes of {name} (at {begin}); each item is stored once"
+                )
 
 
-def _tensor(fqn: str, entry: TensorStorageStandIn, items: dict[tuple[str, tuple[int, ...] | None], DcpItem], where: str) -> DcpTensor:
-    """A tensor's entry, checked: a known dtype, its chunks inside its shape, each no bigger than its item, together covering it once."""
+def _tensor(
+    fqn: str, entry: TensorStorageStandIn, items: dict[tuple[str, tuple[int, ...] | None], DcpItem], where: str
+) -> DcpTensor:
+    """A tensor's entry, checked: a known dtype, its chunks inside its shape, each no bigger than its item, together
+    covering it once."""
     props, size, chunks = entry.get("properties"), entry.get("size"), entry.get("chunks")
-    if not isinstance(props, TensorPropertiesStandIn) or not isinstance(size, torch.Size) or not isinstance(chunks, list):
+    if (
+        not isinstance(props, TensorPropertiesStandIn)
+        or not isinstance(size, torch.Size)
+        or not isinstance(chunks, list)
+    ):
         raise FormatError(f"{where}: tensor {fqn[:120]!r} has no properties, size or chunk list")
     shape = tuple(size)
     out = []
@@ -331,13 +374,26 @@ def _tensor(fqn: str, entry: TensorStorageStandIn, items: dict[tuple[str, tuple[
             chunk.get("offsets") if isinstance(chunk, ChunkStandIn) else None,
             chunk.get("sizes") if isinstance(chunk, ChunkStandIn) else None,
         )
-        if not isinstance(offsets, torch.Size) or not isinstance(sizes, torch.Size) or len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise FormatError(f"{where}: tensor {fqn[:120]!r} has a chunk whose offsets or sizes do not match its {len(shape)} dimensions")
+        if (
+            not isinstance(offsets, torch.Size)
+            or not isinstance(sizes, torch.Size)
+            or len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+        ):
+            raise FormatError(
+                f"{where}: tensor {fqn[:120]!r} has a chunk whose offsets or sizes do not match its {len(shape)} "
+                "dimensions"
+            )
         if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
-            raise FormatError(f"{where}: tensor {fqn[:120]!r} {list(shape)} has a chunk at {list(offsets)} of {list(sizes)} outside it")
+            raise FormatError(
+                f"{where}: tensor {fqn[:120]!r} {list(shape)} has a chunk at {list(offsets)} of {list(sizes)} outside "
+                "it"
+            )
         item = items.get((fqn, tuple(offsets)))
         if item is None:
-            raise FormatError(f"{where}: tensor {fqn[:120]!r} has a chunk at {list(offsets)} with no storage_data entry")
+            raise FormatError(
+                f"{where}: tensor {fqn[:120]!r} has a chunk at {list(offsets)} with no storage_data entry"
+            )
         nbytes = math.prod(sizes) * props.dtype.itemsize
         if nbytes > item.length:
             raise FormatError(f"{where}: tensor {fqn[:120]!r}: a chunk of {nbytes} bytes in an item of {item.length}")
@@ -352,7 +408,11 @@ def _tensor(fqn: str, entry: TensorStorageStandIn, items: dict[tuple[str, tuple[
                 and 0 not in a.sizes
                 and 0 not in b.sizes
             ):
-                raise FormatError(f"{where}: tensor {fqn[:120]!r} has chunks at {list(a.offsets)} and {list(b.offsets)} that overlap")
+                raise FormatError(
+                    f"{where}: tensor {fqn[:120]!r} has chunks at {list(a.offsets)} and {list(b.offsets)} that overlap"
+                )
     if covered != math.prod(shape):
-        raise FormatError(f"{where}: tensor {fqn[:120]!r} {list(shape)}: its chunks hold {covered} of its {math.prod(shape)} elements")
+        raise FormatError(
+            f"{where}: tensor {fqn[:120]!r} {list(shape)}: its chunks hold {covered} of its {math.prod(shape)} elements"
+        )
     return DcpTensor(props.dtype, shape, tuple(out))

@@ -1,4 +1,5 @@
-"""A DCP checkpoint folder as a :class:`~shardsafe.api.source.TensorSource`: whole tensors and plain values, read safely.
+"""A DCP checkpoint folder as a :class:`~shardsafe.api.source.TensorSource`: whole tensors and plain values, read
+safely.
 
 A tensor chunk's item (a ``torch.save`` archive of one contiguous tensor: its bytes are one stored
 zip record) is read by :class:`DcpChunkReader`, the reader ``shardsafe.load`` of the folder uses too:
@@ -44,11 +45,16 @@ def dcp_manifest(meta: DcpMetadata, keys: dict[str, str]) -> Manifest:
     bytes in its ``.distcp`` file (no hashes: DCP records none), each file with the size it had."""
     tensors = {}
     for fqn, tensor in meta.tensors.items():
-        chunks = tuple(ChunkEntry(c.offsets, c.sizes, c.item.file, c.item.offset, c.item.offset + c.item.length, ()) for c in tensor.chunks)
+        chunks = tuple(
+            ChunkEntry(c.offsets, c.sizes, c.item.file, c.item.offset, c.item.offset + c.item.length, ())
+            for c in tensor.chunks
+        )
         tensors[keys[fqn]] = TensorEntry(tensor.dtype, tensor.shape, chunks)
     files = {name: FileEntry(size, 0) for name, size in meta.file_sizes.items()}
     info = {"format": "torch.distributed.checkpoint", "version": meta.version, "folder": str(meta.folder)}
-    return Manifest(world_size=1, tensors=tensors, files=files, state_size=0, state_hash="", metadata={"converted_from": info})
+    return Manifest(
+        world_size=1, tensors=tensors, files=files, state_size=0, state_hash="", metadata={"converted_from": info}
+    )
 
 
 class DcpFiles(ShardFiles):
@@ -59,7 +65,9 @@ class DcpFiles(ShardFiles):
 
     def __init__(self, folder: Path | RemoteDir, manifest: Manifest) -> None:
         super().__init__(folder, manifest)
-        self._dtypes = {(c.file, c.begin): (key, entry.dtype) for key, entry in manifest.tensors.items() for c in entry.chunks}
+        self._dtypes = {
+            (c.file, c.begin): (key, entry.dtype) for key, entry in manifest.tensors.items() for c in entry.chunks
+        }
         self._located: dict[tuple[str, int], TensorAt] = {}
         self._crc_checked: set[tuple[str, int]] = set()
 
@@ -77,17 +85,23 @@ class DcpFiles(ShardFiles):
         fd, size = self.source.open(None, chunk.file)
         path = self.source.describe(None, chunk.file)
         if size != self.manifest.files[chunk.file].size:
-            raise IntegrityError(f"{path}: {size} bytes, {self.manifest.files[chunk.file].size} when the metadata was read (changed or truncated)")
+            raise IntegrityError(
+                f"{path}: {size} bytes, {self.manifest.files[chunk.file].size} when the metadata was read (changed or "
+                "truncated)"
+            )
         key, dtype = self._dtypes[ident]
         where = f"{path} (tensor {key!r:.200} at {list(chunk.offsets)}, bytes {chunk.begin}..{chunk.end})"
         found = locate_tensor(FileWindow(fd, chunk.begin, chunk.end - chunk.begin), chunk.end - chunk.begin, where)
         if found.dtype != dtype or found.shape != chunk.shape:
-            raise FormatError(f"{where}: holds {found.dtype} {list(found.shape)}, the metadata says {dtype} {list(chunk.shape)}")
+            raise FormatError(
+                f"{where}: holds {found.dtype} {list(found.shape)}, the metadata says {dtype} {list(chunk.shape)}"
+            )
         self._located[ident] = found
         return found
 
     def check_crc(self, chunk: ChunkEntry, found: TensorAt) -> None:
-        """The record holding ``chunk``'s tensor, read whole through a bounded scratch buffer, against its CRC-32 (once per reader)."""
+        """The record holding ``chunk``'s tensor, read whole through a bounded scratch buffer, against its CRC-32 (once
+        per reader)."""
         ident = (chunk.file, chunk.begin)
         if ident in self._crc_checked:
             return
@@ -103,7 +117,8 @@ class DcpFiles(ShardFiles):
         if crc != expected:
             key = self._dtypes[ident][0]
             raise IntegrityError(
-                f"{path}: the item of tensor {key!r:.200} at {list(chunk.offsets)} (bytes {chunk.begin}..{chunk.end}) fails its CRC-32 check: "
+                f"{path}: the item of tensor {key!r:.200} at {list(chunk.offsets)} (bytes {chunk.begin}..{chunk.end}) "
+                "fails its CRC-32 check: "
                 "the file is corrupted"
             )
         self._crc_checked.add(ident)
@@ -145,7 +160,8 @@ class DcpChunkReader(ChunkReader):
 
 
 class DcpCheckpoint:
-    """A DCP checkpoint folder: tensors under ``key`` (``model``) for export, and every tensor and value for conversion."""
+    """A DCP checkpoint folder: tensors under ``key`` (``model``) for export, and every tensor and value for
+    conversion."""
 
     default_dtype: torch.dtype | None = None
     aliases_recorded = True  # a DCP state dict holds tied weights once per name; export writes them as saved
@@ -162,7 +178,9 @@ class DcpCheckpoint:
                 self._names[name] = fqn
         if not self._names and key:
             keys = sorted({str(p[0]) for p in self.meta.paths.values()})
-            raise FormatError(f"{self.folder}: no tensors under {key!r} (the DCP checkpoint holds {keys}); pick one with key=/--key")
+            raise FormatError(
+                f"{self.folder}: no tensors under {key!r} (the DCP checkpoint holds {keys}); pick one with key=/--key"
+            )
         self.aliases: dict[str, str] = {}
         self._reader: DcpChunkReader | None = None  # opened at the first tensor read
 
@@ -178,13 +196,17 @@ class DcpCheckpoint:
         """Tied weights are saved under each name by DCP; nothing to leave out."""
 
     def tensors(self) -> list[TensorInfo]:
-        return [TensorInfo(name, self.meta.tensors[fqn].dtype, self.meta.tensors[fqn].shape) for name, fqn in self._names.items()]
+        return [
+            TensorInfo(name, self.meta.tensors[fqn].dtype, self.meta.tensors[fqn].shape)
+            for name, fqn in self._names.items()
+        ]
 
     def read(self, name: str) -> torch.Tensor:
         return self.read_fqn(self._names[name])
 
     def read_fqn(self, fqn: str) -> torch.Tensor:
-        """The whole tensor saved under the flattened key ``fqn``, assembled from its chunks (each record's CRC-32 checked)."""
+        """The whole tensor saved under the flattened key ``fqn``, assembled from its chunks (each record's CRC-32
+        checked)."""
         if self._reader is None:
             self._reader = DcpChunkReader(self.folder, dcp_manifest(self.meta, {f: f for f in self.meta.tensors}))
         return self._reader.read_tensor(fqn, self._reader.manifest.tensors[fqn])
@@ -222,7 +244,10 @@ class DcpCheckpoint:
             "format": "torch.distributed.checkpoint",
             "version": self.meta.version,
             "files": dict(sorted(self.meta.file_sizes.items())),
-            "tensors": {fqn: (str(t.dtype).removeprefix("torch."), list(t.shape), len(t.chunks)) for fqn, t in self.meta.tensors.items()},
+            "tensors": {
+                fqn: (str(t.dtype).removeprefix("torch."), list(t.shape), len(t.chunks))
+                for fqn, t in self.meta.tensors.items()
+            },
             "values": sorted(self.meta.values),
         }
 

@@ -1,4 +1,5 @@
-"""A DeepSpeed ZeRO checkpoint rewritten as a shardsafe checkpoint: what to write (the plan) and writing it in one process.
+"""A DeepSpeed ZeRO checkpoint rewritten as a shardsafe checkpoint: what to write (the plan) and writing it in one
+process.
 
 :func:`convert_deepspeed` reads through :class:`~shardsafe.interop.deepspeed_reader.DeepSpeedCheckpoint`
 (restricted, memory-safe loading; one tensor in memory at a time) and writes either a module + torch
@@ -65,7 +66,9 @@ class _Produced:
         for item in self.planned:
             tensor = item.produce()
             if tensor.dtype != item.dtype or tuple(tensor.shape) != item.shape:
-                raise ShardsafeError(f"{item.key}: produced {tensor.dtype} {list(tensor.shape)}, planned {item.dtype} {list(item.shape)}")
+                raise ShardsafeError(
+                    f"{item.key}: produced {tensor.dtype} {list(tensor.shape)}, planned {item.dtype} {list(item.shape)}"
+                )
             yield tensor.contiguous()
             if self.progress is not None:
                 self.progress.update(tensor.numel() * tensor.element_size())
@@ -129,11 +132,15 @@ def convert_deepspeed(
             except ShardsafeError as exc:
                 log.warning("the LR scheduler state is not stored (%s)", exc)
         planned.sort(key=lambda p: p.key)  # the manifest lists tensors by key; files follow the same order
-        write_planned(final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress)
+        write_planned(
+            final, planned, tree, {"converted_from": info}, overwrite=overwrite, fsync=fsync, progress=progress
+        )
     return Path(final) if isinstance(final, Path) else Path(str(out))
 
 
-def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key: str, optim_key: str) -> tuple[list[Planned], dict[str, Any]]:
+def _plan_module(
+    ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key: str, optim_key: str
+) -> tuple[list[Planned], dict[str, Any]]:
     """The tensors and state entries of a module + torch optimizer (``convert_deepspeed`` without ``for_engine``)."""
     planned: list[Planned] = []
 
@@ -144,7 +151,9 @@ def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key
     for name in [*ckpt.names(), *ckpt.aliases]:
         stored = ckpt.dtype(name)
         target = _cast(dtype, stored)
-        planned.append(Planned(f"{model_key}/{name}", target, ckpt.shape(name), functools.partial(_read_as, ckpt, name, target)))
+        planned.append(
+            Planned(f"{model_key}/{name}", target, ckpt.shape(name), functools.partial(_read_as, ckpt, name, target))
+        )
         model_tree[name] = torch.empty(0)
     order = {name: i for i, name in enumerate(ckpt.state_dict_order())}
     model_tree = dict(sorted(model_tree.items(), key=lambda kv: order.get(kv[0], len(order))))
@@ -153,7 +162,14 @@ def _plan_module(ckpt: DeepSpeedCheckpoint, dtype: torch.dtype | None, model_key
     for name in ckpt.trainable:
         entries: dict[str, Any] = {}
         for key, (state_dtype, shape) in ckpt.optimizer_state_spec(name).items():
-            planned.append(Planned(f"{optim_key}/state/{name}/{key}", state_dtype, shape, functools.partial(ckpt.optimizer_state, name, key)))
+            planned.append(
+                Planned(
+                    f"{optim_key}/state/{name}/{key}",
+                    state_dtype,
+                    shape,
+                    functools.partial(ckpt.optimizer_state, name, key),
+                )
+            )
             entries[key] = torch.empty(0)
         if entries:
             optim_tree["state"][name] = entries
@@ -173,7 +189,9 @@ def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[Planned], d
     planned: list[Planned] = []
     state: dict[str, Any] = {section: {} for section in SECTIONS}
 
-    def plan(section: str, pname: str, dtype: torch.dtype, produce: Callable[[], torch.Tensor], sub: str | None = None) -> None:
+    def plan(
+        section: str, pname: str, dtype: torch.dtype, produce: Callable[[], torch.Tensor], sub: str | None = None
+    ) -> None:
         key = tensor_key(name, section, *([sub] if sub else []), pname)
         shape = ckpt.shape(pname) if section == "buffers" else (numel(ckpt.shape(pname)),)
         planned.append(Planned(key, dtype, shape, produce))
@@ -190,7 +208,13 @@ def _plan_engine(ckpt: DeepSpeedCheckpoint, name: str) -> tuple[list[Planned], d
             params[pname] = (ckpt.shape(pname), ckpt.stored_dtype(pname), group_of[pname])
             spec = ckpt.optimizer_state_spec(pname)
             for key in elementwise:
-                plan("optim", pname, spec[key][0], functools.partial(_read_flat, functools.partial(ckpt.optimizer_state, key=key), pname), key)
+                plan(
+                    "optim",
+                    pname,
+                    spec[key][0],
+                    functools.partial(_read_flat, functools.partial(ckpt.optimizer_state, key=key), pname),
+                    key,
+                )
         if flat_scalars:
             scalars.append((names, flat_scalars))
     for pname in ckpt.names():
@@ -233,9 +257,17 @@ def _no_tensors(path: str, tensor: torch.Tensor) -> str:
 
 
 def write_planned(
-    final: Any, planned: list[Planned], tree: dict[str, Any], metadata: dict[str, Any], *, overwrite: bool, fsync: bool, progress: bool
+    final: Any,
+    planned: list[Planned],
+    tree: dict[str, Any],
+    metadata: dict[str, Any],
+    *,
+    overwrite: bool,
+    fsync: bool,
+    progress: bool,
 ) -> None:
-    """Stream ``planned`` into one shard file and commit it like :func:`shardsafe.save` (temp folder, manifest last, atomic publish)."""
+    """Stream ``planned`` into one shard file and commit it like :func:`shardsafe.save` (temp folder, manifest last,
+    atomic publish)."""
     comm = Comm(None, 0, 1)
     target = prepare_save(comm, final, overwrite, fsync)
     try:
@@ -244,7 +276,9 @@ def write_planned(
         from tqdm.auto import tqdm
 
         total = sum(numel(p.shape) * p.dtype.itemsize for p in planned)
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress) as bar:
+        with tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress
+        ) as bar:
             size, digests = target.write_shard(name, prefix, _Produced(planned, bar), HASH_BLOCK_SIZE, 0)
     except BaseException:
         target.abort()
@@ -253,10 +287,14 @@ def write_planned(
 
     def build(results: list[Any]) -> tuple[Any, bytes]:
         tensors = {
-            p.key: TensorEntry(p.dtype, p.shape, (ChunkEntry((0,) * len(p.shape), p.shape, name, begin, end, tuple(d)),))
+            p.key: TensorEntry(
+                p.dtype, p.shape, (ChunkEntry((0,) * len(p.shape), p.shape, name, begin, end, tuple(d)),)
+            )
             for p, (begin, end), d in zip(planned, ranges, digests)
         }
         files = {name: FileEntry(size, 0)}
-        return new_manifest(1, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name()), state_bytes
+        return new_manifest(
+            1, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name()
+        ), state_bytes
 
     agree_and_publish(comm, target, Outcome(), build)

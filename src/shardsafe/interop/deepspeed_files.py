@@ -1,4 +1,5 @@
-"""Where a DeepSpeed checkpoint is and which files it holds: ``latest``, the tag folder, one file per rank, loaded lazily.
+"""Where a DeepSpeed checkpoint is and which files it holds: ``latest``, the tag folder, one file per rank, loaded
+lazily.
 
 ``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag) and ``dir/<tag>/`` holding
 ``*_model_states.pt`` and ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (one per
@@ -36,7 +37,8 @@ _DEEPSPEED_TAG = re.compile(r"^global_step[0-9]{1,20}$")
 
 @dataclass(frozen=True)
 class DeepSpeedLocation:
-    """A DeepSpeed checkpoint: the folder ``save_checkpoint`` wrote, its tag folder, the tag, and whether the tag may be shown."""
+    """A DeepSpeed checkpoint: the folder ``save_checkpoint`` wrote, its tag folder, the tag, and whether the tag may be
+    shown."""
 
     model_folder: Path
     folder: Path
@@ -72,10 +74,14 @@ def read_latest(folder: Path) -> str:
     try:
         fd = open_regular(path, follow=False)
     except FormatError:
-        raise FormatError(f"{path}: not a regular file; `latest` must be a small text file naming a tag folder") from None
+        raise FormatError(
+            f"{path}: not a regular file; `latest` must be a small text file naming a tag folder"
+        ) from None
     except OSError as exc:
         if os.path.islink(path):
-            raise FormatError(f"{path}: is a symbolic link; `latest` must be a regular file inside the checkpoint folder") from None
+            raise FormatError(
+                f"{path}: is a symbolic link; `latest` must be a regular file inside the checkpoint folder"
+            ) from None
         raise FormatError(f"{path}: cannot be read ({exc.strerror})") from None
     with open(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -87,12 +93,16 @@ def read_latest(folder: Path) -> str:
     except UnicodeDecodeError:
         raise FormatError(f"{path}: bad checkpoint tag: not a valid tag name (not UTF-8 text)") from None
     if not is_valid_tag(tag):
-        raise FormatError(f"{path}: bad checkpoint tag: not a valid tag name (it must be one folder name: no '/', '\\', '..' or control characters)")
+        raise FormatError(
+            f"{path}: bad checkpoint tag: not a valid tag name (it must be one folder name: no '/', '\\', '..' or "
+            "control characters)"
+        )
     return tag
 
 
 def find_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedLocation:
-    """The DeepSpeed checkpoint at ``path``: its root folder (holding ``latest``) or a tag folder; ``tag`` picks another tag."""
+    """The DeepSpeed checkpoint at ``path``: its root folder (holding ``latest``) or a tag folder; ``tag`` picks another
+    tag."""
     folder = Path(path).absolute()
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder}: no such folder")
@@ -103,7 +113,9 @@ def find_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = No
         if not os.path.lexists(folder / LATEST):
             tags = sorted(p.name for p in folder.iterdir() if _is_tag_folder(p))
             hint = f"; it holds the tag folders {tags}, pick one with tag=/--tag or pass that folder" if tags else ""
-            raise CheckpointNotFoundError(f"{folder}: not a DeepSpeed checkpoint (no {LATEST!r} file and no *_optim_states.pt files){hint}")
+            raise CheckpointNotFoundError(
+                f"{folder}: not a DeepSpeed checkpoint (no {LATEST!r} file and no *_optim_states.pt files){hint}"
+            )
         tag = read_latest(folder)
         shown = bool(_DEEPSPEED_TAG.match(tag))
     elif not is_valid_tag(tag):
@@ -119,7 +131,8 @@ def find_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = No
 
 
 class DeepSpeedFiles:
-    """The rank files of one tag folder, each loaded (memory-mapped, restricted) on first use and kept until :meth:`close`."""
+    """The rank files of one tag folder, each loaded (memory-mapped, restricted) on first use and kept until
+    :meth:`close`."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -146,9 +159,13 @@ class DeepSpeedFiles:
                 raise FormatError(f"{entry}: pipeline-parallel or MoE expert checkpoint files are not supported")
         ranks = sorted(optim)
         if ranks != list(range(len(ranks))):
-            raise FormatError(f"{folder}: optimizer files for ranks {ranks[:8]}; expected 0..{len(ranks) - 1} (a rank's file is missing)")
+            raise FormatError(
+                f"{folder}: optimizer files for ranks {ranks[:8]}; expected 0..{len(ranks) - 1} (a rank's file is "
+                "missing)"
+            )
         for path in [*optim.values(), *self.models.values()]:
-            safe_child(folder, path.name)  # regular files inside the tag folder, no symlinks out (the loader opens without following)
+            # regular files inside the tag folder, no symlinks out (the loader opens without following)
+            safe_child(folder, path.name)
         self.optim = [optim[r] for r in ranks]
         self.stage = 3
         self._loaded: dict[Path, Any] = {}
@@ -164,14 +181,18 @@ class DeepSpeedFiles:
         if stage == 3:
             ranks = sorted(r for r in self.models if r >= 0)
             if ranks != list(range(self.world_size)):
-                raise FormatError(f"{self.folder}: ZeRO-3 model state files for ranks {ranks[:8]}; expected 0..{self.world_size - 1}")
+                raise FormatError(
+                    f"{self.folder}: ZeRO-3 model state files for ranks {ranks[:8]}; expected 0..{self.world_size - 1}"
+                )
         elif -1 not in self.models:
             raise FormatError(f"{self.folder}: no mp_rank_00_model_states.pt (ZeRO-{stage} keeps one model file)")
 
     def model_path(self, rank: int) -> Path:
         key = rank if self.stage == 3 else -1
         if key not in self.models:
-            name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if self.stage == 3 else "mp_rank_00_model_states.pt"
+            name = (
+                f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if self.stage == 3 else "mp_rank_00_model_states.pt"
+            )
             raise FormatError(f"{self.folder}: {name} is missing (ZeRO-{self.stage})")
         return self.models[key]
 

@@ -1,4 +1,5 @@
-"""Where each trained parameter's slices lie in a DeepSpeed ZeRO checkpoint's flat partitions, checked against what the ranks hold.
+"""Where each trained parameter's slices lie in a DeepSpeed ZeRO checkpoint's flat partitions, checked against what the
+ranks hold.
 
 ZeRO-3 splits every parameter of a sub-group evenly (padded) over the ranks: rank ``r`` holds
 elements ``[r * ceil(n / world), ...)`` of each, one after the other, in its flat sub-group.
@@ -31,12 +32,14 @@ class Param:
     shape: tuple[int, ...]
     group: int  # index of its param group in the inner optimizer
     flat: int  # ZeRO-3: sub-group index; ZeRO-1/2: param group index
-    offset: int  # ZeRO-3: offset in every rank's flat sub-group; ZeRO-1/2: offset in the group's concatenation over ranks
+    # ZeRO-3: offset in every rank's flat sub-group; ZeRO-1/2: offset in the group's concatenation over ranks
+    offset: int
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The trained parameters by name, the param group of each flat group, and (ZeRO-1/2) each rank's (start, length) per group."""
+    """The trained parameters by name, the param group of each flat group, and (ZeRO-1/2) each rank's (start, length)
+    per group."""
 
     params: dict[str, Param] = field(default_factory=dict)
     owner: list[int] = field(default_factory=list)
@@ -59,12 +62,20 @@ def _group_of_flat(count: int, groups: list[dict[str, Any]] | None, where: str) 
 
 
 def zero3_layout(
-    param_shapes: list[Any], lengths: list[list[int]], groups: list[dict[str, Any]] | None, where: str, rank_file: Callable[[int], str]
+    param_shapes: list[Any],
+    lengths: list[list[int]],
+    groups: list[dict[str, Any]] | None,
+    where: str,
+    rank_file: Callable[[int], str],
 ) -> Layout:
-    """The ZeRO-3 layout; ``lengths[r][k]`` is the element count of rank ``r``'s flat sub-group ``k``, which must match exactly."""
+    """The ZeRO-3 layout; ``lengths[r][k]`` is the element count of rank ``r``'s flat sub-group ``k``, which must match
+    exactly."""
     world = len(lengths)
     if len(lengths[0]) != len(param_shapes) or any(len(x) != len(lengths[0]) for x in lengths):
-        raise FormatError(f"{where}: {len(param_shapes)} sub-groups in param_shapes, but the ranks hold {[len(x) for x in lengths][:8]} flat groups")
+        raise FormatError(
+            f"{where}: {len(param_shapes)} sub-groups in param_shapes, but the ranks hold "
+            f"{[len(x) for x in lengths][:8]} flat groups"
+        )
     owner = _group_of_flat(len(param_shapes), groups, rank_file(0))
     params: dict[str, Param] = {}
     for k, shapes in enumerate(param_shapes):
@@ -76,20 +87,33 @@ def zero3_layout(
             offset += math.ceil(numel(shape) / world)
         for r in range(world):
             if lengths[r][k] != offset:
-                raise FormatError(f"{rank_file(r)}: flat sub-group {k} holds {lengths[r][k]} elements, but its parameters need {offset} on each rank")
+                raise FormatError(
+                    f"{rank_file(r)}: flat sub-group {k} holds {lengths[r][k]} elements, but its parameters need "
+                    f"{offset} on each rank"
+                )
     return Layout(params, owner)
 
 
-def zero12_layout(param_shapes: list[Any], lengths: list[list[int]], first: dict[str, Any], where: str, rank_file: Callable[[int], str]) -> Layout:
+def zero12_layout(
+    param_shapes: list[Any],
+    lengths: list[list[int]],
+    first: dict[str, Any],
+    where: str,
+    rank_file: Callable[[int], str],
+) -> Layout:
     """The ZeRO-1/2 layout; ``first`` is rank 0's optimizer state (partition counts, alignment paddings)."""
     world = len(lengths)
     counts = first.get("partition_count")
     counts = counts if isinstance(counts, list) else [counts]
     if any(c != world for c in counts):
-        raise FormatError(f"{rank_file(0)}: partition counts {short(counts)} differ from the {world} ranks (MoE groups are not supported)")
+        raise FormatError(
+            f"{rank_file(0)}: partition counts {short(counts)} differ from the {world} ranks (MoE groups are not "
+            "supported)"
+        )
     if len(lengths[0]) != len(param_shapes) or any(len(x) != len(param_shapes) for x in lengths):
         raise FormatError(
-            f"{where}: {len(param_shapes)} param groups in param_shapes, but the ranks hold {[len(x) for x in lengths][:8]} flat groups"
+            f"{where}: {len(param_shapes)} param groups in param_shapes, but the ranks hold "
+            f"{[len(x) for x in lengths][:8]} flat groups"
         )
     paddings = first.get("param_alignment_paddings")
     params: dict[str, Param] = {}
@@ -97,9 +121,15 @@ def zero12_layout(param_shapes: list[Any], lengths: list[list[int]], first: dict
     align = 2 * world
     for g, shapes in enumerate(param_shapes):
         parsed = shapes_of(shapes, f"{where}: param_shapes[{g}]")
-        pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) and isinstance(paddings[g], list) else [0] * len(parsed)
+        pads = (
+            paddings[g]
+            if isinstance(paddings, list) and g < len(paddings) and isinstance(paddings[g], list)
+            else [0] * len(parsed)
+        )
         if len(pads) != len(parsed) or not all(small_int(p) is not None and p >= 0 for p in pads):
-            raise FormatError(f"{rank_file(0)}: param_alignment_paddings[{g}] does not match the group's {len(parsed)} parameters")
+            raise FormatError(
+                f"{rank_file(0)}: param_alignment_paddings[{g}] does not match the group's {len(parsed)} parameters"
+            )
         offset = end = 0
         for (name, shape), pad in zip(parsed.items(), pads):
             if name in params:
@@ -111,7 +141,8 @@ def zero12_layout(param_shapes: list[Any], lengths: list[list[int]], first: dict
         for r in range(world):
             parts.append((start, lengths[r][g]))
             start += lengths[r][g]
-        if math.ceil(offset / align) != math.ceil(start / align) or end > start:  # zero_to_fp32's check, and every element covered
+        # zero_to_fp32's check, and every element covered
+        if math.ceil(offset / align) != math.ceil(start / align) or end > start:
             raise FormatError(f"{where}: param group {g} needs {offset} elements, the ranks hold {start}")
         partitions.append(parts)
     return Layout(params, list(range(len(param_shapes))), partitions)

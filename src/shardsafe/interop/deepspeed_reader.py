@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3) as named whole tensors, read without DeepSpeed and without running pickled code.
+"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3) as named whole tensors, read without DeepSpeed and without running
+pickled code.
 
 The rank files (found by :mod:`~shardsafe.interop.deepspeed_files`) are opened by the restricted
 loader (:mod:`~shardsafe.interop.unpickler`): an exact allow-list of pickle opcodes and globals,
@@ -100,11 +101,15 @@ class DeepSpeedCheckpoint:
         version = model.get("ds_version")
         self.ds_version = version[:64] if isinstance(version, str) else "?"
         if model.get("mp_world_size", 1) != 1:
-            raise FormatError(f"{where}: tensor-parallel checkpoints (mp_world_size={short(model.get('mp_world_size'))}) are not supported")
+            raise FormatError(
+                f"{where}: tensor-parallel checkpoints (mp_world_size={short(model.get('mp_world_size'))}) are not "
+                "supported"
+            )
         recorded = model.get("dp_world_size", self.world_size)
         if recorded != self.world_size:
             raise FormatError(
-                f"{self.folder}: {self.world_size} optimizer state files, but the checkpoint was saved by {short(recorded)} data-parallel "
+                f"{self.folder}: {self.world_size} optimizer state files, but the checkpoint was saved by "
+                f"{short(recorded)} data-parallel "
                 "ranks (a rank's file is missing, or files of another save were left here)"
             )
         self._files.check_model_files(self.stage)
@@ -125,10 +130,13 @@ class DeepSpeedCheckpoint:
             layout = zero12_layout(param_shapes, lengths, first, where, self._where)
         self._params: dict[str, Param] = layout.params
         self._owner = layout.owner  # flat group -> param group
-        self._partitions = layout.partitions  # ZeRO-1/2: per group, per rank, (start, length) in the group's concatenation
+        # ZeRO-1/2: per group, per rank, (start, length) in the group's concatenation
+        self._partitions = layout.partitions
         known = set(self._params) | set(self._frozen) | set(self._buffer_names)
         self.aliases: dict[str, str] = {
-            a: s for a, s in shared.items() if isinstance(a, str) and isinstance(s, str) and s in known and a not in known
+            a: s
+            for a, s in shared.items()
+            if isinstance(a, str) and isinstance(s, str) and s in known and a not in known
         }
         # ZeRO-1/2 keep whole parameters in the model file; with bf16 on, DeepSpeed records no frozen_param_shapes (and
         # zero_to_fp32 drops frozen parameters): take those from the model file, in its dtype.
@@ -140,7 +148,10 @@ class DeepSpeedCheckpoint:
                 self._whole.add(name)
             else:
                 log.warning(
-                    "%s: state-dict entry %s is neither optimized, frozen, a buffer nor tied, and not stored whole; left out", where, short(name)
+                    "%s: state-dict entry %s is neither optimized, frozen, a buffer nor tied, and not stored whole; "
+                    "left out",
+                    where,
+                    short(name),
                 )
         known |= self._whole
         self._order = self._ordered_names(known)
@@ -277,7 +288,8 @@ class DeepSpeedCheckpoint:
         return value.dtype
 
     def _read_frozen(self, name: str) -> torch.Tensor:
-        """A frozen parameter from its fragments (one per rank for ZeRO-3, one whole for ZeRO-1/2), checked to cover it before allocating."""
+        """A frozen parameter from its fragments (one per rank for ZeRO-3, one whole for ZeRO-1/2), checked to cover it
+        before allocating."""
         shape = self._frozen[name]
         n = numel(shape)
         dtype = self._frozen_dtype(name)
@@ -292,7 +304,9 @@ class DeepSpeedCheckpoint:
             pieces.append((r, fragment))
             pos += min(fragment.numel(), n - pos)
         if pos != n:
-            raise FormatError(f"{self.folder}: frozen parameter {short(name)} has {pos} of its {n} elements in the checkpoint")
+            raise FormatError(
+                f"{self.folder}: frozen parameter {short(name)} has {pos} of its {n} elements in the checkpoint"
+            )
         out = torch.empty(n, dtype=dtype)
         pos = 0
         for r, fragment in pieces:
@@ -305,7 +319,8 @@ class DeepSpeedCheckpoint:
     def _gather(self, param: Param, piece: Callable[[int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Assemble a whole tensor of ``param``'s shape from each rank's 1-D ``piece(rank)`` of the flat group.
 
-        The layout checks made sure the ranks' slices cover every element, so nothing of ``torch.empty`` is left unwritten.
+        The layout checks made sure the ranks' slices cover every element, so nothing of ``torch.empty`` is left
+        unwritten.
         """
         n = numel(param.shape)
         out = torch.empty(n, dtype=dtype)
@@ -337,7 +352,8 @@ class DeepSpeedCheckpoint:
         return list(self._params)
 
     def _flat_state(self, rank: int, flat: int) -> dict[str, Any]:
-        """The inner optimizer's state of one flat group; a step kept in the param group (DeepSpeed's fused Adam) joins it."""
+        """The inner optimizer's state of one flat group; a step kept in the param group (DeepSpeed's fused Adam) joins
+        it."""
         inner = self._inner(rank)
         state = inner["state"].get(flat)
         state = dict(state) if isinstance(state, dict) else {}
@@ -355,8 +371,13 @@ class DeepSpeedCheckpoint:
         length = self._flats(rank)[flat].numel()
         if self.stage == 3:
             return value.numel() == length
-        paddings = self._optim_state(rank).get("group_paddings")  # ZeRO-1/2 keep the rank's padding at the end of its state
-        pad = paddings[flat] if isinstance(paddings, list) and flat < len(paddings) and small_int(paddings[flat]) is not None else 0
+        # ZeRO-1/2 keep the rank's padding at the end of its state
+        paddings = self._optim_state(rank).get("group_paddings")
+        pad = (
+            paddings[flat]
+            if isinstance(paddings, list) and flat < len(paddings) and small_int(paddings[flat]) is not None
+            else 0
+        )
         return value.numel() in (length, length + pad)
 
     @reading
@@ -366,7 +387,9 @@ class DeepSpeedCheckpoint:
         out: dict[str, Any] = {}
         for key, value in self._flat_state(0, param.flat).items():
             if not isinstance(key, str):
-                raise FormatError(f"{self._where(0)}: optimizer state of {short(name)} has a key that is a {type(key).__name__}")
+                raise FormatError(
+                    f"{self._where(0)}: optimizer state of {short(name)} has a key that is a {type(key).__name__}"
+                )
             if self._is_elementwise(0, param.flat, value):
                 out[key] = (value.dtype, param.shape)
             elif isinstance(value, torch.Tensor) and value.dim() == 0:
@@ -382,7 +405,8 @@ class DeepSpeedCheckpoint:
 
     @reading
     def optimizer_state(self, name: str, key: str) -> torch.Tensor:
-        """The optimizer state ``key`` (``exp_avg``, ``step``, ...) of parameter ``name``, whole (per-element entries) or as stored."""
+        """The optimizer state ``key`` (``exp_avg``, ``step``, ...) of parameter ``name``, whole (per-element entries)
+        or as stored."""
         param = self._params[name]
         value = self._flat_state(0, param.flat).get(key)
         if value is None:
@@ -395,24 +419,37 @@ class DeepSpeedCheckpoint:
         def piece(rank: int) -> torch.Tensor:
             stored = self._flat_state(rank, param.flat).get(key)
             if not self._is_elementwise(rank, param.flat, stored):
-                raise FormatError(f"{self._where(rank)}: optimizer state {short(key)} of flat group {param.flat} does not match its fp32 partition")
+                raise FormatError(
+                    f"{self._where(rank)}: optimizer state {short(key)} of flat group {param.flat} does not match its "
+                    "fp32 partition"
+                )
             assert isinstance(stored, torch.Tensor)
             return stored
 
         if not self._is_elementwise(0, param.flat, value):
-            raise FormatError(f"{self._where(0)}: optimizer state {short(key)} of {short(name)} is a {type(value).__name__}")
+            raise FormatError(
+                f"{self._where(0)}: optimizer state {short(key)} of {short(name)} is a {type(value).__name__}"
+            )
         return self._gather(param, piece, value.dtype)
 
     @reading
     def param_groups(self) -> list[dict[str, Any]]:
-        """The optimizer's param groups (hyper-parameters as saved, each a number, string or short list) with ``params`` as parameter names."""
+        """The optimizer's param groups (hyper-parameters as saved, each a number, string or short list) with ``params``
+        as parameter names."""
         groups = self._inner(0).get("param_groups")
         if not isinstance(groups, list):
-            raise FormatError(f"{self._where(0)}: elastic ZeRO-{self.stage} optimizer state records no param groups; cannot convert the optimizer")
+            raise FormatError(
+                f"{self._where(0)}: elastic ZeRO-{self.stage} optimizer state records no param groups; cannot convert "
+                "the optimizer"
+            )
         out = []
         for g, group in enumerate(groups):
             where = f"{self._where(0)}: param group {g}"
-            hyper = {str(k): hyper_parameter(v, f"{where} {short(k)}") for k, v in group.items() if k != "params" and isinstance(k, str)}
+            hyper = {
+                str(k): hyper_parameter(v, f"{where} {short(k)}")
+                for k, v in group.items()
+                if k != "params" and isinstance(k, str)
+            }
             hyper["params"] = [p.name for p in self._params.values() if p.group == g]
             out.append(hyper)
         return out
@@ -424,7 +461,8 @@ class DeepSpeedCheckpoint:
 
     @reading
     def stored_dtype(self, name: str) -> torch.dtype:
-        """The dtype the model file gives ``name``: the engine's (16-bit) parameter dtype, a buffer's own (not upcast)."""
+        """The dtype the model file gives ``name``: the engine's (16-bit) parameter dtype, a buffer's own (not
+        upcast)."""
         value = self._module.get(self.aliases.get(name, name))
         return value.dtype if isinstance(value, torch.Tensor) else self.dtype(name)
 
@@ -442,13 +480,19 @@ class DeepSpeedCheckpoint:
             elementwise: list[str] = []
             for key, value in saved.items() if isinstance(saved, dict) else ():
                 if not isinstance(key, str):
-                    raise FormatError(f"{self._where(0)}: optimizer state of flat group {flat} has a key that is a {type(key).__name__}")
+                    raise FormatError(
+                        f"{self._where(0)}: optimizer state of flat group {flat} has a key that is a "
+                        f"{type(key).__name__}"
+                    )
                 if self._is_elementwise(0, flat, value):
                     elementwise.append(key)
                 elif is_scalar(value):
                     scalars[key] = value
                 else:
-                    raise FormatError(f"{self._where(0)}: optimizer state {short(key)} of flat group {flat} is a {type(value).__name__}")
+                    raise FormatError(
+                        f"{self._where(0)}: optimizer state {short(key)} of flat group {flat} is a "
+                        f"{type(value).__name__}"
+                    )
             out.append((names, scalars, elementwise))
         return out
 
@@ -459,7 +503,9 @@ class DeepSpeedCheckpoint:
         names = {stand_in: qualified.rsplit(".", 1)[1] for stand_in, qualified in STAND_INS}
         saved = (names[type(scaler)], dict(vars(scaler))) if isinstance(scaler, LossScalerState) else None
         dynamic, overflow = opt.get("dynamic_loss_scale", False), opt.get("overflow", False)
-        return LossScaling(saved, isinstance(dynamic, int) and bool(dynamic), isinstance(overflow, int) and bool(overflow))
+        return LossScaling(
+            saved, isinstance(dynamic, int) and bool(dynamic), isinstance(overflow, int) and bool(overflow)
+        )
 
     def lr_scheduler_state(self) -> dict[str, Any] | None:
         """The LR scheduler's state dict DeepSpeed saved, or None."""
@@ -471,7 +517,8 @@ class DeepSpeedCheckpoint:
         return [k for k in self._module if isinstance(k, str)]
 
     def describe(self) -> dict[str, Any]:
-        """Facts about the run, recorded by :func:`~shardsafe.interop.deepspeed_convert.convert_deepspeed` (counters only when they are integers)."""
+        """Facts about the run, recorded by :func:`~shardsafe.interop.deepspeed_convert.convert_deepspeed` (counters
+        only when they are integers)."""
         model = self._model_state(0)
         return {
             "format": "deepspeed_zero",
@@ -486,8 +533,11 @@ class DeepSpeedCheckpoint:
         }
 
 
-def open_source(path: str | os.PathLike[str], key: str = "model", *, verify: bool = True) -> DeepSpeedCheckpoint | CheckpointSource:
-    """The export source for ``path``: a :class:`DeepSpeedCheckpoint` for a DeepSpeed folder, else a shardsafe :class:`CheckpointSource`."""
+def open_source(
+    path: str | os.PathLike[str], key: str = "model", *, verify: bool = True
+) -> DeepSpeedCheckpoint | CheckpointSource:
+    """The export source for ``path``: a :class:`DeepSpeedCheckpoint` for a DeepSpeed folder, else a shardsafe
+    :class:`CheckpointSource`."""
     if is_deepspeed_checkpoint(path):
         if key not in ("model", ""):
             raise ShardsafeError(f"{path}: a DeepSpeed checkpoint holds one model; key={key!r} does not apply")

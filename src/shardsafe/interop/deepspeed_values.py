@@ -1,4 +1,5 @@
-"""Is a value from a DeepSpeed checkpoint file what DeepSpeed writes there? Small checks the reader makes before using one.
+"""Is a value from a DeepSpeed checkpoint file what DeepSpeed writes there? Small checks the reader makes before using
+one.
 
 The restricted loader guarantees plain values (dicts, lists, tuples, strings, numbers, stand-ins,
 tensors lying inside the file); these say whether a given entry has the type and range the reader
@@ -37,7 +38,8 @@ def short(value: Any, limit: int = 80) -> str:
 
 
 def reading(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Turn a TypeError/ValueError/... raised while interpreting a checkpoint's values into a :class:`FormatError` naming the folder.
+    """Turn a TypeError/ValueError/... raised while interpreting a checkpoint's values into a :class:`FormatError`
+    naming the folder.
 
     The second line of defence: the reader checks what it uses explicitly; a value that slips past
     those checks still ends as ``error: ...`` on the command line, not a traceback.
@@ -51,7 +53,9 @@ def reading(method: Callable[_P, _R]) -> Callable[_P, _R]:
             raise
         except _MALFORMED as exc:
             where = getattr(args[0], "folder", "the DeepSpeed checkpoint") if args else "the DeepSpeed checkpoint"
-            raise FormatError(f"{where}: holds values that are not what DeepSpeed writes ({type(exc).__name__} in {method.__name__})") from exc
+            raise FormatError(
+                f"{where}: holds values that are not what DeepSpeed writes ({type(exc).__name__} in {method.__name__})"
+            ) from exc
 
     return checked
 
@@ -72,7 +76,8 @@ def small_int(value: Any) -> int | None:
 
 
 def shape_of(value: Any, where: str) -> tuple[int, ...]:
-    """A tensor shape: at most :data:`~shardsafe.interop.pickle_scan.MAX_DIMS` non-negative ints, at most :data:`MAX_NUMEL` elements."""
+    """A tensor shape: at most :data:`~shardsafe.interop.pickle_scan.MAX_DIMS` non-negative ints, at most
+    :data:`MAX_NUMEL` elements."""
     if (
         not isinstance(value, (torch.Size, tuple, list))
         or len(value) > MAX_DIMS
@@ -93,17 +98,24 @@ def shapes_of(value: Any, where: str) -> dict[str, tuple[int, ...]]:
 def flat_tensor(value: Any, where: str) -> torch.Tensor:
     """A 1-D tensor (a rank's flat partition)."""
     if not isinstance(value, torch.Tensor) or value.dim() != 1:
-        raise FormatError(f"{where}: expected a 1-D tensor, got {type(value).__name__} {list(getattr(value, 'shape', []))[:8]}")
+        raise FormatError(
+            f"{where}: expected a 1-D tensor, got {type(value).__name__} {list(getattr(value, 'shape', []))[:8]}"
+        )
     return value
 
 
 def is_scalar(value: Any) -> bool:
     """A plain value or a one-element tensor: optimizer state shared by a flat group's parameters (``step``)."""
-    return value is None or isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1)
+    return (
+        value is None
+        or isinstance(value, (bool, int, float))
+        or (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1)
+    )
 
 
 def hyper_parameter(value: Any, where: str, depth: int = 0) -> Any:
-    """A param group's hyper-parameter as JSON can hold it: a number, string, None or short list/tuple of those; a one-element tensor as its item."""
+    """A param group's hyper-parameter as JSON can hold it: a number, string, None or short list/tuple of those; a
+    one-element tensor as its item."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     if value is None or isinstance(value, (bool, int, float, str)):

@@ -38,14 +38,20 @@ class FileMapping:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a contiguous CPU tensor whose bytes lie wholly inside this mapping."""
-        if tensor.device.type != "cpu" or tensor.is_meta or not tensor.is_contiguous() or tensor.layout != torch.strided:
+        if (
+            tensor.device.type != "cpu"
+            or tensor.is_meta
+            or not tensor.is_contiguous()
+            or tensor.layout != torch.strided
+        ):
             return False
         start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         return self.base <= start and start + nbytes <= self.base + self.size
 
 
 def copy_out(dest: torch.Tensor, src: torch.Tensor, mapping: FileMapping | None, where: str) -> None:
-    """``dest.copy_(src)`` for two 1-D slices of the same length; from inside ``mapping``, by pieces, unmapping each after copying.
+    """``dest.copy_(src)`` for two 1-D slices of the same length; from inside ``mapping``, by pieces, unmapping each
+    after copying.
 
     Pieces end on page boundaries, so each piece's pages are unmapped whole and at most one piece
     of the file is mapped at a time (not the whole slice). The bytes are copied by one ``memmove``
@@ -74,11 +80,13 @@ def copy_out(dest: torch.Tensor, src: torch.Tensor, mapping: FileMapping | None,
 
 
 def drop_pages(view: torch.Tensor, mapping: FileMapping) -> None:
-    """Unmap the resident pages wholly inside ``view``, a slice of ``mapping`` that nobody writes (nothing for other tensors)."""
+    """Unmap the resident pages wholly inside ``view``, a slice of ``mapping`` that nobody writes (nothing for other
+    tensors)."""
     if view.numel() and mapping.holds(view):
         _drop_range(view.data_ptr(), view.data_ptr() + view.numel() * view.element_size())
 
 
 def _drop_range(start: int, end: int) -> None:
-    """Unmap the resident pages wholly inside the mapped addresses [start, end); callers checked the range is a file mapping."""
+    """Unmap the resident pages wholly inside the mapped addresses [start, end); callers checked the range is a file
+    mapping."""
     madvise_pages(start, end, MADV_DONTNEED)  # advice only: a failure changes nothing

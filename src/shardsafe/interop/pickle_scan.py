@@ -87,7 +87,8 @@ class ScanReport:
 
 
 def scan_pickle(data: bytes, where: str, rules: GlobalRules) -> ScanReport:
-    """Refuse (:class:`FormatError` naming ``where``) a pickle that steps outside the allow-lists; nothing is unpickled."""
+    """Refuse (:class:`FormatError` naming ``where``) a pickle that steps outside the allow-lists; nothing is
+    unpickled."""
     if len(data) > MAX_PICKLE_BYTES:
         raise FormatError(f"{where}: a pickle of {len(data)} bytes is more than the {MAX_PICKLE_BYTES} allowed")
     report = ScanReport()
@@ -163,7 +164,9 @@ class _Scan:
             if (count == 0) != (name == "PROTO"):
                 raise self.refuse(pos, "PROTO must come first, once")
             if name == "PROTO" and arg not in self.rules.protocols:
-                raise self.refuse(pos, f"pickle protocol {arg}; expected {' or '.join(map(str, sorted(self.rules.protocols)))}")
+                raise self.refuse(
+                    pos, f"pickle protocol {arg}; expected {' or '.join(map(str, sorted(self.rules.protocols)))}"
+                )
             stopped = self.step(name, arg, pos)
             self.report.opcodes = count + 1
         if not stopped:
@@ -225,7 +228,9 @@ class _Scan:
             items = self.pop_to_mark(pos, name)
             self.nest(self.top(pos, name, ("list",)), items, pos)
         elif name in ("SETITEM", "SETITEMS"):
-            items = [self.pop(pos, name), self.pop(pos, name)][::-1] if name == "SETITEM" else self.pop_to_mark(pos, name)
+            items = (
+                [self.pop(pos, name), self.pop(pos, name)][::-1] if name == "SETITEM" else self.pop_to_mark(pos, name)
+            )
             if len(items) % 2:
                 raise self.refuse(pos, "SETITEMS with a key and no value")
             target = self.top(pos, name, ("dict", "call"))
@@ -247,7 +252,9 @@ class _Scan:
         elif name == "REDUCE":
             args, func = self.pop(pos, name), self.pop(pos, name)
             if func.kind != "global" or func.name not in self.rules.callables:
-                raise self.refuse(pos, f"REDUCE calls {func.name or 'a ' + func.kind}, which is not an allowed callable")
+                raise self.refuse(
+                    pos, f"REDUCE calls {func.name or 'a ' + func.kind}, which is not an allowed callable"
+                )
             if args.kind != "tuple":
                 raise self.refuse(pos, f"REDUCE arguments are a {args.kind}, not a tuple")
             push(self.container("call", [args], pos, func.name))
@@ -280,7 +287,8 @@ class _Scan:
 
 
 def check_value_graph(root: Any, where: str, containers: tuple[type, ...]) -> None:
-    """Refuse an unpickled value graph with a cycle, nesting beyond :data:`MAX_NESTING` or a tree walk beyond :data:`MAX_EXPANDED`.
+    """Refuse an unpickled value graph with a cycle, nesting beyond :data:`MAX_NESTING` or a tree walk beyond
+    :data:`MAX_EXPANDED`.
 
     ``containers`` are the stand-in classes whose instances hold values (in their ``__dict__``);
     dicts, lists and tuples are walked too, anything else is a leaf. Iterative, so no recursion limit.
@@ -336,7 +344,13 @@ class RestrictedUnpickler(pickle.Unpickler):
     :func:`scan_pickle` refused every other one), persistent ids only through ``persistent`` (a
     ``torch.save`` archive's storages, see interop/unpickler.py) or refused (DCP's ``.metadata``)."""
 
-    def __init__(self, data: bytes, allowed: Mapping[str, Any], persistent: Callable[[Any], Any] | None = None, what: str = "pickle") -> None:
+    def __init__(
+        self,
+        data: bytes,
+        allowed: Mapping[str, Any],
+        persistent: Callable[[Any], Any] | None = None,
+        what: str = "pickle",
+    ) -> None:
         super().__init__(io.BytesIO(data), fix_imports=False)
         self._allowed, self._persistent, self._what = allowed, persistent, what
 

@@ -1,4 +1,5 @@
-"""Which reader a checkpoint folder needs: DCP (``.metadata``), DeepSpeed ZeRO (``latest`` + tag folders), else shardsafe's own."""
+"""Which reader a checkpoint folder needs: DCP (``.metadata``), DeepSpeed ZeRO (``latest`` + tag folders), else
+shardsafe's own."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from shardsafe.interop.deepspeed_reader import open_source as open_deepspeed_or_
 __all__ = ["open_source"]
 
 
-def open_source(path: str | os.PathLike[str], key: str = "model", *, verify: bool = True) -> DcpCheckpoint | DeepSpeedCheckpoint | CheckpointSource:
-    """The export source for ``path``: a :class:`DcpCheckpoint`, a DeepSpeed checkpoint, or a shardsafe ``CheckpointSource``."""
+def open_source(
+    path: str | os.PathLike[str], key: str = "model", *, verify: bool = True
+) -> DcpCheckpoint | DeepSpeedCheckpoint | CheckpointSource:
+    """The export source for ``path``: a :class:`DcpCheckpoint`, a DeepSpeed checkpoint, or a shardsafe
+    ``CheckpointSource``."""
     if is_dcp_folder(path):
         if not isinstance(key, str):
             raise ShardsafeError(f"{path}: key must be a string")

@@ -182,7 +182,11 @@ _STORAGE_TYPES = {
     "torch.storage.UntypedStorage": _StorageType(None),
 }
 _QUANTIZED = {torch.qint8, torch.qint32, torch.quint8, torch.quint4x2, torch.quint2x4}
-_DTYPES = {str(d).split(".", 1)[1]: d for d in vars(torch).values() if isinstance(d, torch.dtype) and d not in _QUANTIZED and d.itemsize >= 1}
+_DTYPES = {
+    str(d).split(".", 1)[1]: d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and d not in _QUANTIZED and d.itemsize >= 1
+}
 _TENSOR_TYPE = object()  # what the `torch.Tensor` global stands for (only as _rebuild_from_type_v2's type)
 
 
@@ -198,7 +202,9 @@ def _dims(value: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(d, what) for d in value)
 
 
-def _tensor(stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metadata: Any, dtype: torch.dtype | None) -> torch.Tensor | TensorAt:
+def _tensor(
+    stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metadata: Any, dtype: torch.dtype | None
+) -> torch.Tensor | TensorAt:
     """A contiguous view of a storage record's bytes, after checking that it lies wholly inside the record
     (a :class:`TensorAt` saying where, when the archive is only located)."""
     if not isinstance(stored, _Stored):
@@ -209,7 +215,9 @@ def _tensor(stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metada
     offset = _int(offset, f"storage {stored.key}: the storage offset")
     shape, strides = _dims(size, f"storage {stored.key}: the size"), _dims(stride, f"storage {stored.key}: the stride")
     if len(shape) != len(strides) or offset < 0 or any(d < 0 for d in shape) or any(s < 0 for s in strides):
-        raise FormatError(f"storage {stored.key}: negative or mismatched size {list(shape)}, stride {list(strides)}, offset {offset}")
+        raise FormatError(
+            f"storage {stored.key}: negative or mismatched size {list(shape)}, stride {list(strides)}, offset {offset}"
+        )
     if not all(x is None or (isinstance(x, dict) and not x) for x in (hooks, metadata)):
         raise FormatError(f"storage {stored.key}: a tensor with backward hooks or metadata")
     count = math.prod(shape)
@@ -224,7 +232,8 @@ def _tensor(stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metada
     itemsize = dtype.itemsize
     if (offset + count) * itemsize > stored.nbytes:
         raise FormatError(
-            f"storage {stored.key}: a tensor of {count} {dtype} elements at offset {offset} extends past its {stored.nbytes}-byte record"
+            f"storage {stored.key}: a tensor of {count} {dtype} elements at offset {offset} extends past its "
+            f"{stored.nbytes}-byte record"
         )
     if stored.storage is None:
         return TensorAt(dtype, shape, stored.start + offset * itemsize, stored.key)
@@ -236,7 +245,8 @@ def _tensor(stored: Any, offset: Any, size: Any, stride: Any, hooks: Any, metada
 def _rebuild_tensor_v2(
     storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
 ) -> torch.Tensor | TensorAt:
-    """``torch._utils._rebuild_tensor_v2``, checked (the tensor's dtype is its storage's; requires_grad is dropped: data only)."""
+    """``torch._utils._rebuild_tensor_v2``, checked (the tensor's dtype is its storage's; requires_grad is dropped: data
+    only)."""
     if not isinstance(requires_grad, bool):
         raise FormatError("a tensor whose requires_grad is not a bool")
     return _tensor(storage, offset, size, stride, hooks, metadata, None)
@@ -252,8 +262,13 @@ def _rebuild_tensor_v3(
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> torch.Tensor | TensorAt:
-    """``torch._tensor._rebuild_from_type_v2`` for a plain tensor carrying attributes (DeepSpeed's ``ds_id``): the attributes are dropped."""
-    if func not in (_rebuild_tensor_v2, _rebuild_tensor_v3) or new_type is not _TENSOR_TYPE or not isinstance(args, tuple):
+    """``torch._tensor._rebuild_from_type_v2`` for a plain tensor carrying attributes (DeepSpeed's ``ds_id``): the
+    attributes are dropped."""
+    if (
+        func not in (_rebuild_tensor_v2, _rebuild_tensor_v3)
+        or new_type is not _TENSOR_TYPE
+        or not isinstance(args, tuple)
+    ):
         raise FormatError("a tensor rebuilt by anything but torch's own tensor rebuild")
     if state is not None and not (isinstance(state, dict) and all(isinstance(k, str) for k in state)):
         raise FormatError("a tensor whose attributes are not a dict")
@@ -261,7 +276,8 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> to
 
 
 class _StateDict(OrderedDict[Any, Any]):
-    """The OrderedDict a pickle builds; ``BUILD`` may give it only a module state dict's ``_metadata``, which is dropped.
+    """The OrderedDict a pickle builds; ``BUILD`` may give it only a module state dict's ``_metadata``, which is
+    dropped.
 
     (Attributes set on a dict would shadow its methods: ``d.items`` could become a value of the file.)
     """
@@ -297,7 +313,11 @@ _CALLABLES: dict[str, Callable[..., Any]] = {
     "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
 }
 _CLASSES: dict[str, type] = {name: cls for cls, name in STAND_INS if cls is not ZeroStage}
-_VALUES: dict[str, Any] = {**_STORAGE_TYPES, **{f"torch.{name}": d for name, d in _DTYPES.items()}, "torch.Tensor": _TENSOR_TYPE}
+_VALUES: dict[str, Any] = {
+    **_STORAGE_TYPES,
+    **{f"torch.{name}": d for name, d in _DTYPES.items()},
+    "torch.Tensor": _TENSOR_TYPE,
+}
 GLOBALS: dict[str, Any] = {**_VALUES, **_CALLABLES, **_CLASSES}
 RULES = GlobalRules(values=frozenset(_VALUES), callables=frozenset(_CALLABLES), classes=frozenset(_CLASSES))
 
@@ -315,12 +335,14 @@ class LoadedFile:
 
 
 def load_pt(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
-    """Unpickle a ``torch.save`` file of a DeepSpeed checkpoint without running code from it (see the module docstring)."""
+    """Unpickle a ``torch.save`` file of a DeepSpeed checkpoint without running code from it (see the module
+    docstring)."""
     return load_file(Path(path), mmap).value
 
 
 def load_file(path: Path, mmap: bool = True) -> LoadedFile:
-    """Read ``path`` as described in the module docstring; :class:`FormatError` naming it on anything outside what it accepts."""
+    """Read ``path`` as described in the module docstring; :class:`FormatError` naming it on anything outside what it
+    accepts."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -346,19 +368,25 @@ def _load(path: Path, fd: int, size: int, use_mmap: bool) -> LoadedFile:
     with open(fd, "rb", closefd=False) as f:
         if f.read(4) != b"PK\x03\x04":
             raise FormatError(
-                f"{path}: not in torch's zip format (torch.save writes it since torch 1.6; DeepSpeed with checkpoint_serialization "
+                f"{path}: not in torch's zip format (torch.save writes it since torch 1.6; DeepSpeed with "
+                "checkpoint_serialization "
                 "false writes the legacy format, which this reader does not read): save it again with serialization on"
             )
         pickle_at, pickle_info, records = _archive(path, f, size)
         if pickle_info.file_size > pickle_scan.MAX_PICKLE_BYTES:  # before reading it
-            raise FormatError(f"{path}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} allowed")
+            raise FormatError(
+                f"{path}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} "
+                "allowed"
+            )
         f.seek(pickle_at)
         data = f.read(pickle_info.file_size)
     if len(data) != pickle_info.file_size or zlib.crc32(data) != pickle_info.CRC:
         raise FormatError(f"{path}: data.pkl is damaged (its CRC does not match)")
     scan_pickle(data, where, RULES)
     if use_mmap:
-        mapped: Any = mmap_module.mmap(fd, size, flags=mmap_module.MAP_PRIVATE, prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE)
+        mapped: Any = mmap_module.mmap(
+            fd, size, flags=mmap_module.MAP_PRIVATE, prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE
+        )
     else:
         with open(fd, "rb", closefd=False) as f:
             f.seek(0)
@@ -372,14 +400,18 @@ def _load(path: Path, fd: int, size: int, use_mmap: bool) -> LoadedFile:
 
 
 def _checked_pickle(where: str, f: Any, size: int) -> tuple[bytes, dict[str, tuple[int, int, int]]]:
-    """The scanned pickle of the archive ``f`` (``size`` bytes, positioned anywhere) and its records, every size checked first."""
+    """The scanned pickle of the archive ``f`` (``size`` bytes, positioned anywhere) and its records, every size checked
+    first."""
     f.seek(0)
     if f.read(4) != b"PK\x03\x04":
         raise FormatError(f"{where}: not in torch's zip format")
     try:
         pickle_at, pickle_info, records = _archive(where, f, size)
         if pickle_info.file_size > pickle_scan.MAX_PICKLE_BYTES:
-            raise FormatError(f"{where}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} allowed")
+            raise FormatError(
+                f"{where}: a pickle of {pickle_info.file_size} bytes is more than the {pickle_scan.MAX_PICKLE_BYTES} "
+                "allowed"
+            )
         f.seek(pickle_at)
         data = f.read(pickle_info.file_size)
     except OSError as exc:
@@ -391,13 +423,20 @@ def _checked_pickle(where: str, f: Any, size: int) -> tuple[bytes, dict[str, tup
 
 
 def load_bytes(buffer: bytearray, where: str) -> Any:
-    """A ``torch.save`` archive held in memory (a DCP item's bytes), read as :func:`load_file` reads a file; its tensors are views of ``buffer``."""
+    """A ``torch.save`` archive held in memory (a DCP item's bytes), read as :func:`load_file` reads a file; its tensors
+    are views of ``buffer``."""
     data, records = _checked_pickle(where, io.BytesIO(buffer), len(buffer))
-    return _unpickle(where, data, torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8), records)
+    return _unpickle(
+        where,
+        data,
+        torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8),
+        records,
+    )
 
 
 def locate_tensor(f: Any, size: int, where: str) -> TensorAt:
-    """Where the one tensor of the ``torch.save`` archive ``f`` (``size`` bytes: a DCP item) lies, without reading its bytes.
+    """Where the one tensor of the ``torch.save`` archive ``f`` (``size`` bytes: a DCP item) lies, without reading its
+    bytes.
 
     Only the zip directory, the local headers and the pickle are read, each checked as
     :func:`load_file` checks them; the tensor must be contiguous and lie inside its record, which
@@ -422,7 +461,9 @@ def _unpickle(where: str, data: bytes, base: torch.Tensor | None, records: dict[
         if not isinstance(kind, _StorageType) or not isinstance(key, str) or not _KEY.match(key):
             raise FormatError("refused pickle: a storage id with an unknown storage type or key")
         if not isinstance(location, str) or not _DEVICE.match(location):
-            raise FormatError(f"storage {key}: on device {location!r:.40}; only storages holding their bytes in the file are read")
+            raise FormatError(
+                f"storage {key}: on device {location!r:.40}; only storages holding their bytes in the file are read"
+            )
         itemsize = kind.dtype.itemsize if kind.dtype is not None else 1
         nbytes = _int(count, f"storage {key}: the element count") * itemsize
         if key not in records:
@@ -441,14 +482,16 @@ def _unpickle(where: str, data: bytes, base: torch.Tensor | None, records: dict[
         value = RestrictedUnpickler(data, GLOBALS, storage).load()
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
-    except Exception as exc:  # the unpickler on values the scan let through but that do not fit together (TypeError, ...)
+    # the unpickler on values the scan let through but that do not fit together (TypeError, ...)
+    except Exception as exc:
         raise FormatError(f"{where}: refused or unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
     check_value_graph(value, where, _CONTAINERS)
     return value
 
 
 def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo, dict[str, tuple[int, int, int]]]:
-    """(byte offset of data.pkl, its entry, storage key -> (byte offset, size, CRC-32) of its record), all checked to lie in the file."""
+    """(byte offset of data.pkl, its entry, storage key -> (byte offset, size, CRC-32) of its record), all checked to
+    lie in the file."""
     try:
         entries = zipfile.ZipFile(f).infolist()
     except Exception as exc:  # zipfile on a damaged directory: BadZipFile, ValueError, struct.error, ...
@@ -457,12 +500,19 @@ def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo,
         raise FormatError(f"{path}: {len(entries)} archive entries is more than the {MAX_RECORDS} allowed")
     names = [e.filename for e in entries]
     prefix = names[0].split("/", 1)[0] if names else ""
-    if len(set(names)) != len(names) or not all(n.startswith(prefix + "/") for n in names) or f"{prefix}/data.pkl" not in names:
+    if (
+        len(set(names)) != len(names)
+        or not all(n.startswith(prefix + "/") for n in names)
+        or f"{prefix}/data.pkl" not in names
+    ):
         raise FormatError(f"{path}: not a torch.save archive (one folder holding data.pkl, no duplicate names)")
     offsets: dict[str, int] = {}
     for entry in entries:
         if entry.compress_type != zipfile.ZIP_STORED or entry.flag_bits & 1 or entry.file_size != entry.compress_size:
-            raise FormatError(f"{path}: archive entry {entry.filename[:120]!r} is compressed or encrypted; torch.save stores entries as they are")
+            raise FormatError(
+                f"{path}: archive entry {entry.filename[:120]!r} is compressed or encrypted; torch.save stores entries "
+                "as they are"
+            )
         if not 0 <= entry.header_offset <= size - _LOCAL_HEADER.size:
             raise FormatError(f"{path}: archive entry {entry.filename[:120]!r} lies past the end of the file")
         f.seek(entry.header_offset)
@@ -471,7 +521,9 @@ def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo,
             raise FormatError(f"{path}: archive entry {entry.filename[:120]!r} lies past the end of the file")
         signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
         start = entry.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-        if signature != b"PK\x03\x04" or f.read(name_length) != entry.filename.encode("utf-8" if entry.flag_bits & 0x800 else "cp437"):
+        if signature != b"PK\x03\x04" or f.read(name_length) != entry.filename.encode(
+            "utf-8" if entry.flag_bits & 0x800 else "cp437"
+        ):
             raise FormatError(f"{path}: archive entry {entry.filename[:120]!r} does not match its local header")
         if start + entry.file_size > size:
             raise FormatError(f"{path}: archive entry {entry.filename[:120]!r} extends past the end of the file")
@@ -481,6 +533,10 @@ def _archive(path: Path | str, f: Any, size: int) -> tuple[int, zipfile.ZipInfo,
         f.seek(offsets[byteorder.filename])
         if f.read(min(byteorder.file_size, 16)) != b"little":
             raise FormatError(f"{path}: saved on a big-endian machine; only little-endian files are read")
-    records = {e.filename[len(prefix) + 6 :]: (offsets[e.filename], e.file_size, e.CRC) for e in entries if e.filename.startswith(f"{prefix}/data/")}
+    records = {
+        e.filename[len(prefix) + 6 :]: (offsets[e.filename], e.file_size, e.CRC)
+        for e in entries
+        if e.filename.startswith(f"{prefix}/data/")
+    }
     pickle_info = next(e for e in entries if e.filename == f"{prefix}/data.pkl")
     return offsets[pickle_info.filename], pickle_info, records

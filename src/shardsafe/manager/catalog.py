@@ -103,7 +103,8 @@ def has_manifest(folder: Root) -> bool:
 
 def read_manifest(folder: Root) -> Manifest:
     """Parse and validate ``folder``'s manifest (bounded read; raises FormatError/OSError on damage)."""
-    loc = as_location(folder)  # locally: never through a symlink out of the folder (its content could end up in an error)
+    # locally: never through a symlink out of the folder (its content could end up in an error)
+    loc = as_location(folder)
     return parse_manifest(loc.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{loc.url}/{MANIFEST_NAME}")
 
 
@@ -132,7 +133,8 @@ def info_of(step: int, path: Root, manifest: Manifest) -> CheckpointInfo:
 
 
 def manager_meta(manifest: Manifest, key: str = META_KEY) -> dict[str, Any]:
-    """What the writer recorded under ``key`` in the manifest metadata (the manager's by default; the Trainer and Accelerate use their own keys)."""
+    """What the writer recorded under ``key`` in the manifest metadata (the manager's by default; the Trainer and
+    Accelerate use their own keys)."""
     meta = manifest.metadata.get(key)
     return meta if isinstance(meta, dict) else {}
 
@@ -141,7 +143,10 @@ def writer_of(manifest: Manifest, key: str = META_KEY) -> tuple[str | None, int 
     """The run id and lease epoch recorded in ``manifest`` (None for what was saved without a lease)."""
     meta = manager_meta(manifest, key)
     run_id, epoch = meta.get("run_id"), meta.get("lease_epoch")
-    return (run_id if isinstance(run_id, str) else None, epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None)
+    return (
+        run_id if isinstance(run_id, str) else None,
+        epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+    )
 
 
 def describe_writer(folder: Root, read: ReadManifest = read_manifest, key: str = META_KEY) -> tuple[str | None, str]:
@@ -277,7 +282,9 @@ class RootListing:
     damaged: list[DamagedCheckpoint]
 
 
-def list_root(root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None) -> RootListing:
+def list_root(
+    root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None
+) -> RootListing:
     """The checkpoints of ``root``; the best metric and mode default to what the newest readable one recorded."""
     catalog = scan(location(root))
     infos = catalog.infos()
@@ -292,7 +299,9 @@ def list_root(root: str | os.PathLike[str], best_metric: str | None = None, best
     return RootListing(infos, catalog.damaged)
 
 
-def list_checkpoints(root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None) -> list[CheckpointInfo]:
+def list_checkpoints(
+    root: str | os.PathLike[str], best_metric: str | None = None, best_mode: str | None = None
+) -> list[CheckpointInfo]:
     """Readable committed checkpoints under ``root`` with sizes and metrics; marks the latest and the best.
 
     The best metric and mode default to what the manager recorded in the newest checkpoint. A

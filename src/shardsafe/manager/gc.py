@@ -44,7 +44,8 @@ class GarbageReport:
 
     removed: list[Path | str] = field(default_factory=list)
     damaged: list[DamagedCheckpoint] = field(default_factory=list)  # present but unreadable: left in place
-    left: list[Path | str] = field(default_factory=list)  # manifest-less step folders a damaged checkpoint may reference
+    # manifest-less step folders a damaged checkpoint may reference
+    left: list[Path | str] = field(default_factory=list)
 
 
 def collect_garbage(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: float = 0.0) -> list[Path | str]:
@@ -69,7 +70,8 @@ def collect(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: flo
     )
     if report.left:
         log.warning(
-            "shardsafe gc: left %d step folder(s) without a manifest under %s: the damaged checkpoint(s) %s may reference "
+            "shardsafe gc: left %d step folder(s) without a manifest under %s: the damaged checkpoint(s) %s may "
+            "reference "
             "their files; repair or delete those, then run gc again",
             len(report.left),
             where(where_),
@@ -79,7 +81,11 @@ def collect(root: str | os.PathLike[str], *, dry_run: bool = False, min_age: flo
 
 
 def _warn_left(damaged: DamagedCheckpoint) -> None:
-    log.warning("shardsafe gc: %s is a damaged checkpoint, left in place (delete it yourself if unneeded): %s", where(damaged.path), damaged.reason)
+    log.warning(
+        "shardsafe gc: %s is a damaged checkpoint, left in place (delete it yourself if unneeded): %s",
+        where(damaged.path),
+        damaged.reason,
+    )
 
 
 def _collect_local(root: Path, catalog: Catalog, report: GarbageReport, dry_run: bool, min_age: float) -> None:
@@ -99,7 +105,11 @@ def _collect_local(root: Path, catalog: Catalog, report: GarbageReport, dry_run:
                     original.rmdir()  # an empty folder left in its place
                 os.rename(path, original)
                 fsync_dir(root)
-                log.warning("shardsafe: restored %s from %s (an overwrite was interrupted between its two renames)", original, path)
+                log.warning(
+                    "shardsafe: restored %s from %s (an overwrite was interrupted between its two renames)",
+                    original,
+                    path,
+                )
             continue
         if is_hidden_temp(entry.name):
             report.removed.append(path)
@@ -158,7 +168,11 @@ def _collect_remote(root: RemoteDir, catalog: Catalog, report: GarbageReport, dr
             continue
         present = folder.list()
         if min_age > 0 and any((stamp := folder.modified(n)) is None or now - stamp < min_age for n in present):
-            log.info("shardsafe gc: %s has objects younger than %.0f s (a save in progress?); left alone", folder.url, min_age)
+            log.info(
+                "shardsafe gc: %s has objects younger than %.0f s (a save in progress?); left alone",
+                folder.url,
+                min_age,
+            )
             continue
         doomed = [n for n in present if n not in referenced.get(name, set())]
         report.removed += [f"{folder.url}/{n}" for n in doomed]
@@ -167,7 +181,11 @@ def _collect_remote(root: RemoteDir, catalog: Catalog, report: GarbageReport, dr
 
 
 def collect_local(
-    root: str | os.PathLike[str], local_dir: str | os.PathLike[str] = DEFAULT_LOCAL_DIR, *, dry_run: bool = False, min_age: float = 0.0
+    root: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str] = DEFAULT_LOCAL_DIR,
+    *,
+    dry_run: bool = False,
+    min_age: float = 0.0,
 ) -> list[Path]:
     """This node's local-tier folder of ``root`` (``shardsafe gc ROOT --local``): what a job that
     died left in host memory (``close()`` removes it otherwise). ``local_dir`` as the manager was

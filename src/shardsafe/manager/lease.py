@@ -97,7 +97,9 @@ class LeaseRecord:
 
     def describe(self, now: float | None = None) -> str:
         age = (now if now is not None else time.time()) - self.heartbeat
-        return f"run {self.run_id} (host {self.host}, pid {self.pid}, epoch {self.epoch}, last heartbeat {age:.0f} s ago)"
+        return (
+            f"run {self.run_id} (host {self.host}, pid {self.pid}, epoch {self.epoch}, last heartbeat {age:.0f} s ago)"
+        )
 
 
 class RecordStore(Protocol):
@@ -214,7 +216,9 @@ class RemoteRecords:
                 return False
             except (TypeError, NotImplementedError):  # the store has no conditional create
                 self.conditional = False
-                log.warning("%s: the store has no conditional writes; lease creation falls back to check-then-write", self.where)
+                log.warning(
+                    "%s: the store has no conditional writes; lease creation falls back to check-then-write", self.where
+                )
             except OSError as exc:
                 if "PreconditionFailed" in repr(exc) or "412" in str(exc):
                     return False
@@ -257,7 +261,9 @@ class Lease:
     """The coordinator's lease on one root: :meth:`acquire`, :meth:`check` before each commit or
     deletion, :meth:`release` at the end. Renewed by a daemon thread every ``timeout / 4`` seconds."""
 
-    def __init__(self, root: Path | RemoteDir, *, timeout: float = DEFAULT_LEASE_TIMEOUT, run_id: str | None = None) -> None:
+    def __init__(
+        self, root: Path | RemoteDir, *, timeout: float = DEFAULT_LEASE_TIMEOUT, run_id: str | None = None
+    ) -> None:
         if not timeout > 0:
             raise ValueError(f"lease_timeout must be positive, got {timeout!r}")
         self.store = records_for(root)
@@ -304,15 +310,19 @@ class Lease:
             if time.monotonic() >= start + max(self.timeout, holder.timeout + 1.0):
                 raise LeaseHeldError(
                     f"{self.store.where}: the checkpoint root is in use by {holder.describe(now)}; "
-                    f"waited {time.monotonic() - start:.0f} s for its lease to lapse. Stop that run, or save into another root; if it is gone, "
-                    f"its lease lapses {self.timeout:.0f} s after its last heartbeat (or remove {self.store.where} by hand)"
+                    f"waited {time.monotonic() - start:.0f} s for its lease to lapse. Stop that run, or save into "
+                    "another root; if it is gone, "
+                    f"its lease lapses {self.timeout:.0f} s after its last heartbeat (or remove {self.store.where} by "
+                    "hand)"
                 )
             time.sleep(min(0.5, max(0.05, self.timeout / 20)))
 
     def _lapsed(self, holder: LeaseRecord, now: float, watched: tuple[int, float] | None, since: float) -> bool:
         if holder.run_id == self.run_id:
             return True
-        if holder.heartbeat != _UNREADABLE and (_process_gone(holder) or now - holder.heartbeat > holder.timeout + CLOCK_SKEW):
+        if holder.heartbeat != _UNREADABLE and (
+            _process_gone(holder) or now - holder.heartbeat > holder.timeout + CLOCK_SKEW
+        ):
             return True
         # Clock-free: the heartbeat has not changed for a whole (holder's) timeout of our own monotonic clock.
         return watched == (holder.epoch, holder.heartbeat) and time.monotonic() - since > holder.timeout
@@ -369,7 +379,9 @@ class Lease:
                 taker = holder.describe() if holder is not None else f"epoch {newer[-1]}"
                 self.lost = f"the lease (epoch {self.record.epoch}) was taken over by {taker}"
         if self.lost is not None:
-            raise LeaseLostError(f"{self.store.where}: {self.lost}; this run ({self.run_id}) must not {what}, and did not")
+            raise LeaseLostError(
+                f"{self.store.where}: {self.lost}; this run ({self.run_id}) must not {what}, and did not"
+            )
 
     def release(self) -> None:
         """Stop renewing and give the root up (only if still ours), so a next run starts at once."""
@@ -377,7 +389,11 @@ class Lease:
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self._lock:
-            if self.record is not None and self.lost is None and max(self.store.epochs(), default=0) == self.record.epoch:
+            if (
+                self.record is not None
+                and self.lost is None
+                and max(self.store.epochs(), default=0) == self.record.epoch
+            ):
                 # Leave the epoch record (so the next epoch is higher) but mark it lapsed.
                 self.store.overwrite(LeaseRecord(**{**asdict(self.record), "heartbeat": 0.0, "pid": -1}))
             self.record = None

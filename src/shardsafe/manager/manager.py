@@ -169,7 +169,9 @@ class CheckpointManager:
         if replicas and local_every is None:
             raise ValueError("replicas copies the local tier's steps to other nodes: it needs local_every")
         if read_only and handle_preemption:
-            raise ValueError("read_only=True saves nothing, so handle_preemption (a final save on SIGTERM) cannot be honoured")
+            raise ValueError(
+                "read_only=True saves nothing, so handle_preemption (a final save on SIGTERM) cannot be honoured"
+            )
         self.root = location(root)
         self.read_only = read_only
         self.keep_last, self.keep_best = keep_last, keep_best
@@ -181,7 +183,11 @@ class CheckpointManager:
         self.comm = get_comm(process_group)
         self.lease = RootLease(self.root, self.comm, timeout=lease_timeout)
         self._background_comm = self._make_background_comm() if async_save and not read_only else self.comm
-        self._tier = LocalTier(where(self.root), self._make_background_comm(), local_every, local_dir, replicas, fsync) if local_every else None
+        self._tier = (
+            LocalTier(where(self.root), self._make_background_comm(), local_every, local_dir, replicas, fsync)
+            if local_every
+            else None
+        )
         self.restored_from: str | None = None  # "local" or "root": where the last restore() loaded from
         self._staging = StagingBuffers()
         self._manifests = ManifestCache()
@@ -189,7 +195,8 @@ class CheckpointManager:
         self._warned_metric = False
         self._worker = SaveWorker()  # writes async saves; started by the first
         self._tier_worker = SaveWorker("shardsafe-local-tier")  # writes the local tier's saves, in order
-        self._tier_staging = StagingBuffers()  # the local tier's copy of the state (an async root save may hold the other)
+        # the local tier's copy of the state (an async root save may hold the other)
+        self._tier_staging = StagingBuffers()
         self._at_exit = False
         self._copied = threading.Event()
         self._copied.set()
@@ -230,7 +237,15 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None, force: bool = False, *, overwrite: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
+        force: bool = False,
+        *,
+        overwrite: bool = False,
+    ) -> bool:
         """Save ``state`` as ``step``. Collective. Returns True if it saved.
 
         Saves on every call unless ``save_every`` is set; then only when ``step`` is a multiple of
@@ -295,7 +310,15 @@ class CheckpointManager:
 
     def _metadata(self, step: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
         written_by = self.lease.metadata()
-        return {META_KEY: {"step": step, "metrics": dict(metrics or {}), "best_metric": self.best_metric, "best_mode": self.best_mode, **written_by}}
+        return {
+            META_KEY: {
+                "step": step,
+                "metrics": dict(metrics or {}),
+                "best_metric": self.best_metric,
+                "best_mode": self.best_mode,
+                **written_by,
+            }
+        }
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
@@ -309,7 +332,9 @@ class CheckpointManager:
         ``overwrite``, the refusal of a ``step`` another run committed (decided under the lease)."""
 
         def refuse() -> None:
-            refuse_other_runs_step(self.root, step, self.lease.run_id, self._restored, _REPLACE_REMEDY, read=self._manifests)
+            refuse_other_runs_step(
+                self.root, step, self.lease.run_id, self._restored, _REPLACE_REMEDY, read=self._manifests
+            )
 
         return describe_collectively(state, self.comm, None if overwrite else refuse, default=SaveError)
 
@@ -320,7 +345,8 @@ class CheckpointManager:
         if metric_value(metrics or {}, self.best_metric) is None:
             self._warned_metric = True
             log.warning(
-                "shardsafe: save of step %d has no number under best_metric %r in its metrics (%s); it cannot be ranked "
+                "shardsafe: save of step %d has no number under best_metric %r in its metrics (%s); it cannot be "
+                "ranked "
                 "as the best checkpoint (warned once)",
                 step,
                 self.best_metric,
@@ -339,13 +365,15 @@ class CheckpointManager:
             reuse=reuse,
             before_publish=lambda: self.lease.fence(f"publish step {step}"),
         )
-        # Every rank waits for the coordinator's retention: when a save returns anywhere, the root is as retention left it.
+        # Every rank waits for the coordinator's retention: when a save returns anywhere, the root is as retention left
+        # it.
         (comm or self.comm).on_coordinator(lambda: self._retain_after(step))
 
     def _retain_after(self, step: int) -> None:
         try:
             self.apply_retention()
-        except Exception as exc:  # the save is committed: a retention failure is logged and retried, never a failed save
+        # the save is committed: a retention failure is logged and retried, never a failed save
+        except Exception as exc:
             log.warning("shardsafe: retention after saving step %d failed (retried after the next save): %s", step, exc)
             self.retention_errors.append(f"step {step}: {type(exc).__name__}: {exc}")
 
@@ -430,7 +458,10 @@ class CheckpointManager:
         """At interpreter exit, finish a save still in flight rather than let the exit kill it silently."""
         if not self._worker.busy:
             return
-        log.warning("shardsafe: finishing the save in flight under %s at exit (close the manager, or use it in a with block)", self.root)
+        log.warning(
+            "shardsafe: finishing the save in flight under %s at exit (close the manager, or use it in a with block)",
+            self.root,
+        )
         try:
             self.wait()
         except SaveError as exc:
@@ -486,7 +517,9 @@ class CheckpointManager:
         """The local tier's newest complete step, if it is newer than the root's newest committed one."""
         if self._tier is None:
             return None
-        return self._tier.restore(self._newest_except({}), lambda folder: load(folder, state, process_group=self.comm.group, strict=strict))
+        return self._tier.restore(
+            self._newest_except({}), lambda folder: load(folder, state, process_group=self.comm.group, strict=strict)
+        )
 
     def _restore_newest(self, state: dict[str, Any], strict: bool) -> int | None:
         """The newest step that loads, listing again after each failure (a reader's root can change meanwhile)."""
@@ -495,12 +528,17 @@ class CheckpointManager:
             try:
                 self._load(candidate, state, strict)
                 return candidate
-            except StateMismatchError:  # the checkpoint does not fit the state: the caller's error, not the checkpoint's
+            # the checkpoint does not fit the state: the caller's error, not the checkpoint's
+            except StateMismatchError:
                 raise
             except (ShardsafeError, OSError) as exc:
-                # Whatever a load raises when the folder goes from under it (retention, between the listing and the last read).
+                # Whatever a load raises when the folder goes from under it (retention, between the listing and the last
+                # read).
                 if self.comm.on_coordinator(lambda: not has_manifest(self.step_path(candidate))):
-                    log.debug("shardsafe: %s was retired while it was read; trying the newest one left", self.step_path(candidate))
+                    log.debug(
+                        "shardsafe: %s was retired while it was read; trying the newest one left",
+                        self.step_path(candidate),
+                    )
                     failed[candidate] = "retired while it was read"
                     continue
                 if not isinstance(exc, _DAMAGE):
@@ -540,9 +578,13 @@ class CheckpointManager:
             seen.append(f"step {step}, written by {who}: {failed.get(step, 'not tried')}")
         more = f" (and {len(committed) - _LISTED} older)" if len(committed) > _LISTED else ""
         return (
-            f"{where(self.root)}: restore loaded none of the {len(committed)} committed checkpoints{more}: " + "; ".join(seen) + ". "
-            "Starting from scratch here would silently train over that history. Check them (shardsafe verify / shardsafe list), "
-            "then repair or move the damaged ones away, load one on purpose with restore(state, step=N), or start the run in "
+            f"{where(self.root)}: restore loaded none of the {len(committed)} committed checkpoints{more}: "
+            + "; ".join(seen)
+            + ". "
+            "Starting from scratch here would silently train over that history. Check them (shardsafe verify / "
+            "shardsafe list), "
+            "then repair or move the damaged ones away, load one on purpose with restore(state, step=N), or start the "
+            "run in "
             "another root; to start from scratch here anyway, catch NoLoadableCheckpointError"
         )
 

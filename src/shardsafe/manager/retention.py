@@ -76,7 +76,9 @@ def retire(folder: Path | RemoteDir, keep_files: set[str] | None = None) -> None
     object store (no rename) deleting the manifest, the commit marker, retires it at once.
     """
     crash_point("retention:before-rename", 0)
-    as_location(folder).choose(local=lambda path: _retire_local(path, keep_files), remote=lambda prefix: _retire_remote(prefix, keep_files))
+    as_location(folder).choose(
+        local=lambda path: _retire_local(path, keep_files), remote=lambda prefix: _retire_remote(prefix, keep_files)
+    )
 
 
 def _retire_remote(folder: RemoteDir, keep_files: set[str] | None) -> None:

@@ -1,4 +1,5 @@
-"""The local tier: every ``local_every`` steps a checkpoint in each node's own folder, restored when newer than the root's.
+"""The local tier: every ``local_every`` steps a checkpoint in each node's own folder, restored when newer than the
+root's.
 
 One local step is one ordinary shardsafe checkpoint (same format, block hashes, ``state.json``
 with the data position, RNG and schedulers), written by the same collective write path as a
@@ -152,7 +153,13 @@ class LocalTier:
     never queue behind the training's). Collective methods: :meth:`save`, :meth:`restore`."""
 
     def __init__(
-        self, root: str, comm: Comm, every: int, local_dir: str | os.PathLike[str] = DEFAULT_LOCAL_DIR, replicas: int = 0, fsync: bool = True
+        self,
+        root: str,
+        comm: Comm,
+        every: int,
+        local_dir: str | os.PathLike[str] = DEFAULT_LOCAL_DIR,
+        replicas: int = 0,
+        fsync: bool = True,
     ) -> None:
         self.comm = comm
         self.every = every
@@ -187,7 +194,15 @@ class LocalTier:
         try:
             target = self._prepare(step)
             try:
-                write_checkpoint(self.step_folder(step), view, self.comm, overwrite=True, metadata=metadata, fsync=self.fsync, target=target)
+                write_checkpoint(
+                    self.step_folder(step),
+                    view,
+                    self.comm,
+                    overwrite=True,
+                    metadata=metadata,
+                    fsync=self.fsync,
+                    target=target,
+                )
                 manifest_bytes = self._publish_copies(target)
             except BaseException:
                 target.abort()
@@ -208,7 +223,8 @@ class LocalTier:
 
     def _room_for(self, step: int, view: SaveView) -> bool:
         """Collective: whether every node's folder has room for its ranks' files (and the replicas it keeps)."""
-        need = sum(c.tensor.numel() * c.tensor.element_size() for c in view.chunks)  # an upper bound of this rank's file
+        # an upper bound of this rank's file
+        need = sum(c.tensor.numel() * c.tensor.element_size() for c in view.chunks)
         free = None
         if self.nodes.is_leader:
             try:
@@ -270,7 +286,9 @@ class LocalTier:
                 temp.remove()
             raise
         mine = names[self.nodes.leader()]
-        return NodeCommit(temp if temp is not None else TemporaryPath.attach(Path(mine), final, owner=False, fsync=self.fsync))
+        return NodeCommit(
+            temp if temp is not None else TemporaryPath.attach(Path(mine), final, owner=False, fsync=self.fsync)
+        )
 
     def _remove_leftovers(self) -> None:
         """Leader, before a save: hidden folders an interrupted save or restore of this tier left."""
@@ -330,7 +348,9 @@ class LocalTier:
     def _global(self, rank: int) -> int:
         return rank if self.comm.group is dist.GroupMember.WORLD else dist.get_global_rank(self.comm.group, rank)
 
-    def _transfer(self, moves: list[Move], source: Callable[[str], Path], dest: Callable[[str], Path]) -> BaseException | None:
+    def _transfer(
+        self, moves: list[Move], source: Callable[[str], Path], dest: Callable[[str], Path]
+    ) -> BaseException | None:
         """Every rank, in the same order: send the moves it is the source of, receive those it is the
         destination of (blocking point-to-point; in one global order no pair waits on a third).
         A received file lands under a hidden name and is renamed into place only when whole and
@@ -365,7 +385,11 @@ class LocalTier:
                 if problem is not None:
                     piece.zero_()  # a failed read sends zeros (and the flag says so), never stale bytes
                 dist.send(piece, group=self.comm.group, group_dst=move.dst)
-            dist.send(torch.tensor([0 if problem is None else 1], dtype=torch.uint8), group=self.comm.group, group_dst=move.dst)
+            dist.send(
+                torch.tensor([0 if problem is None else 1], dtype=torch.uint8),
+                group=self.comm.group,
+                group_dst=move.dst,
+            )
         finally:
             if fd is not None:
                 os.close(fd)
@@ -426,7 +450,9 @@ class LocalTier:
             out[step] = Held(hash_bytes(data), needed, present)
         return out
 
-    def _choose(self, reports: list[tuple[dict[int, Held], int] | None], newer_than: int | None) -> tuple[int | None, str, list[str]]:
+    def _choose(
+        self, reports: list[tuple[dict[int, Held], int] | None], newer_than: int | None
+    ) -> tuple[int | None, str, list[str]]:
         """The newest step newer than ``newer_than`` whose files the nodes hold between them (every
         rank decides alike from the leaders' reports): (step or None, its manifest digest, why
         newer steps were passed over)."""
@@ -454,7 +480,8 @@ class LocalTier:
         if self.nodes.is_leader:
             try:
                 report = (self._held(), self._free_bytes())
-            except OSError as exc:  # this node's folder cannot be read: it holds nothing (every rank must reach the gather)
+            # this node's folder cannot be read: it holds nothing (every rank must reach the gather)
+            except OSError as exc:
                 log.warning("shardsafe: local tier %s cannot be read: %s", self.folder, exc)
                 report = ({}, 0)
         reports = self.comm.all_gather(report)
@@ -470,7 +497,12 @@ class LocalTier:
             self._complete(step, digest, reports)
         except SaveError as exc:
             if self.comm.is_coordinator:
-                log.warning("shardsafe: local tier: step %d could not be gathered onto every node (%s); restoring from the root", step, exc)
+                log.warning(
+                    "shardsafe: local tier: step %d could not be gathered onto every node (%s); restoring from the "
+                    "root",
+                    step,
+                    exc,
+                )
             return None
         try:
             load(self.step_folder(step))
@@ -495,7 +527,8 @@ class LocalTier:
         holders = {name: [n for n, h in held.items() if h is not None and name in h.present] for name in needed}
         moves: list[Move] = []
         short = []
-        order = sorted(needed, key=lambda name: (name == MANIFEST_NAME, name))  # the manifest last: it commits a new folder
+        # the manifest last: it commits a new folder
+        order = sorted(needed, key=lambda name: (name == MANIFEST_NAME, name))
         for i, node in enumerate(self.nodes.nodes):
             h = held[node]
             lacking = [name for name in order if h is None or name not in h.present]
@@ -537,7 +570,8 @@ class LocalTier:
         newer = [s for s in self._steps() if root_newest is None or s > root_newest]
         if newer and self.comm.is_coordinator:
             log.warning(
-                "shardsafe: closing: local step %d is discarded; the persistent root's newest is %s (save(..., force=True) before closing keeps it)",
+                "shardsafe: closing: local step %d is discarded; the persistent root's newest is %s (save(..., "
+                "force=True) before closing keeps it)",
                 newer[-1],
                 root_newest,
             )

@@ -166,7 +166,9 @@ class BlockExecutor:
         chunk = reads[0].chunk
         where = _Where(self.files, reads[0])
         if not self.verify and all(read.dest is not None for read in reads):
-            self.read_raw(chunk, [read.dest for read in reads if read.dest is not None], chunk.begin + reads[0].lo, where)
+            self.read_raw(
+                chunk, [read.dest for read in reads if read.dest is not None], chunk.begin + reads[0].lo, where
+            )
             return
         todo = [read for read in reads if not self._checked_before(read)]  # only a span of one can have one
         if not todo:
@@ -176,7 +178,9 @@ class BlockExecutor:
         for read in todo:
             views, scratch = self._views(read, scratch)
             views_of.append(views)
-        self.read_raw(chunk, [view for views in views_of for view in views], chunk.begin + self._span_of(todo[0])[0], where)
+        self.read_raw(
+            chunk, [view for views in views_of for view in views], chunk.begin + self._span_of(todo[0])[0], where
+        )
         for read, views in zip(todo, views_of):
             self._check_block(read, views, where if read is reads[0] else _Where(self.files, read))
 

@@ -56,7 +56,16 @@ from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 from shardsafe.storage.safetensors import write_tensor_file
 
-__all__ = ["CommitTarget", "LocalCommit", "agree_and_publish", "is_committed", "new_manifest", "open_checkpoint", "prepare", "prepare_save"]
+__all__ = [
+    "CommitTarget",
+    "LocalCommit",
+    "agree_and_publish",
+    "is_committed",
+    "new_manifest",
+    "open_checkpoint",
+    "prepare",
+    "prepare_save",
+]
 
 log = logging.getLogger("shardsafe")
 
@@ -93,7 +102,9 @@ class CommitTarget(ABC):
         """Every rank: the name of ``rank``'s shard file. Never raises."""
 
     @abstractmethod
-    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+    def write_shard(
+        self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int
+    ) -> tuple[int, list[list[str]]]:
         """Every rank, once, for its own file: stream ``prefix`` (the safetensors header) and the
         tensors' bytes, hashing each ``block_size`` block; returns (size, per-tensor block digests).
         May raise (``OSError``, ...): the file is then garbage of this save, removed at step 6."""
@@ -136,7 +147,9 @@ class LocalCommit(CommitTarget):
     def shard_name(self, rank: int) -> str:
         return SHARD_PATTERN.format(rank=rank)
 
-    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+    def write_shard(
+        self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int
+    ) -> tuple[int, list[list[str]]]:
         return write_tensor_file(self.tmp / name, prefix, tensors, block_size, self.fsync, rank)
 
     def write_index(self, rank: int, data: bytes) -> str:
@@ -170,7 +183,9 @@ class RemoteCommit(CommitTarget):
     def shard_name(self, rank: int) -> str:
         return f"shard-{rank:05d}-{self.save_id}.safetensors"
 
-    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]:
+    def write_shard(
+        self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int
+    ) -> tuple[int, list[list[str]]]:
         return self.folder.write_tensors(name, prefix, tensors, block_size)
 
     def write_index(self, rank: int, data: bytes) -> str:
@@ -184,7 +199,9 @@ class RemoteCommit(CommitTarget):
     def commit(self, state_bytes: bytes, manifest: Manifest, rank: int) -> None:
         previous: set[str] = set()
         if self.folder.exists(MANIFEST_NAME):
-            old = parse_manifest(self.folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{self.folder.url}/{MANIFEST_NAME}")
+            old = parse_manifest(
+                self.folder.read_bytes(MANIFEST_NAME, MAX_JSON_BYTES), f"{self.folder.url}/{MANIFEST_NAME}"
+            )
             previous = old.stored_names()
         self.folder.write_bytes(manifest.state_file, state_bytes)
         crash_point("save:before-manifest", rank)
@@ -201,7 +218,9 @@ class RemoteCommit(CommitTarget):
         try:
             self.folder.remove(sorted(previous - manifest.stored_names()))
         except Exception as exc:  # committed already; what is left over is garbage for collect_garbage
-            log.warning("shardsafe: %s: committed, but removing the previous save's objects failed: %s", self.folder.url, exc)
+            log.warning(
+                "shardsafe: %s: committed, but removing the previous save's objects failed: %s", self.folder.url, exc
+            )
 
     def _manifest_is(self, data: bytes) -> bool | None:
         """Whether the visible manifest is ``data`` (None: cannot tell)."""
@@ -217,7 +236,10 @@ class RemoteCommit(CommitTarget):
             return
         try:
             if self.manifest_sent and self._manifest_is_ours() is not False:
-                log.warning("shardsafe: %s: the manifest of the failed save may be visible; keeping its objects", self.folder.url)
+                log.warning(
+                    "shardsafe: %s: the manifest of the failed save may be visible; keeping its objects",
+                    self.folder.url,
+                )
                 return
             self.folder.remove([name for name in self.folder.list() if self.save_id in name])
         except Exception as exc:  # leftovers are invisible (no manifest names them) and collected by gc
@@ -250,7 +272,10 @@ def prepare_save(comm: Comm, final: Path | RemoteDir, overwrite: bool, fsync: bo
     where = as_location(final)
 
     def setup() -> str:
-        return where.choose(local=lambda path: str(_make_tmp(path, overwrite).path), remote=lambda folder: _check_remote(folder, overwrite))
+        return where.choose(
+            local=lambda path: str(_make_tmp(path, overwrite).path),
+            remote=lambda folder: _check_remote(folder, overwrite),
+        )
 
     token = comm.on_coordinator(setup, default=SaveError)
     return where.choose(
@@ -271,7 +296,9 @@ def _make_tmp(final: Path, overwrite: bool) -> TemporaryPath:
     if final.exists() and not final.is_dir():
         raise SaveError(f"{final}: exists and is not a folder")
     if final.is_dir() and not is_committed(final) and any(final.iterdir()) and not overwrite:
-        raise CheckpointExistsError(f"{final}: folder exists, is not empty and holds no checkpoint; pass overwrite=True to replace it")
+        raise CheckpointExistsError(
+            f"{final}: folder exists, is not empty and holds no checkpoint; pass overwrite=True to replace it"
+        )
     return TemporaryPath.create(final)  # a new root's name is durable before anything is published into it
 
 
@@ -348,10 +375,14 @@ def _open_local(folder: Path) -> tuple[Manifest, dict[str, Any]]:
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder}: no such checkpoint folder")
     if not manifest_path.is_file():
-        raise CheckpointNotFoundError(f"{folder}: no {MANIFEST_NAME}; this is not a committed checkpoint (an interrupted save leaves none)")
+        raise CheckpointNotFoundError(
+            f"{folder}: no {MANIFEST_NAME}; this is not a committed checkpoint (an interrupted save leaves none)"
+        )
     gone = f"{folder}: removed while it was being opened (retired or replaced by another run?)"
     try:
-        manifest = parse_manifest(read_small_file(safe_child(folder, MANIFEST_NAME), MAX_JSON_BYTES), str(manifest_path))
+        manifest = parse_manifest(
+            read_small_file(safe_child(folder, MANIFEST_NAME), MAX_JSON_BYTES), str(manifest_path)
+        )
     except FileNotFoundError:
         raise CheckpointNotFoundError(gone) from None
     state_path = safe_child(folder, manifest.state_file)

@@ -34,7 +34,9 @@ class ElementReader(Protocol):
 
     block: int
 
-    def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None: ...
+    def read_elements(
+        self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview
+    ) -> None: ...
 
 
 def read_into_cuda(
@@ -82,7 +84,13 @@ def _read_span(
 
 
 def _read_rows(
-    reader: ElementReader, up: HostToDevice, key: str, op: ReadOp, dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]
+    reader: ElementReader,
+    up: HostToDevice,
+    key: str,
+    op: ReadOp,
+    dtype: torch.dtype,
+    dest: torch.Tensor,
+    dest_offsets: tuple[int, ...],
 ) -> None:
     """The box as groups of whole dim-0 rows of the chunk, narrowed and cast on the device."""
     chunk = op.chunk

@@ -80,8 +80,14 @@ class ShardFiles:
         chunk = self.index(writer).get(key, {}).get(offsets)
         if chunk is None:
             found = self.manifest.index_of_rank(writer)
-            where = self.source.describe(None, found[1].index.file) if found is not None and found[1].index is not None else f"rank {writer}"
-            raise FormatError(f"{where}: lists no box at {list(offsets)} of tensor {key!r:.200}, which its layout rule places there")
+            where = (
+                self.source.describe(None, found[1].index.file)
+                if found is not None and found[1].index is not None
+                else f"rank {writer}"
+            )
+            raise FormatError(
+                f"{where}: lists no box at {list(offsets)} of tensor {key!r:.200}, which its layout rule places there"
+            )
         return chunk
 
     def plan(self, key: str, entry: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[ReadOp]:
@@ -90,7 +96,9 @@ class ShardFiles:
 
     def chunks_of(self, key: str, entry: TensorEntry) -> list[ChunkEntry]:
         """Every stored chunk of ``key`` (for a rule, every non-empty part: reads every index it needs)."""
-        return candidate_chunks(entry, (0,) * len(entry.shape), entry.shape, lambda writer, at: self.part(key, writer, at))
+        return candidate_chunks(
+            entry, (0,) * len(entry.shape), entry.shape, lambda writer, at: self.part(key, writer, at)
+        )
 
     def path_of(self, chunk: ChunkEntry) -> str:
         return self.source.describe(chunk.checkpoint, chunk.file)
@@ -117,7 +125,9 @@ class ShardFiles:
         expected = self.manifest.files[file].size if checkpoint is None else self._sibling_size(checkpoint, file, where)
         handle, size = self.source.open(checkpoint, file)
         if size != expected or size < needed:
-            raise IntegrityError(f"{where}: file is {size} bytes, the manifest expects {max(expected, needed)} (truncated or altered)")
+            raise IntegrityError(
+                f"{where}: file is {size} bytes, the manifest expects {max(expected, needed)} (truncated or altered)"
+            )
         self._check_header(checkpoint, file, handle, size, where)  # every chunk in the file: their ends included
         self._checked[ident] = handle
         return handle
@@ -130,7 +140,8 @@ class ShardFiles:
             data, manifest_where = self.source.sibling_manifest(checkpoint)
         except FileNotFoundError:
             raise IntegrityError(
-                f"{where}: a chunk refers to checkpoint {checkpoint!r}, which is not a committed checkpoint next to this one"
+                f"{where}: a chunk refers to checkpoint {checkpoint!r}, which is not a committed checkpoint next to "
+                "this one"
             ) from None
         entry = parse_manifest(data, manifest_where).files.get(file)
         if entry is None:
@@ -148,19 +159,25 @@ class ShardFiles:
         self.source.read_into(handle, [first], 0, where)
         length = int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
         if len(first) < 8 or length > MAX_HEADER_BYTES or 8 + length > size:
-            raise FormatError(f"{where}: safetensors header length {length} runs past the end of the file ({size} bytes)")
+            raise FormatError(
+                f"{where}: safetensors header length {length} runs past the end of the file ({size} bytes)"
+            )
         head = bytes(first[: 8 + length])
         if 8 + length > len(first):
             rest = memoryview(bytearray(8 + length - len(first)))
             self.source.read_into(handle, [rest], len(first), where)
             head += bytes(rest)
-        by_range = {(begin, end): (dtype, shape) for dtype, shape, begin, end in parse_safetensors_header(head, size, where).values()}
+        by_range = {
+            (begin, end): (dtype, shape)
+            for dtype, shape, begin, end in parse_safetensors_header(head, size, where).values()
+        }
         for key, dtype, chunk in chunks:
             found = by_range.get((chunk.begin, chunk.end))
             if found is None or found[0] != dtype or tuple(found[1]) != chunk.shape:
                 shown = "no entry" if found is None else f"{found[0]} {list(found[1])}"
                 raise FormatError(
-                    f"{where}: the safetensors header disagrees with the manifest for tensor {key!r} chunk at {list(chunk.offsets)} "
+                    f"{where}: the safetensors header disagrees with the manifest for tensor {key!r} chunk at "
+                    f"{list(chunk.offsets)} "
                     f"(bytes [{chunk.begin}, {chunk.end}): manifest {dtype} {list(chunk.shape)}, header {shown})"
                 )
 
@@ -177,4 +194,6 @@ class ShardFiles:
         if info is None or info.index is None:
             return listed
         parts = self.index(info.rank)
-        return listed + [(key, self.manifest.tensors[key].dtype, c) for key, boxes in parts.items() for c in boxes.values()]
+        return listed + [
+            (key, self.manifest.tensors[key].dtype, c) for key, boxes in parts.items() for c in boxes.values()
+        ]

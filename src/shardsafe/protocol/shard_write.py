@@ -40,7 +40,9 @@ class ShardSink(Protocol):
 
     def shard_name(self, rank: int) -> str: ...
 
-    def write_shard(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int) -> tuple[int, list[list[str]]]: ...
+    def write_shard(
+        self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int
+    ) -> tuple[int, list[list[str]]]: ...
 
     def write_index(self, rank: int, data: bytes) -> str: ...
 
@@ -55,7 +57,9 @@ class RankFile:
     entries: list[tuple[LocalChunk, ChunkEntry]]
 
 
-def write_rank_file(sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None) -> RankFile:
+def write_rank_file(
+    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None
+) -> RankFile:
     """Write this rank's chunks into its own shard file.
 
     With ``reuse`` (the chunks of an earlier checkpoint in the same root, each pointing at the
@@ -78,7 +82,10 @@ def write_rank_file(sink: ShardSink, rank: int, chunks: list[LocalChunk], block_
     header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in to_write]
     prefix, ranges = build_safetensors_header(header)
     size, digests_list = sink.write_shard(name, prefix, [c.tensor for c in to_write], block_size, rank)
-    entries += [(c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d))) for c, (begin, end), d in zip(to_write, ranges, digests_list)]
+    entries += [
+        (c, ChunkEntry(c.offsets, c.shape, name, begin, end, tuple(d)))
+        for c, (begin, end), d in zip(to_write, ranges, digests_list)
+    ]
     return RankFile(name, size, entries)
 
 
@@ -109,7 +116,10 @@ class ReuseMap:
             return out
         for key, boxes in parts.items():
             for chunk in boxes.values():
-                out[(key, chunk.offsets)] = (self.manifest.tensors[key].dtype, replace(chunk, checkpoint=self.checkpoint))
+                out[(key, chunk.offsets)] = (
+                    self.manifest.tensors[key].dtype,
+                    replace(chunk, checkpoint=self.checkpoint),
+                )
         return out
 
 

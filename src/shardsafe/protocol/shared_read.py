@@ -96,7 +96,8 @@ class SharedPlan:
     batches: list[Batch] = field(default_factory=list)  # every batch this rank takes part in, in the global order
     shared: set[ChunkId] = field(default_factory=set)  # chunks served by the exchange
     requests: dict[ChunkId, list[ReadRequest]] = field(default_factory=dict)  # this rank's requests of those chunks
-    entries: dict[ChunkId, tuple[str, ChunkEntry]] = field(default_factory=dict)  # (key, chunk) of those this rank reads
+    # (key, chunk) of those this rank reads
+    entries: dict[ChunkId, tuple[str, ChunkEntry]] = field(default_factory=dict)
 
     def local(self, requests: Sequence[ReadRequest]) -> list[ReadRequest]:
         """The requests this rank reads from storage itself (those of unshared chunks)."""
@@ -104,7 +105,13 @@ class SharedPlan:
 
     def checks(self, reader: ChunkReader) -> list[BlockRead]:
         """Block checks of every chunk this rank reads for others (an atomic load's first pass)."""
-        return [c for b in self.batches if b.reader == self.rank for cid in b.chunks for c in reader.whole_chunk_checks(*self.entries[cid])]
+        return [
+            c
+            for b in self.batches
+            if b.reader == self.rank
+            for cid in b.chunks
+            for c in reader.whole_chunk_checks(*self.entries[cid])
+        ]
 
     def exchange(self, reader: ChunkReader, comm: Comm, failed: bool = False) -> Exception | None:
         """Run every batch this rank is in (``failed``: this rank failed before; it sends failure
@@ -114,7 +121,8 @@ class SharedPlan:
         for batch in self.batches:
             buffer = torch.zeros(batch.positions()[1] + 1, dtype=torch.uint8)
             if batch.reader == self.rank:
-                read_problem = None if failed else self._read(reader, batch, buffer)  # read for others even after a failed receive
+                # read for others even after a failed receive
+                read_problem = None if failed else self._read(reader, batch, buffer)
                 problem = problem or read_problem
                 buffer[-1] = int(not failed and read_problem is None)
                 for receiver in batch.receivers:  # each is at this batch too (the same global order everywhere)
@@ -122,7 +130,9 @@ class SharedPlan:
             else:
                 dist.recv(buffer, _global(comm, batch.reader), group=comm.group)
                 if not buffer[-1]:
-                    problem = problem or PeerFailedError(f"rank {batch.reader} could not read chunks it reads for rank {self.rank} (see its error)")
+                    problem = problem or PeerFailedError(
+                        f"rank {batch.reader} could not read chunks it reads for rank {self.rank} (see its error)"
+                    )
             if buffer[-1] and not failed:
                 self._copy_out(batch, buffer)
         return problem
@@ -167,7 +177,9 @@ def can_share(comm: Comm) -> bool:
     return comm.distributed and dist.get_backend(comm.group) == "gloo"
 
 
-def plan_shared(comm: Comm, requests: Sequence[ReadRequest], enabled: bool | None = True, remote: bool = False) -> SharedPlan:
+def plan_shared(
+    comm: Comm, requests: Sequence[ReadRequest], enabled: bool | None = True, remote: bool = False
+) -> SharedPlan:
     """Step 1 (collective unless ``enabled`` is False or not :func:`can_share`): who reads each chunk
     several ranks need. ``enabled=None``: only if the ranks span nodes or ``remote`` (an object store;
     the same on every rank), see the module doc."""

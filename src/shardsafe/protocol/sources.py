@@ -18,7 +18,8 @@ from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["FileHandle", "LocalSource", "RemoteSource"]
 
-FileHandle = int | tuple[RemoteDir, str]  # an open file: a descriptor (LocalSource), or an object's folder and name (RemoteSource)
+# an open file: a descriptor (LocalSource), or an object's folder and name (RemoteSource)
+FileHandle = int | tuple[RemoteDir, str]
 
 
 class LocalSource:

@@ -145,12 +145,16 @@ class ChunkReader:
         self.read_all([ReadRequest(key, op, entry.dtype, out, zeros) for op in ops])
         return out
 
-    def read_elements(self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview) -> None:
+    def read_elements(
+        self, key: str, chunk: ChunkEntry, dtype: torch.dtype, start: int, stop: int, dest: memoryview
+    ) -> None:
         """Read elements [start, stop) of ``chunk`` into ``dest``, verifying the blocks touched."""
         es = element_size(dtype)
         self.run(self.block_reads(key, chunk, start * es, stop * es, dest))
 
-    def read_into(self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]) -> None:
+    def read_into(
+        self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]
+    ) -> None:
         """Copy the box of ``op`` into ``dest`` (which holds the box at ``dest_offsets``)."""
         self.read_all([ReadRequest(key, op, saved_dtype, dest, dest_offsets)])
 
@@ -181,7 +185,9 @@ class ChunkReader:
         for copy in copies:
             copy()
 
-    def plan_into(self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]) -> PlannedRead:
+    def plan_into(
+        self, key: str, op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]
+    ) -> PlannedRead:
         """The block reads that put the box of ``op`` into ``dest``: straight into its memory when
         the box is contiguous in both and the dtype and device match, else into a slab of the
         chunk's rows that ``finish`` copies from."""
@@ -190,7 +196,13 @@ class ChunkReader:
         src = contiguous_span(op.offsets, op.shape, chunk.offsets, chunk.shape)
         dst = contiguous_span(op.offsets, op.shape, dest_offsets, tuple(dest.shape))
         es = element_size(saved_dtype)
-        direct = src is not None and dst is not None and dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == saved_dtype
+        direct = (
+            src is not None
+            and dst is not None
+            and dest.is_contiguous()
+            and dest.device.type == "cpu"
+            and dest.dtype == saved_dtype
+        )
         if direct:
             assert src is not None and dst is not None
             view = tensor_bytes(dest)[dst[0] * es : dst[1] * es]

@@ -59,7 +59,9 @@ def _renamed_by_hooks(module: nn.Module, state: dict[str, Any]) -> bool:
     """Whether ``state`` holds entries that are not the module's own parameters and buffers (made
     by a state-dict hook): those are read into and handed back through ``load_state_dict``."""
     inner = unwrap_module(module)
-    own = {name for name, _ in inner.named_parameters(remove_duplicate=False)} | {name for name, _ in inner.named_buffers(remove_duplicate=False)}
+    own = {name for name, _ in inner.named_parameters(remove_duplicate=False)} | {
+        name for name, _ in inner.named_buffers(remove_duplicate=False)
+    }
     return not set(state) <= own
 
 
@@ -82,7 +84,9 @@ class ModuleAdapter:
 
     def describe(self, name: str, value: Any, ctx: SaveContext) -> Described:
         chunks: list[Any] = []
-        return Described({"kind": self.kind, "state": encode_with_chunks(model_state(value), name, chunks)}, chunks=chunks)
+        return Described(
+            {"kind": self.kind, "state": encode_with_chunks(model_state(value), name, chunks)}, chunks=chunks
+        )
 
     def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound:
         state = model_state(value)
@@ -132,7 +136,9 @@ def _checked_state(obj: Any, state: Any, name: str) -> None:
     check = getattr(obj, "check_state_dict", None)
     problems = check(state) if callable(check) else []
     if problems:
-        raise FormatError(f"state.json: {name!r} cannot be loaded into its object: " + "; ".join(str(p) for p in problems[:10]))
+        raise FormatError(
+            f"state.json: {name!r} cannot be loaded into its object: " + "; ".join(str(p) for p in problems[:10])
+        )
 
 
 def _load_step(name: str, obj: Any, state: Any) -> LoadStep:
@@ -161,7 +167,9 @@ class StatefulAdapter:
 
     def describe(self, name: str, value: Any, ctx: SaveContext) -> Described:
         chunks: list[Any] = []
-        return Described({"kind": self.kind, "state": encode_with_chunks(value.state_dict(), name, chunks)}, chunks=chunks)
+        return Described(
+            {"kind": self.kind, "state": encode_with_chunks(value.state_dict(), name, chunks)}, chunks=chunks
+        )
 
     def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound:
         return Bound(name, value, self)
@@ -181,7 +189,10 @@ class StatefulAdapter:
         state = entry.get("state")
         if not isinstance(state, dict):
             return {}
-        return {"fields": {k: v for k, v in state.items() if v is None or isinstance(v, (bool, int, float, str))}, "field_count": len(state)}
+        return {
+            "fields": {k: v for k, v in state.items() if v is None or isinstance(v, (bool, int, float, str))},
+            "field_count": len(state),
+        }
 
 
 class PerRankAdapter(StatefulAdapter):
@@ -191,11 +202,17 @@ class PerRankAdapter(StatefulAdapter):
     kind = KIND_PER_RANK
 
     def matches(self, value: Any) -> bool:
-        return bool(getattr(value, "per_rank", False)) and hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+        return (
+            bool(getattr(value, "per_rank", False))
+            and hasattr(value, "state_dict")
+            and hasattr(value, "load_state_dict")
+        )
 
     def describe(self, name: str, value: Any, ctx: SaveContext) -> Described:
         chunks: list[Any] = []
-        return Described(per_rank=encode_with_chunks(value.state_dict(), f"{name}/rank{ctx.rank}", chunks), chunks=chunks)
+        return Described(
+            per_rank=encode_with_chunks(value.state_dict(), f"{name}/rank{ctx.rank}", chunks), chunks=chunks
+        )
 
     def _mine(self, bound: Bound, ctx: LoadContext) -> Any:
         ranks = ctx.saved.get("ranks") if isinstance(ctx.saved, dict) else None
@@ -249,4 +266,12 @@ class ValueAdapter:
         return {"value": entry.get("state")}
 
 
-__all__ = ["ModuleAdapter", "PerRankAdapter", "StatefulAdapter", "TensorAdapter", "ValueAdapter", "model_state", "unwrap_module"]
+__all__ = [
+    "ModuleAdapter",
+    "PerRankAdapter",
+    "StatefulAdapter",
+    "TensorAdapter",
+    "ValueAdapter",
+    "model_state",
+    "unwrap_module",
+]

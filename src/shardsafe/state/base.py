@@ -208,10 +208,15 @@ def dtensor_splits(tensor: Any) -> tuple[tuple[DimSplit, ...], ...]:
             continue
         if p.is_partial():
             raise ShardsafeError(
-                f"cannot save a DTensor with placements {tuple(tensor.placements)}: {p} on mesh dim {mesh_dim} means the local values "
-                "are partial results still to be reduced; call .redistribute(placements=...) with Replicate() or Shard(d) there first"
+                f"cannot save a DTensor with placements {tuple(tensor.placements)}: {p} on mesh dim {mesh_dim} means "
+                "the local values "
+                "are partial results still to be reduced; call .redistribute(placements=...) with Replicate() or "
+                "Shard(d) there first"
             )
-        raise ShardsafeError(f"cannot save a DTensor with placement {p} (mesh dim {mesh_dim}): only Shard, _StridedShard and Replicate are stored")
+        raise ShardsafeError(
+            f"cannot save a DTensor with placement {p} (mesh dim {mesh_dim}): only Shard, _StridedShard and Replicate "
+            "are stored"
+        )
     return tuple(tuple(s) for s in steps)
 
 
@@ -278,7 +283,9 @@ def pieces(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[Piece]]:
     boxes = local_boxes(global_shape, splits)
     per_dim = [dim_runs(n, s) for n, s in zip(global_shape, splits)]
     if not boxes:  # nothing here (a rank past the end of an uneven split): one empty piece says so
-        return global_shape, [Piece(local, tuple(runs[0].start if runs else size for size, runs in zip(global_shape, per_dim)))]
+        return global_shape, [
+            Piece(local, tuple(runs[0].start if runs else size for size, runs in zip(global_shape, per_dim)))
+        ]
     out = []
     for box in boxes:
         view = local
@@ -295,7 +302,9 @@ def check_storable(key: str, tensor: torch.Tensor, global_shape: tuple[int, ...]
     check_tensor_key(key, where)
     dtype_name(tensor.dtype)
     if len(global_shape) > MAX_DIMS or numel(global_shape) > MAX_NUMEL:
-        raise FormatError(f"{where}: shape {list(global_shape)} has more than {MAX_DIMS} dimensions or {MAX_NUMEL} elements")
+        raise FormatError(
+            f"{where}: shape {list(global_shape)} has more than {MAX_DIMS} dimensions or {MAX_NUMEL} elements"
+        )
 
 
 def unique_paths(name: str) -> Callable[[str], None]:
@@ -305,7 +314,10 @@ def unique_paths(name: str) -> Callable[[str], None]:
 
     def check(path: str) -> None:
         if path in seen:
-            raise ShardsafeError(f"state[{name!r}]: two tensors map to the checkpoint key {path!r} (a dict key containing '/'?); rename one")
+            raise ShardsafeError(
+                f"state[{name!r}]: two tensors map to the checkpoint key {path!r} (a dict key containing '/'?); rename "
+                "one"
+            )
         seen.add(path)
 
     return check
@@ -392,11 +404,17 @@ def type_problems(current: Any, saved: Any, where: str, same_length: bool = Fals
     if a != b:
         return [f"{where} is a {b} in the checkpoint, a {a} here"]
     if isinstance(current, dict):
-        return [p for k in current.keys() & saved.keys() for p in type_problems(current[k], saved[k], f"{where}[{k!r}]", same_length)]
+        return [
+            p
+            for k in current.keys() & saved.keys()
+            for p in type_problems(current[k], saved[k], f"{where}[{k!r}]", same_length)
+        ]
     if isinstance(current, (list, tuple)):
         if len(current) != len(saved):
             return [f"{where} has {len(saved)} elements in the checkpoint, {len(current)} here"] if same_length else []
-        return [p for i, (c, s) in enumerate(zip(current, saved)) for p in type_problems(c, s, f"{where}[{i}]", same_length)]
+        return [
+            p for i, (c, s) in enumerate(zip(current, saved)) for p in type_problems(c, s, f"{where}[{i}]", same_length)
+        ]
     return []
 
 
@@ -410,7 +428,9 @@ def snapshot(obj: Any, name: str) -> Callable[[], None] | None:
     try:
         saved = copy.deepcopy(obj.state_dict())
     except Exception as exc:
-        log.warning("shardsafe: state[%r]: cannot snapshot its state_dict() (%s); a failed load cannot restore it", name, exc)
+        log.warning(
+            "shardsafe: state[%r]: cannot snapshot its state_dict() (%s); a failed load cannot restore it", name, exc
+        )
         return None
 
     def undo() -> None:

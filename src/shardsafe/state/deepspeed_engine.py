@@ -41,7 +41,15 @@ from shardsafe.state.base import (
     tensor_summary,
     type_problems,
 )
-from shardsafe.state.engine_entry import engine_meta, flat_tensor_shapes, same_scalars, saved_meta, saved_params, saved_sections, scalars_by_param
+from shardsafe.state.engine_entry import (
+    engine_meta,
+    flat_tensor_shapes,
+    same_scalars,
+    saved_meta,
+    saved_params,
+    saved_sections,
+    scalars_by_param,
+)
 from shardsafe.state.zero3 import COUNTERS, SECTIONS, Zero3Layout, ZeroParam, refresh_16bit_partitions, tensor_key
 
 __all__ = [
@@ -125,7 +133,11 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
     for bname, buf in z.buffers.items():
         key = tensor_key(name, "buffers", bname)
         tensor = buf.detach()
-        chunks.append(LocalChunk(key, tensor if tensor.is_contiguous() else tensor.contiguous(), tuple(tensor.shape), (0,) * tensor.dim()))
+        chunks.append(
+            LocalChunk(
+                key, tensor if tensor.is_contiguous() else tensor.contiguous(), tuple(tensor.shape), (0,) * tensor.dim()
+            )
+        )
         state["buffers"][bname] = {TENSOR_REF: key}
 
     scaler = getattr(z.opt, "loss_scaler", None)
@@ -137,7 +149,10 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
         deepspeed_version=str(getattr(deepspeed, "__version__", "unknown")),
         params=params_meta,
         aliases=z.aliases,
-        param_groups=[(groups[g], {k: v for k, v in group.items() if k != "params"}) for g, group in enumerate(z.inner.param_groups)],
+        param_groups=[
+            (groups[g], {k: v for k, v in group.items() if k != "params"})
+            for g, group in enumerate(z.inner.param_groups)
+        ],
         optimizer_scalars=scalars_meta,
         loss_scaler=None if scaler is None else (type(scaler).__name__, dict(vars(scaler))),
         dynamic_loss_scale=bool(getattr(z.opt, "dynamic_loss_scale", False)),
@@ -199,7 +214,9 @@ def bind_engine(engine: Any, name: str, saved_entry: Any = None) -> Bound:
 
 def _hyper(meta: dict[str, Any], where: str) -> list[dict[str, Any]]:
     groups = meta.get("param_groups")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
         raise FormatError(f"state.json: {where} has malformed param_groups")
     out = []
     for g in groups:
@@ -226,7 +243,9 @@ def _scaler_state(meta: dict[str, Any], scaler: Any, where: str) -> dict[str, An
 
 def _counters(meta: dict[str, Any], where: str) -> dict[str, int]:
     counters = meta.get("counters") or {}
-    if not isinstance(counters, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for k, v in counters.items() if k in COUNTERS):
+    if not isinstance(counters, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for k, v in counters.items() if k in COUNTERS
+    ):
         raise FormatError(f"state.json: {where} has malformed counters")
     return {k: int(v) for k, v in counters.items() if k in COUNTERS}
 
@@ -240,7 +259,9 @@ def check_engine(name: str, engine: Any, saved_entry: Any, z: Zero3Layout | None
     where = f"{name!r} (DeepSpeed engine)"
     problems: list[str] = []
     if meta.get("zero_stage") != 3:
-        problems.append(f"{where}: the checkpoint holds a ZeRO stage {meta.get('zero_stage')!r} engine; only stage 3 is supported")
+        problems.append(
+            f"{where}: the checkpoint holds a ZeRO stage {meta.get('zero_stage')!r} engine; only stage 3 is supported"
+        )
     stored_params = meta.get("params")
     if not isinstance(stored_params, dict):
         raise FormatError(f"state.json: {where} has no parameter table")
@@ -250,14 +271,19 @@ def check_engine(name: str, engine: Any, saved_entry: Any, z: Zero3Layout | None
             problems.append(f"{where}: parameter {p.name!r} is not in the checkpoint")
             continue
         if info.get("shape") != list(p.shape):
-            problems.append(f"{where}: parameter {p.name!r} has shape {info.get('shape')} in the checkpoint, {list(p.shape)} in the engine")
+            problems.append(
+                f"{where}: parameter {p.name!r} has shape {info.get('shape')} in the checkpoint, {list(p.shape)} in "
+                "the engine"
+            )
         if (info.get("group") is not None) != trainable:
             saved_as, now = ("frozen", "trainable") if trainable else ("trainable", "frozen")
             problems.append(f"{where}: parameter {p.name!r} is {saved_as} in the checkpoint but {now} in the engine")
     live = {p.name for p in (*z.trainable, *z.frozen)}
     extra = sorted(set(stored_params) - live)
     if extra:
-        problems.append(f"{where}: the checkpoint has parameters the engine lacks: {extra[:10]}{' ...' if len(extra) > 10 else ''}")
+        problems.append(
+            f"{where}: the checkpoint has parameters the engine lacks: {extra[:10]}{' ...' if len(extra) > 10 else ''}"
+        )
 
     hyper = _hyper(meta, where)
     current = z.group_params()
@@ -276,7 +302,8 @@ def check_engine(name: str, engine: Any, saved_entry: Any, z: Zero3Layout | None
     scaler = getattr(z.opt, "loss_scaler", None)
     if isinstance(saved_scaler, dict) and scaler is not None and saved_scaler.get("class") != type(scaler).__name__:
         problems.append(
-            f"{where}: the checkpoint's loss scaler is a {saved_scaler.get('class')}, the engine's a {type(scaler).__name__} "
+            f"{where}: the checkpoint's loss scaler is a {saved_scaler.get('class')}, the engine's a "
+            f"{type(scaler).__name__} "
             "(fp16 vs bf16/fp32 configuration?)"
         )
     else:
@@ -286,7 +313,9 @@ def check_engine(name: str, engine: Any, saved_entry: Any, z: Zero3Layout | None
     return problems
 
 
-def _scalars_for_sub_groups(z: Zero3Layout, meta: dict[str, Any], where: str) -> tuple[list[dict[str, tuple[str, Any]] | None], list[str]]:
+def _scalars_for_sub_groups(
+    z: Zero3Layout, meta: dict[str, Any], where: str
+) -> tuple[list[dict[str, tuple[str, Any]] | None], list[str]]:
     """For each live sub-group, the saved scalar state its parameters share (None: none saved)."""
     by_param = scalars_by_param(meta, where)
     stored_params = saved_params(meta)
@@ -301,7 +330,8 @@ def _scalars_for_sub_groups(z: Zero3Layout, meta: dict[str, Any], where: str) ->
             continue
         if len(found) != len(members) or any(not same_scalars(found[0], f) for f in found[1:]):
             problems.append(
-                f"{where}: the parameters of ZeRO sub-group {sub_group} ({members[:4]}{' ...' if len(members) > 4 else ''}) have different "
+                f"{where}: the parameters of ZeRO sub-group {sub_group} "
+                f"({members[:4]}{' ...' if len(members) > 4 else ''}) have different "
                 "optimizer step counts (or none) in the checkpoint; they must share one in the engine"
             )
         chosen.append(found[0])
@@ -314,7 +344,9 @@ def _check_scalars(z: Zero3Layout, meta: dict[str, Any], where: str) -> list[str
     stored = {p.sub_group for p in z.trainable if p.name in stored_params}
     missing = [i for i, c in enumerate(chosen) if c is None and i in stored]
     if missing and meta.get("optimizer_scalars"):
-        problems.append(f"{where}: the checkpoint has no optimizer step count for the parameters of ZeRO sub-groups {missing}")
+        problems.append(
+            f"{where}: the checkpoint has no optimizer step count for the parameters of ZeRO sub-groups {missing}"
+        )
     return problems
 
 
@@ -343,12 +375,19 @@ def prepare_engine(z: Zero3Layout, staged: list[tuple[torch.Tensor, torch.Tensor
                     continue
                 slot = inner.state[flat]
                 flags = inner.param_groups[z.group_of_sub[sub_group]]
-                # where torch's Optimizer.load_state_dict puts `step`: on the parameter's device only for fused/capturable
+                # where torch's Optimizer.load_state_dict puts `step`: on the parameter's device only for
+                # fused/capturable
                 on_device = bool(flags.get("fused") or flags.get("capturable"))
                 for key, (kind, value) in scalars.items():
                     if kind == "tensor":
                         old = slot.get(key)
-                        device = old.device if isinstance(old, torch.Tensor) else flat.device if on_device else torch.device("cpu")
+                        device = (
+                            old.device
+                            if isinstance(old, torch.Tensor)
+                            else flat.device
+                            if on_device
+                            else torch.device("cpu")
+                        )
                         slot[key] = value.to(device, copy=True)  # its own tensor: AdamW increments `step` in place
                     else:
                         slot[key] = value

@@ -37,7 +37,9 @@ __all__ = [
 
 def no_tensors(where: str) -> Callable[[str, torch.Tensor], str]:
     def refuse(path: str, tensor: torch.Tensor) -> str:
-        raise ShardsafeError(f"{where}: {path!r} is a tensor; shardsafe stores engine hyper-parameters and scaler state as JSON only")
+        raise ShardsafeError(
+            f"{where}: {path!r} is a tensor; shardsafe stores engine hyper-parameters and scaler state as JSON only"
+        )
 
     return refuse
 
@@ -59,7 +61,12 @@ def decode_scalar(encoded: Any, where: str) -> tuple[str, Any]:
     if isinstance(encoded, dict) and set(encoded) == {"tensor"} and isinstance(encoded["tensor"], dict):
         spec = encoded["tensor"]
         shape = spec.get("shape")
-        if isinstance(shape, list) and len(shape) <= 1 and all(s == 1 for s in shape) and isinstance(spec.get("value"), (bool, int, float)):
+        if (
+            isinstance(shape, list)
+            and len(shape) <= 1
+            and all(s == 1 for s in shape)
+            and isinstance(spec.get("value"), (bool, int, float))
+        ):
             tensor = torch.tensor(spec["value"], dtype=dtype_from_name(spec.get("dtype"), where)).reshape(shape)
             return "tensor", tensor
     raise FormatError(f"{where}: malformed optimizer scalar {encoded!r:.100}")
@@ -97,16 +104,22 @@ def engine_meta(
         "zero_stage": 3,
         "world_size": world_size,
         "deepspeed_version": deepspeed_version,
-        "params": {n: {"shape": list(shape), "dtype": dtype_name(dtype), "group": group} for n, (shape, dtype, group) in params.items()},
+        "params": {
+            n: {"shape": list(shape), "dtype": dtype_name(dtype), "group": group}
+            for n, (shape, dtype, group) in params.items()
+        },
         "aliases": dict(aliases),
         "param_groups": [
             {"params": list(names), "hyper": encoded(hyper, f"param_groups/{g}", f"optimizer param group {g}")}
             for g, (names, hyper) in enumerate(param_groups)
         ],
         "optimizer_scalars": [
-            {"params": list(names), "state": {k: encode_scalar(v) for k, v in state.items()}} for names, state in optimizer_scalars
+            {"params": list(names), "state": {k: encode_scalar(v) for k, v in state.items()}}
+            for names, state in optimizer_scalars
         ],
-        "loss_scaler": None if loss_scaler is None else {"class": loss_scaler[0], "state": encoded(loss_scaler[1], "loss_scaler", "loss scaler")},
+        "loss_scaler": None
+        if loss_scaler is None
+        else {"class": loss_scaler[0], "state": encoded(loss_scaler[1], "loss_scaler", "loss scaler")},
         "dynamic_loss_scale": dynamic_loss_scale,
         "overflow": overflow,
         "counters": dict(counters),
@@ -148,7 +161,11 @@ def engine_model_tensors(entry: Any, where: str) -> dict[str, tuple[str, tuple[i
         section = "frozen" if not isinstance(info, dict) or info.get("group") is None else "fp32"
         key = (state.get(section) or {}).get(pname)
         shape = info.get("shape") if isinstance(info, dict) else None
-        if not isinstance(key, str) or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if (
+            not isinstance(key, str)
+            or not isinstance(shape, list)
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
             raise FormatError(f"{where}: parameter {pname!r} has no stored {section} tensor or no valid shape")
         out[pname] = (key, tuple(shape))
     for bname, key in (state.get("buffers") or {}).items():
@@ -176,7 +193,11 @@ def scalars_by_param(meta: dict[str, Any], where: str) -> dict[str, dict[str, tu
         raise FormatError(f"state.json: {where} has malformed optimizer_scalars")
     out: dict[str, dict[str, tuple[str, Any]]] = {}
     for entry in entries:
-        if not isinstance(entry, dict) or not isinstance(entry.get("params"), list) or not isinstance(entry.get("state"), dict):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("params"), list)
+            or not isinstance(entry.get("state"), dict)
+        ):
             raise FormatError(f"state.json: {where} has a malformed optimizer_scalars entry")
         decoded = {k: decode_scalar(v, f"state.json {where} optimizer scalar {k!r}") for k, v in entry["state"].items()}
         for pname in entry["params"]:

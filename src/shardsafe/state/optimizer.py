@@ -71,7 +71,9 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {"state": {}, "param_groups": groups}
 
 
-def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, saved_state: Any, layout: SavedLayout) -> bool:
+def allocate_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, saved_state: Any, layout: SavedLayout
+) -> bool:
     """Give a fresh optimizer empty state tensors shaped like the checkpoint's, to be read into.
 
     torch's get_optimizer_state_dict creates missing state with a dummy optimizer step, which on
@@ -108,7 +110,9 @@ def allocate_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
                 optimizer.state[owner][k] = torch.empty_like(owner)
             else:
                 group = group_of[id(owner)]
-                device = local_tensor(owner).device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+                device = (
+                    local_tensor(owner).device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+                )
                 optimizer.state[owner][k] = torch.empty(shape, dtype=dtype, device=device)
     return True
 
@@ -124,10 +128,18 @@ def _saved_tree(name: str, saved_entry: Any) -> dict[str, Any]:
     """The saved optimizer state with tensors as :class:`StoredTensor`; FormatError if malformed."""
     where = f"state.json {name!r} (optimizer)"
     saved = decode_value(saved_entry.get("state") if isinstance(saved_entry, dict) else None, StoredTensor, where)
-    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or not isinstance(saved.get("param_groups"), list):
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("state"), dict)
+        or not isinstance(saved.get("param_groups"), list)
+    ):
         raise FormatError(f"{where}: needs a 'state' object and a 'param_groups' list")
     for g in saved["param_groups"]:
-        if not isinstance(g, dict) or not isinstance(g.get("params"), list) or not all(isinstance(p, str) for p in g["params"]):
+        if (
+            not isinstance(g, dict)
+            or not isinstance(g.get("params"), list)
+            or not all(isinstance(p, str) for p in g["params"])
+        ):
             raise FormatError(f"{where}: a param group without a list of parameter names")
     for fqn, entries in saved["state"].items():
         if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
@@ -135,7 +147,9 @@ def _saved_tree(name: str, saved_entry: Any) -> dict[str, Any]:
     return saved
 
 
-def check_saved_optimizer(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], strict: bool) -> list[str]:
+def check_saved_optimizer(
+    name: str, module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], strict: bool
+) -> list[str]:
     """Problems that would make restoring the optimizer wrong, found before anything is modified."""
     where = f"{name!r} (optimizer)"
     names = param_names(module)
@@ -144,7 +158,10 @@ def check_saved_optimizer(name: str, module: nn.Module, optimizer: torch.optim.O
     # A pipeline stage's optimizer holds its own parameters of each saved group (the checkpoint's
     # groups are the merge over ranks); in one process that is every parameter, in the same order.
     if len(current) != len(stored) or any(not set(c) <= set(s) or _order(c, s) != c for c, s in zip(current, stored)):
-        return [f"{name}: optimizer parameter groups differ (saved {[len(g) for g in stored]} params per group, now {[len(g) for g in current]})"]
+        return [
+            f"{name}: optimizer parameter groups differ (saved {[len(g) for g in stored]} params per group, now "
+            f"{[len(g) for g in current]})"
+        ]
     problems: list[str] = []
     for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
         for k in (group.keys() & saved_group.keys()) - {"params"}:
@@ -158,7 +175,10 @@ def check_saved_optimizer(name: str, module: nn.Module, optimizer: torch.optim.O
         for k, v in entries.items():
             expected = f"{name}/state/{fqn}/{k}"
             if isinstance(v, StoredTensor) and v.key != expected:
-                raise FormatError(f"state.json {where}: state {k!r} of {fqn!r:.100} refers to tensor {v.key!r:.100}, not {expected!r:.100}")
+                raise FormatError(
+                    f"state.json {where}: state {k!r} of {fqn!r:.100} refers to tensor {v.key!r:.100}, not "
+                    f"{expected!r:.100}"
+                )
             if not isinstance(v, StoredTensor) and k in live:
                 problems += type_problems(live[k], v, f"{where}: state {k!r} of {fqn!r:.100}")
     return problems
@@ -176,14 +196,18 @@ def merge_optimizer_entries(name: str, held: list[tuple[int, Any]]) -> dict[str,
     where = f"state[{name!r}] (optimizer)"
     counts = {rank: len(entry["state"]["param_groups"]) for rank, entry in held}
     if len(set(counts.values())) > 1:
-        raise SaveError(f"{where}: the ranks' optimizers have different numbers of param groups ({counts}); every rank must have the same groups")
+        raise SaveError(
+            f"{where}: the ranks' optimizers have different numbers of param groups ({counts}); every rank must have "
+            "the same groups"
+        )
     groups = []
     for g in range(next(iter(counts.values()))):
         params: dict[str, None] = {}
         for _, entry in held:
             params.update(dict.fromkeys(entry["state"]["param_groups"][g]["params"]))
         hyper = merge_values(
-            [(r, {k: v for k, v in e["state"]["param_groups"][g].items() if k != "params"}) for r, e in held], f"{where} param group {g}"
+            [(r, {k: v for k, v in e["state"]["param_groups"][g].items() if k != "params"}) for r, e in held],
+            f"{where} param group {g}",
         )
         groups.append({**hyper, "params": list(params)})
     rest = merge_values([(r, {k: v for k, v in e["state"].items() if k != "param_groups"}) for r, e in held], where)
@@ -210,7 +234,9 @@ class OptimizerAdapter:
         mine = {names[id(p)] for group in bound.value.param_groups for p in group["params"]}
         where = f"{bound.name!r} (optimizer)"
         return {
-            f"{where}: the checkpoint holds state for {fqn!r:.100}, not a parameter of this optimizer" for fqn in saved["state"] if fqn not in mine
+            f"{where}: the checkpoint holds state for {fqn!r:.100}, not a parameter of this optimizer"
+            for fqn in saved["state"]
+            if fqn not in mine
         }
 
     def matches(self, value: Any) -> bool:
@@ -231,7 +257,11 @@ class OptimizerAdapter:
         fresh = not value.state
         if fresh:
             saved = ctx.saved
-            if not (ctx.layout is not None and isinstance(saved, dict) and allocate_optimizer_state(module, value, saved.get("state"), ctx.layout)):
+            if not (
+                ctx.layout is not None
+                and isinstance(saved, dict)
+                and allocate_optimizer_state(module, value, saved.get("state"), ctx.layout)
+            ):
                 create_state_by_stepping(module, value)
         bound = Bound(name, value, self, context=module)
         # State this load created is fresh: a failed load drops it, so it may be read into before the ranks agree.
@@ -239,7 +269,9 @@ class OptimizerAdapter:
         return bound
 
     def check(self, bound: Bound, ctx: LoadContext, manifest: Manifest) -> list[str]:
-        return check_saved_optimizer(bound.name, bound.context, bound.value, _saved_tree(bound.name, ctx.saved), ctx.strict)
+        return check_saved_optimizer(
+            bound.name, bound.context, bound.value, _saved_tree(bound.name, ctx.saved), ctx.strict
+        )
 
     def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep:
         """Hyper-parameters and plain state entries, assigned once the tensors are read in place."""

@@ -22,7 +22,16 @@ from shardsafe.errors import FormatError, SaveError, ShardsafeError, StateMismat
 from shardsafe.protocol.shard_write import chunk_name
 from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.adapters import ModuleAdapter, PerRankAdapter, StatefulAdapter, TensorAdapter, ValueAdapter
-from shardsafe.state.base import KIND_PER_RANK, Bound, LoadContext, LoadStep, Lookup, SaveContext, SavedLayout, StateAdapter
+from shardsafe.state.base import (
+    KIND_PER_RANK,
+    Bound,
+    LoadContext,
+    LoadStep,
+    Lookup,
+    SaveContext,
+    SavedLayout,
+    StateAdapter,
+)
 from shardsafe.state.deepspeed_engine import ENGINE_ADAPTER
 from shardsafe.state.optimizer import OptimizerAdapter
 
@@ -105,12 +114,17 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
             per_rank[name] = described.per_rank
             chunks += [replace(chunk, per_rank=True) for chunk in described.chunks]
     view = SaveView(chunks, tree, per_rank)
-    encode_state({**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}}, compact=True)
+    encode_state(
+        {**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}}, compact=True
+    )
     seen: set[str] = set()
     for chunk in view.chunks:
         shown = chunk_name(chunk)
         if shown in seen:
-            raise FormatError(f"tensor {chunk.key!r:.200}: its shard-file entry name {shown!r:.200} is another chunk's too (a key containing '@'?)")
+            raise FormatError(
+                f"tensor {chunk.key!r:.200}: its shard-file entry name {shown!r:.200} is another chunk's too (a key "
+                "containing '@'?)"
+            )
         seen.add(shown)
     return view
 
@@ -129,7 +143,10 @@ def merge_trees(trees: list[dict[str, Any]]) -> dict[str, Any]:
         held = [(rank, tree[name]) for rank, tree in enumerate(trees) if name in tree]
         kinds = {entry.get("kind") for _, entry in held}
         if len(kinds) > 1:
-            raise SaveError(f"state[{name!r}] is saved as {sorted(map(str, kinds))} on different ranks; one name must be one kind of value")
+            raise SaveError(
+                f"state[{name!r}] is saved as {sorted(map(str, kinds))} on different ranks; one name must be one kind "
+                "of value"
+            )
         adapter = adapter_for_kind(held[0][1].get("kind"))
         merge = getattr(adapter, "merge", None)
         merged[name] = merge(name, held) if merge is not None else merge_values(held, f"state[{name!r}]")
@@ -153,7 +170,11 @@ class LoadBinding:
 
 
 def bind_for_load(
-    state: dict[str, Any], rank: int, saved_tree: dict[str, Any] | None = None, layout: SavedLayout | None = None, strict: bool = True
+    state: dict[str, Any],
+    rank: int,
+    saved_tree: dict[str, Any] | None = None,
+    layout: SavedLayout | None = None,
+    strict: bool = True,
 ) -> LoadBinding:
     """Destinations for loading into ``state``; with the checkpoint's tree and ``layout``, a fresh
     optimizer first gets state tensors shaped like the stored ones."""
@@ -203,7 +224,10 @@ def unclaimed(binding: LoadBinding, tree: dict[str, Any]) -> set[str]:
         if not (isinstance(entry, dict) and entry.get("kind") == bound.adapter.kind):
             continue
         if bound.adapter.in_place:
-            out |= {f"unexpected in checkpoint: {k}" for k in set(state_tensor_keys(entry.get("state"))) - bound.targets.keys()}
+            out |= {
+                f"unexpected in checkpoint: {k}"
+                for k in set(state_tensor_keys(entry.get("state"))) - bound.targets.keys()
+            }
         extra = getattr(bound.adapter, "unclaimed", None)
         if extra is not None:
             out |= extra(bound, binding.contexts[name])

@@ -60,11 +60,15 @@ class RNGState:
                 import numpy as np
 
                 n = state["numpy"]
-                np.random.RandomState().set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+                np.random.RandomState().set_state(
+                    (n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
+                )
             except Exception as exc:
                 problems.append(f"numpy RNG state: {type(exc).__name__}: {exc}")
         cuda = state.get("cuda")
-        if cuda is not None and not (isinstance(cuda, list) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
+        if cuda is not None and not (
+            isinstance(cuda, list) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)
+        ):
             problems.append("cuda RNG state: not a list of uint8 tensors")
         return problems
 

@@ -29,7 +29,16 @@ import torch
 from shardsafe.compat.deepspeed import unflatten_partitions, z3_optimizer
 from shardsafe.errors import ShardsafeError
 
-__all__ = ["COUNTERS", "SECTIONS", "Zero3Layout", "Zero3Targets", "ZeroParam", "is_zero3_param", "refresh_16bit_partitions", "tensor_key"]
+__all__ = [
+    "COUNTERS",
+    "SECTIONS",
+    "Zero3Layout",
+    "Zero3Targets",
+    "ZeroParam",
+    "is_zero3_param",
+    "refresh_16bit_partitions",
+    "tensor_key",
+]
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 SECTIONS = ("fp32", "optim", "frozen", "buffers")
@@ -60,7 +69,8 @@ class ZeroParam:
 
 
 def is_zero3_param(tensor: Any) -> bool:
-    """Whether ``tensor`` is a parameter partitioned by ZeRO-3 (``deepspeed.zero.Init`` or an engine set ``ds_tensor``)."""
+    """Whether ``tensor`` is a parameter partitioned by ZeRO-3 (``deepspeed.zero.Init`` or an engine set
+    ``ds_tensor``)."""
     return hasattr(tensor, "ds_tensor") and hasattr(tensor, "ds_numel") and hasattr(tensor, "ds_shape")
 
 
@@ -71,7 +81,8 @@ def zero3_partition(name: str, p: Any, where: str, sub_group: int = -1, flat_off
         raise ShardsafeError(f"{where}: parameter {name!r} is not partitioned by ZeRO-3 (no ds_tensor)")
     if getattr(p.ds_tensor, "ds_quant_scale", None) is not None:
         raise ShardsafeError(
-            f"{where}: parameter {name!r} is stored quantized (zero_quantized_nontrainable_weights); shardsafe does not support that"
+            f"{where}: parameter {name!r} is stored quantized (zero_quantized_nontrainable_weights); shardsafe does "
+            "not support that"
         )
     if getattr(getattr(p.ds_tensor, "final_location", None), "name", "") == "nvme":
         raise ShardsafeError(f"{where}: parameter {name!r} is offloaded to NVMe, which shardsafe does not support")
@@ -84,7 +95,8 @@ def zero3_partition(name: str, p: Any, where: str, sub_group: int = -1, flat_off
     if part * world < numel or (numel and part != -(-numel // world)) or p.ds_tensor.numel() != part:
         raise ShardsafeError(
             f"{where}: parameter {name!r} ({numel} elements) is partitioned unexpectedly over {world} ranks "
-            f"({part} per rank, local partition {p.ds_tensor.numel()}); this DeepSpeed version's ZeRO-3 layout is not supported"
+            f"({part} per rank, local partition {p.ds_tensor.numel()}); this DeepSpeed version's ZeRO-3 layout is not "
+            "supported"
         )
     return ZeroParam(name, p, numel, tuple(int(d) for d in p.ds_shape), part, rank, sub_group, flat_offset)
 
@@ -97,10 +109,15 @@ def partition_view(p: ZeroParam) -> torch.Tensor:
 def check_zero3_optimizer(opt: Any, where: str) -> None:
     """Refuse ZeRO-3 optimizers whose master weights do not all live in ``fp32_partitioned_groups_flat``."""
     if getattr(opt, "swap_optimizer", False) or any(flat is None for flat in opt.fp16_partitioned_groups_flat):
-        raise ShardsafeError(f"{where} offloads parameters or optimizer state to NVMe, which shardsafe does not support for engines")
+        raise ShardsafeError(
+            f"{where} offloads parameters or optimizer state to NVMe, which shardsafe does not support for engines"
+        )
     if getattr(opt, "offload_optimizer", False) and getattr(opt, "partial_offload", 1.0) != 1.0:
         # part of the sub-groups would keep their state in opt.backup_optimizer
-        raise ShardsafeError(f"{where} offloads only part of the optimizer (offload_optimizer.ratio < 1), which shardsafe does not support")
+        raise ShardsafeError(
+            f"{where} offloads only part of the optimizer (offload_optimizer.ratio < 1), which shardsafe does not "
+            "support"
+        )
 
 
 def master_positions(opt: Any, where: str) -> list[tuple[Any, int, int]]:
@@ -111,7 +128,10 @@ def master_positions(opt: Any, where: str) -> list[tuple[Any, int, int]]:
         for p in params:
             sub, offset, _ = opt.grad_position[opt.get_param_id(p)]
             if int(sub) != sub_group:
-                raise ShardsafeError(f"{where}: a parameter of shape {list(p.ds_shape)} is in sub-group {sub_group} but DeepSpeed places it in {sub}")
+                raise ShardsafeError(
+                    f"{where}: a parameter of shape {list(p.ds_shape)} is in sub-group {sub_group} but DeepSpeed "
+                    f"places it in {sub}"
+                )
             out.append((p, sub_group, int(offset)))
     return out
 
@@ -164,7 +184,9 @@ class Zero3Targets:
         zp = zero3_partition(name, p, self.where)
         status = getattr(getattr(p, "ds_status", None), "name", "NOT_AVAILABLE")
         if status not in ("NOT_AVAILABLE", "AVAILABLE") or getattr(p, "ds_active_sub_modules", None):
-            raise ShardsafeError(f"{self.where}: parameter {name!r} is being gathered or used by a running forward; load outside of it")
+            raise ShardsafeError(
+                f"{self.where}: parameter {name!r} is being gathered or used by a running forward; load outside of it"
+            )
         self._params.append(p)
         opt = z3_optimizer(p) or self.engine_optimizer
         position = self._master_position(opt, p)
@@ -179,7 +201,9 @@ class Zero3Targets:
         parameters, leftovers) dropped locally, so the next forward gathers the new values. No collective."""
         for key, sub_groups in self._touched.items():
             refresh_16bit_partitions(self._optimizers[key], sorted(sub_groups))
-        released: dict[int, Any] = {id(opt): opt for opt in [*self._optimizers.values(), self.engine_optimizer] if opt is not None}
+        released: dict[int, Any] = {
+            id(opt): opt for opt in [*self._optimizers.values(), self.engine_optimizer] if opt is not None
+        }
         for opt in released.values():
             if hasattr(opt, "checkpoint_event_prologue"):  # through DeepSpeed's coordinator, as engine.load_checkpoint
                 opt.checkpoint_event_prologue()
@@ -205,9 +229,17 @@ class Zero3Layout:
             )
         opt = engine.optimizer
         if opt is None or not hasattr(opt, "fp32_partitioned_groups_flat") or not hasattr(opt, "optimizer"):
-            raise ShardsafeError(f"{where} has no ZeRO-3 optimizer (was it initialised without one?); save engine.module instead")
-        if getattr(engine, "mp_world_size", 1) != 1 or getattr(engine, "pipeline_parallelism", False) or getattr(engine, "has_moe_layers", False):
-            raise ShardsafeError(f"{where} uses tensor, pipeline or expert parallelism, which shardsafe does not support for engines")
+            raise ShardsafeError(
+                f"{where} has no ZeRO-3 optimizer (was it initialised without one?); save engine.module instead"
+            )
+        if (
+            getattr(engine, "mp_world_size", 1) != 1
+            or getattr(engine, "pipeline_parallelism", False)
+            or getattr(engine, "has_moe_layers", False)
+        ):
+            raise ShardsafeError(
+                f"{where} uses tensor, pipeline or expert parallelism, which shardsafe does not support for engines"
+            )
         check_zero3_optimizer(opt, where)
         self.opt = opt
         self.inner: torch.optim.Optimizer = opt.optimizer
@@ -226,7 +258,9 @@ class Zero3Layout:
         seen: set[int] = set()
         for p, sub_group, offset in master_positions(opt, where):
             if id(p) not in names:
-                raise ShardsafeError(f"{where}: an optimizer parameter (shape {list(p.ds_shape)}) is not a parameter of engine.module")
+                raise ShardsafeError(
+                    f"{where}: an optimizer parameter (shape {list(p.ds_shape)}) is not a parameter of engine.module"
+                )
             self.trainable.append(self._describe(names[id(p)], p, sub_group=sub_group, flat_offset=offset))
             seen.add(id(p))
         self.frozen = [self._describe(n, p) for n, p in engine.module.named_parameters() if id(p) not in seen]
@@ -264,7 +298,9 @@ class Zero3Layout:
         scalars: dict[str, Any] = {}
         for key, value in self.inner.state.get(flat, {}).items():
             if not isinstance(key, str):
-                raise ShardsafeError(f"state[{self.name!r}]: optimizer state key {key!r} of sub-group {sub_group} is not a string")
+                raise ShardsafeError(
+                    f"state[{self.name!r}]: optimizer state key {key!r} of sub-group {sub_group} is not a string"
+                )
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == flat.shape:
                 elementwise[key] = value
             elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1:
@@ -272,9 +308,14 @@ class Zero3Layout:
             elif value is None or isinstance(value, (bool, int, float)):
                 scalars[key] = value
             else:
-                shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                shown = (
+                    f"a tensor of shape {list(value.shape)}"
+                    if isinstance(value, torch.Tensor)
+                    else type(value).__name__
+                )
                 raise ShardsafeError(
-                    f"state[{self.name!r}]: optimizer state {key!r} of sub-group {sub_group} is {shown}, neither one value per "
+                    f"state[{self.name!r}]: optimizer state {key!r} of sub-group {sub_group} is {shown}, neither one "
+                    "value per "
                     f"element of the flat partition ({flat.numel()}) nor a scalar; shardsafe cannot reshard it"
                 )
         return elementwise, scalars

@@ -90,7 +90,8 @@ def device_pieces(tensor: torch.Tensor, pool: PinnedPool | None = None) -> Itera
     The values are those the caller's current stream holds when this starts.
     """
     pool = pool or pinned_pool()
-    flat = tensor.detach().reshape(-1)  # a non-contiguous tensor is made contiguous on the caller's stream, before the wait
+    # a non-contiguous tensor is made contiguous on the caller's stream, before the wait
+    flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return
     source = flat.view(torch.uint8)
@@ -141,7 +142,8 @@ class HostToDevice:
         self._slot: int | None = None
 
     def __enter__(self) -> HostToDevice:
-        self.stream = _side(self.device)  # ordered after the caller's stream: queued kernels may still read the destination
+        # ordered after the caller's stream: queued kernels may still read the destination
+        self.stream = _side(self.device)
         self._lease = self.pool.lease(DOUBLE)
         self._buffers = self._lease.__enter__()
         self._pending = [None] * len(self._buffers)
@@ -169,7 +171,9 @@ class HostToDevice:
         self._pending[slot] = None
         return self._buffers[slot][:nbytes]
 
-    def upload(self, host: torch.Tensor, dest: torch.Tensor | None = None, place: Callable[[torch.Tensor], None] | None = None) -> None:
+    def upload(
+        self, host: torch.Tensor, dest: torch.Tensor | None = None, place: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         """Copy the buffer last returned by :meth:`host` (viewed as ``host``) to the device, on the side stream:
         into ``dest`` (same shape and dtype), or to a device temporary that ``place`` puts where it belongs."""
         asynchronous = self.stream is not None
@@ -178,7 +182,8 @@ class HostToDevice:
                 dest.copy_(host, non_blocking=asynchronous)
             else:
                 assert place is not None
-                place(host.to(self.device, non_blocking=asynchronous))  # the temporary is the side stream's: stream-ordered reuse
+                # the temporary is the side stream's: stream-ordered reuse
+                place(host.to(self.device, non_blocking=asynchronous))
             event = _mark(self.stream)
         if self._slot is None:
             _wait(event)  # a temporary host buffer: done before it is freed

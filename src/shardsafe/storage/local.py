@@ -56,7 +56,8 @@ class FileStamp(NamedTuple):
     size: int
 
 
-WRITE_PIECE = 64 * 1024 * 1024  # bounds host staging for tensors on devices other than CUDA (CUDA: the pinned pool's buffers)
+# bounds host staging for tensors on devices other than CUDA (CUDA: the pinned pool's buffers)
+WRITE_PIECE = 64 * 1024 * 1024
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -232,7 +233,12 @@ def open_regular(path: Path, follow: bool = True) -> int:
     """Open an existing file for reading without blocking on a FIFO or device (and, unless ``follow``,
     without following a symlink); refuses anything but a regular file, so a FIFO planted in a
     checkpoint cannot hang the reader."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+    flags = (
+        os.O_RDONLY
+        | getattr(os, "O_NONBLOCK", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+        | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+    )
     fd = os.open(path, flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

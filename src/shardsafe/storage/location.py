@@ -1,4 +1,5 @@
-"""One folder interface over both kinds of storage: :class:`Location`, :class:`LocalDir` here, ``storage.remote.RemoteDir`` for fsspec URLs.
+"""One folder interface over both kinds of storage: :class:`Location`, :class:`LocalDir` here,
+``storage.remote.RemoteDir`` for fsspec URLs.
 
 Code that names, lists, reads and writes small files of a folder (the manager's catalog, the
 commit's open, a save's sibling checkpoint) takes a :class:`Location` and calls the same methods

@@ -56,9 +56,13 @@ class PinnedPool:
     an accelerator (where ``pin_memory=True`` raises).
     """
 
-    def __init__(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, buffers: int = DEFAULT_BUFFERS, *, pin: bool = True) -> None:
+    def __init__(
+        self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, buffers: int = DEFAULT_BUFFERS, *, pin: bool = True
+    ) -> None:
         if not isinstance(buffer_bytes, int) or buffer_bytes < BUFFER_ALIGN or buffer_bytes % BUFFER_ALIGN:
-            raise ValueError(f"pinned buffer size must be a positive multiple of {BUFFER_ALIGN} bytes, not {buffer_bytes!r}")
+            raise ValueError(
+                f"pinned buffer size must be a positive multiple of {BUFFER_ALIGN} bytes, not {buffer_bytes!r}"
+            )
         if not isinstance(buffers, int) or buffers < 1:
             raise ValueError(f"the number of pinned buffers must be a positive integer, not {buffers!r}")
         self.buffer_bytes = buffer_bytes
@@ -90,7 +94,9 @@ class PinnedPool:
                     self.limit = self._allocated
             if not isinstance(exc, RuntimeError):
                 raise
-            log.warning("shardsafe: cannot pin another %d-byte host buffer (%s); using %d", self.buffer_bytes, exc, self.limit)
+            log.warning(
+                "shardsafe: cannot pin another %d-byte host buffer (%s); using %d", self.buffer_bytes, exc, self.limit
+            )
         return got + fresh
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
@@ -104,7 +110,8 @@ class PinnedPool:
 
     @contextmanager
     def lease(self, wanted: int) -> Iterator[list[torch.Tensor]]:
-        """``wanted`` buffers or fewer (never none: an unpinned temporary when every buffer is taken), returned on exit."""
+        """``wanted`` buffers or fewer (never none: an unpinned temporary when every buffer is taken), returned on
+        exit."""
         buffers = self.take(wanted)
         with self._lock:
             self._leases += 1
@@ -118,7 +125,9 @@ class PinnedPool:
 
     def stats(self) -> PoolStats:
         with self._lock:
-            return PoolStats(self.buffer_bytes, self.limit, self._allocated, self._in_use, self._leases, self._overflows)
+            return PoolStats(
+                self.buffer_bytes, self.limit, self._allocated, self._in_use, self._leases, self._overflows
+            )
 
 
 def split_range(lo: int, hi: int, piece: int, align: int = 1) -> list[tuple[int, int]]:

@@ -95,9 +95,13 @@ class RemoteDir:
     def write_bytes(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self.key(name), data)
 
-    def write_tensors(self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int) -> tuple[int, list[list[str]]]:
+    def write_tensors(
+        self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int
+    ) -> tuple[int, list[list[str]]]:
         """Stream ``prefix`` and the tensors into one object (multipart upload), hashing blocks."""
-        return write_tensor_stream(self.fs.open(self.key(name), "wb"), prefix, tensors, block_size, f"{self.url}/{name}")
+        return write_tensor_stream(
+            self.fs.open(self.key(name), "wb"), prefix, tensors, block_size, f"{self.url}/{name}"
+        )
 
     def read_into(self, name: str, views: Iterable[memoryview], offset: int, where: object) -> None:
         """Fill ``views`` from consecutive bytes at ``offset`` with one ranged GET."""

@@ -99,7 +99,9 @@ class SafetensorsWriter:
     (:meth:`write` returns the digests), so nothing is read back to hash it.
     """
 
-    def __init__(self, sink: Sink, prefix: bytes, sizes: list[int], *, block_size: int | None = None, where: str = "") -> None:
+    def __init__(
+        self, sink: Sink, prefix: bytes, sizes: list[int], *, block_size: int | None = None, where: str = ""
+    ) -> None:
         self.sink = sink
         self.sizes = sizes
         self.block_size = block_size
@@ -133,7 +135,9 @@ class SafetensorsWriter:
         """Finish the file (fsync it where that applies); returns its size."""
         if self.count != len(self.sizes) or self.written != self.size:
             self.sink.abort()
-            raise ValueError(f"{self.where}: {self.count} of {len(self.sizes)} tensors written ({self.written} of {self.size} bytes)")
+            raise ValueError(
+                f"{self.where}: {self.count} of {len(self.sizes)} tensors written ({self.written} of {self.size} bytes)"
+            )
         self.sink.finish(fsync)
         return self.size
 
@@ -168,8 +172,11 @@ def write_tensor_file(
         raise OSError(exc.errno, f"{exc.strerror or exc} while writing {path}") from exc
 
 
-def write_tensor_stream(stream: Any, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, where: str) -> tuple[int, list[list[str]]]:
-    """The same into an open binary stream (an object-store upload); ``tensors`` iterated once; returns size and digests."""
+def write_tensor_stream(
+    stream: Any, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, where: str
+) -> tuple[int, list[list[str]]]:
+    """The same into an open binary stream (an object-store upload); ``tensors`` iterated once; returns size and
+    digests."""
     writer = SafetensorsWriter(StreamSink(stream), prefix, header_sizes(prefix), block_size=block_size, where=where)
     try:
         digests = [writer.write(tensor) for tensor in tensors]

@@ -37,7 +37,9 @@ def prepare_out(out: Path) -> None:
         if not out.is_dir():
             raise DemoError(f"{out} exists and is not a folder")
         if any(out.iterdir()) and not (out / MARKER).is_file():
-            raise DemoError(f"{out} is not empty and was not made by `shardsafe demo`; pass another --out or remove it yourself")
+            raise DemoError(
+                f"{out} is not empty and was not made by `shardsafe demo`; pass another --out or remove it yourself"
+            )
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True)
     (out / MARKER).write_text("made by `shardsafe demo`; the demo wipes this folder when it starts\n")
@@ -69,11 +71,32 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 def _launch(settings: DemoSettings, run: int, *extra: str) -> Launch:
     """Run torchrun with N workers; worker stdout (the progress bar) goes to our stdout, stderr to a log."""
     out = settings.out.absolute()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(settings.nproc), "--master_addr", "127.0.0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(settings.nproc),
+        "--master_addr",
+        "127.0.0.1",
+    ]
     cmd += ["--master_port", str(_free_port()), "-m", WORKER_MODULE, "--out", str(out), "--attempt", str(run)]
-    cmd += ["--steps", str(settings.steps), "--save-every", str(settings.save_every), "--seed", str(settings.seed), *extra]
-    package_root = str(Path(__file__).resolve().parents[__name__.count(".")])  # the folder holding shardsafe/: workers import this very copy
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    cmd += [
+        "--steps",
+        str(settings.steps),
+        "--save-every",
+        str(settings.save_every),
+        "--seed",
+        str(settings.seed),
+        *extra,
+    ]
+    # the folder holding shardsafe/: workers import this very copy
+    package_root = str(Path(__file__).resolve().parents[__name__.count(".")])
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+    )
     log_path = out / "logs" / f"run-{run}.log"
     started, clock = time.time(), time.perf_counter()
     with open(log_path, "wb") as log:
@@ -82,7 +105,9 @@ def _launch(settings: DemoSettings, run: int, *extra: str) -> Launch:
             returncode = proc.wait(timeout=settings.timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            raise DemoError(f"run {run} did not finish within {settings.timeout:.0f} s; end of {log_path}:\n{_tail(log_path)}") from None
+            raise DemoError(
+                f"run {run} did not finish within {settings.timeout:.0f} s; end of {log_path}:\n{_tail(log_path)}"
+            ) from None
         except BaseException:  # Ctrl-C included: leave no stray workers
             _kill_group(proc)
             raise
@@ -100,7 +125,9 @@ def read_events(out: Path, run: int) -> list[dict[str, Any]]:
 
 
 def _failed(launch: Launch, what: str) -> DemoError:
-    return DemoError(f"run {launch.run} {what} (exit code {launch.returncode}); end of {launch.log}:\n{_tail(launch.log)}")
+    return DemoError(
+        f"run {launch.run} {what} (exit code {launch.returncode}); end of {launch.log}:\n{_tail(launch.log)}"
+    )
 
 
 def _run_preempted(settings: DemoSettings, preempt: int) -> Launch:
@@ -189,8 +216,14 @@ def _run_stages(settings: DemoSettings) -> dict[str, Any]:
     prepare_out(settings.out)
     n, k, root = settings.nproc, settings.save_every, settings.out / CKPT
     wall = time.perf_counter()
-    _say(f"[1/5] run 1: {plural(n, 'CPU rank')} (gloo, FSDP2) train for {settings.steps} steps; a CheckpointManager saves")
-    _say(f"      asynchronously every {plural(k, 'step')}, keeping the last {KEEP_LAST} and the best by held-out loss; after step {preempt}")
+    _say(
+        f"[1/5] run 1: {plural(n, 'CPU rank')} (gloo, FSDP2) train for {settings.steps} steps; a CheckpointManager "
+        "saves"
+    )
+    _say(
+        f"      asynchronously every {plural(k, 'step')}, keeping the last {KEEP_LAST} and the best by held-out loss; "
+        f"after step {preempt}"
+    )
     _say("      every rank gets SIGTERM (a preemption)")
     run1 = _run_preempted(settings, preempt)
     after_preemption, _ = _on_disk(root)
@@ -199,7 +232,10 @@ def _run_stages(settings: DemoSettings) -> dict[str, Any]:
     after_crash, leftovers = _on_disk(root)
     if not after_crash:
         raise DemoError(f"run 2 left no committed checkpoint in {root}")
-    _say(f"[3/5] run 2 was killed after step {crash}; run 3 restores the newest committed checkpoint (step {after_crash[-1]}) and finishes")
+    _say(
+        f"[3/5] run 2 was killed after step {crash}; run 3 restores the newest committed checkpoint (step "
+        f"{after_crash[-1]}) and finishes"
+    )
     run3 = _run_finishing(settings)
     infos = _list(root)
     final = infos[-1].path
@@ -209,7 +245,9 @@ def _run_stages(settings: DemoSettings) -> dict[str, Any]:
     _say(f"[5/5] verifying every block hash of {final.name}")
     verified = _verify(final)
     disk = {"after_preemption": after_preemption, "after_crash": after_crash, "leftovers_after_crash": leftovers}
-    return collect(settings, (preempt, crash), (run1, run2, run3), disk, infos, evaluation, verified, time.perf_counter() - wall)
+    return collect(
+        settings, (preempt, crash), (run1, run2, run3), disk, infos, evaluation, verified, time.perf_counter() - wall
+    )
 
 
 def _list(root: Path) -> list[Any]:

@@ -62,7 +62,8 @@ class DemoSettings:
             crash = max(next_save, 2 * self.steps // 3 // k * k) + max(1, k - 1)
         if not 1 <= preempt < crash < self.steps:
             raise DemoError(
-                f"the preemption (after step {preempt}) must come before the crash (after step {crash}), and both before the last "
+                f"the preemption (after step {preempt}) must come before the crash (after step {crash}), and both "
+                "before the last "
                 f"step ({self.steps}): use more --steps, a smaller --save-every, or set --preempt-at / --crash-after"
             )
         return preempt, crash

@@ -95,12 +95,22 @@ def collect(
         "replay_max_abs_diff": max((abs(losses[1][s] - losses[2][s]) for s in replayed), default=None),
         "loss_start": losses[0][min(losses[0])],
         "loss_end": losses[2][settings.steps],
-        "saves": [{"step": s["step"], "run": s["run"], "mode": s["mode"], "seconds": s["seconds"], "eval_loss": s["eval_loss"]} for s in saves],
+        "saves": [
+            {
+                "step": s["step"],
+                "run": s["run"],
+                "mode": s["mode"],
+                "seconds": s["seconds"],
+                "eval_loss": s["eval_loss"],
+            }
+            for s in saves
+        ],
         "async_saves": len(async_saves),
         "async_blocked_median": median_blocked,
         "async_blocked_max": slowest["seconds"],
         "async_blocked_max_step": slowest["step"],
-        "async_blocked_max_first_of_run": slowest["step"] == min(s["step"] for s in async_saves if s["run"] == slowest["run"]),
+        "async_blocked_max_first_of_run": slowest["step"]
+        == min(s["step"] for s in async_saves if s["run"] == slowest["run"]),
         "sync_save_seconds": sync["seconds"],
         "sync_vs_async": sync["seconds"] / median_blocked if median_blocked > 0 else None,
         "check_seconds_median": statistics.median(checks) if checks else None,
@@ -112,7 +122,15 @@ def collect(
         "latest_step": latest.step,
         "eval_by_step": {str(k): v for k, v in sorted(eval_by_step.items())},
         "checkpoints": [
-            {"name": Path(str(i.path)).name, "step": i.step, "bytes": i.size, "metrics": i.metrics, "best": i.best, "latest": i.latest} for i in infos
+            {
+                "name": Path(str(i.path)).name,
+                "step": i.step,
+                "bytes": i.size,
+                "metrics": i.metrics,
+                "best": i.best,
+                "latest": i.latest,
+            }
+            for i in infos
         ],
         "final_checkpoint": Path(str(latest.path)).name,
         "reshard_load_seconds": evaluation["load_seconds"],
@@ -150,26 +168,44 @@ def format_summary(v: dict[str, Any]) -> str:
     (a1, b1), (a2, b2), (a3, b3) = v["run_steps"]
     row(
         "demonstrated",
-        f"a {n}-rank FSDP2 run saving through shardsafe.CheckpointManager (async saves every {plural(v['save_every'], 'step')}, "
-        f"keep_last={v['keep_last']}, keep_best={v['keep_best']} by {v['best_metric']}) was preempted by SIGTERM and resumed, then "
-        f"SIGKILLed and resumed from its newest committed async checkpoint; the final {n}-rank checkpoint was resharded onto 1 "
+        f"a {n}-rank FSDP2 run saving through shardsafe.CheckpointManager (async saves every "
+        f"{plural(v['save_every'], 'step')}, "
+        f"keep_last={v['keep_last']}, keep_best={v['keep_best']} by {v['best_metric']}) was preempted by SIGTERM and "
+        "resumed, then "
+        f"SIGKILLed and resumed from its newest committed async checkpoint; the final {n}-rank checkpoint was "
+        "resharded onto 1 "
         "process, evaluated and verified.",
     )
-    row("model", f"TinyGPT, {v['parameters'] / 1e6:.2f}M parameters; {plural(n, 'rank')} x {BATCH_PER_RANK} sequences of 64 bytes per step")
+    row(
+        "model",
+        f"TinyGPT, {v['parameters'] / 1e6:.2f}M parameters; {plural(n, 'rank')} x {BATCH_PER_RANK} sequences of 64 "
+        "bytes per step",
+    )
     row(
         "preemption",
-        f"run 1 did steps {a1}-{b1}; after step {v['preempt_after']} rank 0 sent SIGTERM to {'both' if n == 2 else f'all {n}'} ranks' "
-        f"processes; at that step boundary the ranks agreed, wrote a final checkpoint of step {v['final_save_step']} synchronously "
-        f"({v['final_save_seconds']:.2f} s) and exited cleanly (torchrun exit code {v['exit_codes'][0]}); committed then: steps "
+        f"run 1 did steps {a1}-{b1}; after step {v['preempt_after']} rank 0 sent SIGTERM to "
+        f"{'both' if n == 2 else f'all {n}'} ranks' "
+        f"processes; at that step boundary the ranks agreed, wrote a final checkpoint of step {v['final_save_step']} "
+        "synchronously "
+        f"({v['final_save_seconds']:.2f} s) and exited cleanly (torchrun exit code {v['exit_codes'][0]}); committed "
+        "then: steps "
         f"{_steps(v['committed_after_preemption'])}",
     )
-    row("resume 1", f"run 2: restore() loaded step {v['resume1_step']} in {v['resume1_seconds']:.2f} s and did steps {a2}-{b2}")
+    row(
+        "resume 1",
+        f"run 2: restore() loaded step {v['resume1_step']} in {v['resume1_seconds']:.2f} s and did steps {a2}-{b2}",
+    )
     leftovers = v["leftovers_after_crash"]
     row(
         "crash",
-        f"run 2 was SIGKILLed after step {v['crash_after']} (torchrun exit code {v['exit_codes'][1]}), no final save; committed on disk "
+        f"run 2 was SIGKILLed after step {v['crash_after']} (torchrun exit code {v['exit_codes'][1]}), no final save; "
+        "committed on disk "
         f"afterwards: steps {_steps(v['committed_after_crash'])}"
-        + (f", plus {plural(leftovers, 'hidden unfinished save folder')} (invisible; `shardsafe gc` removes them)" if leftovers else ""),
+        + (
+            f", plus {plural(leftovers, 'hidden unfinished save folder')} (invisible; `shardsafe gc` removes them)"
+            if leftovers
+            else ""
+        ),
     )
     replay = ""
     if v["replayed_steps"]:
@@ -179,7 +215,8 @@ def format_summary(v: dict[str, Any]) -> str:
     skipped = f" (skipping damaged {_steps(v['resume2_skipped'])})" if v["resume2_skipped"] else ""
     row(
         "resume 2",
-        f"run 3: restore() loaded step {v['resume2_step']}, the newest committed checkpoint{skipped}, in {v['resume2_seconds']:.2f} s "
+        f"run 3: restore() loaded step {v['resume2_step']}, the newest committed checkpoint{skipped}, in "
+        f"{v['resume2_seconds']:.2f} s "
         f"and did steps {a3}-{b3}{replay}",
     )
     row("loss", f"start {v['loss_start']:.3f} (step 1); end {v['loss_end']:.3f} (step {v['steps']})")
@@ -187,41 +224,63 @@ def format_summary(v: dict[str, Any]) -> str:
     ratio = f"{v['sync_vs_async']:.1f}x the median" if v["sync_vs_async"] is not None else "n/a"
     row(
         "async saves",
-        f"{plural(v['async_saves'], 'save')} blocked the training loop for median {_ms(v['async_blocked_median'])}, max "
-        f"{_ms(v['async_blocked_max'])} (step {v['async_blocked_max_step']}{first}); write, hash, commit and retention ran in a "
+        f"{plural(v['async_saves'], 'save')} blocked the training loop for median {_ms(v['async_blocked_median'])}, "
+        "max "
+        f"{_ms(v['async_blocked_max'])} (step {v['async_blocked_max_step']}{first}); write, hash, commit and retention "
+        "ran in a "
         f"background thread. One synchronous save of the same state (shardsafe.save after the run) blocked it for "
         f"{_ms(v['sync_save_seconds'])} ({ratio})",
     )
     if v["check_seconds_median"] is not None:
         row(
             "other steps",
-            f"manager.save() on steps without a save took median {_ms(v['check_seconds_median'])} (an all-gather of the preemption "
+            f"manager.save() on steps without a save took median {_ms(v['check_seconds_median'])} (an all-gather of "
+            "the preemption "
             "flag, which also waits for the slowest rank)",
         )
-    best = f"step {v['best_step']} ({v['best_metric']} {v['best_eval_loss']:.4f})" if v["best_step"] is not None else "none"
+    best = (
+        f"step {v['best_step']} ({v['best_metric']} {v['best_eval_loss']:.4f})"
+        if v["best_step"] is not None
+        else "none"
+    )
     among = ", the best among them" if v["best_step"] in v["kept_steps"][-v["keep_last"] :] else " plus the best"
     row(
         "retention",
-        f"list_checkpoints: steps {_steps(v['kept_steps'])} remain (the last {v['keep_last']}{among}); best {best}, latest step "
+        f"list_checkpoints: steps {_steps(v['kept_steps'])} remain (the last {v['keep_last']}{among}); best {best}, "
+        "latest step "
         f"{v['latest_step']}; retired: steps {_steps(v['retired_steps'])}",
     )
-    row(f"reshard {n}->1", f"load of {v['final_checkpoint']} into a plain module, no process group: {v['reshard_load_seconds']:.3f} s")
+    row(
+        f"reshard {n}->1",
+        f"load of {v['final_checkpoint']} into a plain module, no process group: {v['reshard_load_seconds']:.3f} s",
+    )
     row(
         "eval loss",
-        f"{v['eval_loss_one_process']:.4f} on held-out text (1 process); the {plural(n, 'rank')} measured {v['eval_loss_ranks']:.4f} "
+        f"{v['eval_loss_one_process']:.4f} on held-out text (1 process); the {plural(n, 'rank')} measured "
+        f"{v['eval_loss_ranks']:.4f} "
         f"(|diff| {abs(v['eval_loss_one_process'] - v['eval_loss_ranks']):.1g})",
     )
     row(
         "verify",
-        f"passed on {v['final_checkpoint']}: {plural(v['verify_tensors'], 'tensor')} in {plural(v['verify_files'], 'shard file')}, "
+        f"passed on {v['final_checkpoint']}: {plural(v['verify_tensors'], 'tensor')} in "
+        f"{plural(v['verify_files'], 'shard file')}, "
         f"{format_bytes(v['verify_bytes'])} hashed in {v['verify_seconds']:.2f} s",
     )
     for i, c in enumerate(v["checkpoints"]):
         marks = [m for m, on in (("latest", c["latest"]), ("best", c["best"])) if on]
         metric = c["metrics"].get(v["best_metric"])
-        text = f"{c['name']}  {format_bytes(c['bytes']):>8}  {v['best_metric']} {metric:.4f}" if metric is not None else c["name"]
+        text = (
+            f"{c['name']}  {format_bytes(c['bytes']):>8}  {v['best_metric']} {metric:.4f}"
+            if metric is not None
+            else c["name"]
+        )
         lines.append(f"  {'checkpoints' if i == 0 else '':<14}{text}{'  <- ' + ', '.join(marks) if marks else ''}")
     secs = v["run_seconds"]
-    row("wall time", f"{v['total_seconds']:.1f} s (run 1 {secs[0]:.1f} s, run 2 {secs[1]:.1f} s, run 3 {secs[2]:.1f} s)")
-    row("details", f"{Path(v['out']) / 'summary.json'}; worker logs in {Path(v['out']) / 'logs'}; `shardsafe list {v['root']}`")
+    row(
+        "wall time", f"{v['total_seconds']:.1f} s (run 1 {secs[0]:.1f} s, run 2 {secs[1]:.1f} s, run 3 {secs[2]:.1f} s)"
+    )
+    row(
+        "details",
+        f"{Path(v['out']) / 'summary.json'}; worker logs in {Path(v['out']) / 'logs'}; `shardsafe list {v['root']}`",
+    )
     return "\n".join(lines)

@@ -85,14 +85,20 @@ def warm_imports() -> None:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shardsafe.cli.demo.worker", description="One rank of the demo run (started by torchrun).")
+    p = argparse.ArgumentParser(
+        prog="python -m shardsafe.cli.demo.worker", description="One rank of the demo run (started by torchrun)."
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
     p.add_argument("--attempt", type=int, required=True, help="launch number (1, 2, 3), recorded in the event log")
-    p.add_argument("--preempt-at", type=int, default=0, help="rank 0 sends SIGTERM to every rank after this step (0: never)")
+    p.add_argument(
+        "--preempt-at", type=int, default=0, help="rank 0 sends SIGTERM to every rank after this step (0: never)"
+    )
     p.add_argument("--crash-after", type=int, default=0, help="SIGKILL every rank after this step (0: never)")
-    p.add_argument("--sync-reference", action="store_true", help="after the last step, time one synchronous save of the same state")
+    p.add_argument(
+        "--sync-reference", action="store_true", help="after the last step, time one synchronous save of the same state"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -203,7 +209,9 @@ def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
         if restored is None:
             log.emit("fresh")
         else:
-            log.emit("resume", step=restored, seconds=time.perf_counter() - started, skipped=[s for s, _ in manager.skipped])
+            log.emit(
+                "resume", step=restored, seconds=time.perf_counter() - started, skipped=[s for s, _ in manager.skipped]
+            )
         start = restored or 0
         bar = tqdm(
             range(start + 1, args.steps + 1),
@@ -227,11 +235,19 @@ def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
                 _crash(step, manager, log)
             state["step"] = step
             clock = time.perf_counter()
-            saved = manager.save(step, state, metrics={BEST_METRIC: eval_loss, "train_loss": loss}, force=step == args.steps)
+            saved = manager.save(
+                step, state, metrics={BEST_METRIC: eval_loss, "train_loss": loss}, force=step == args.steps
+            )
             call = time.perf_counter() - clock
             log.emit("step", step=step, loss=loss, eval_loss=eval_loss, saved=saved, call_seconds=call)
             if saved:
-                log.emit("save", step=step, seconds=call, mode="final" if manager.stop_requested else "async", eval_loss=eval_loss)
+                log.emit(
+                    "save",
+                    step=step,
+                    seconds=call,
+                    mode="final" if manager.stop_requested else "async",
+                    eval_loss=eval_loss,
+                )
             if manager.stop_requested:
                 bar.close()
                 log.emit("preempted", step=step)

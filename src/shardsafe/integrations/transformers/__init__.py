@@ -48,7 +48,12 @@ ZeRO-1/2 engines are refused with a clear error. Without a process group everyth
 process.
 """
 
-from shardsafe.integrations.transformers.checkpoints import checkpoint_steps, latest_checkpoint, rotate_checkpoints, write_trainer_files
+from shardsafe.integrations.transformers.checkpoints import (
+    checkpoint_steps,
+    latest_checkpoint,
+    rotate_checkpoints,
+    write_trainer_files,
+)
 from shardsafe.integrations.transformers.model_folder import install_model_folder
 from shardsafe.integrations.transformers.trainer import ShardsafeTrainer
 from shardsafe.integrations.transformers.zero3 import zero3_gathered_tensors, zero3_sharded_model

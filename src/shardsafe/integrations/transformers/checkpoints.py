@@ -56,7 +56,15 @@ TRAINING_ARGS_NAME = "training_args.json"  # the arguments as JSON (the Trainer 
 META_KEY = "shardsafe.trainer"  # checkpoint metadata: step, epoch, metrics, best checkpoint
 
 # Names of the entries of a checkpoint's state.
-MODEL, OPTIMIZER, SCHEDULER, SCALER, RNG, ENGINE, FILES = "model", "optimizer", "scheduler", "scaler", "rng", "engine", "trainer_files"
+MODEL, OPTIMIZER, SCHEDULER, SCALER, RNG, ENGINE, FILES = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "rng",
+    "engine",
+    "trainer_files",
+)
 DATA = "data"  # the train sampler's global position (shardsafe.integrations.transformers.data_order)
 
 
@@ -106,8 +114,11 @@ def write_trainer_files(checkpoint: Path, *, only_missing: bool = False) -> list
     return written
 
 
-def rotate_checkpoints(run_dir: Path, limit: int | None, best: str | None, fence: Callable[[str], None] | None = None) -> list[int]:
-    """Delete the oldest checkpoints beyond ``limit`` (coordinator), never the newest or ``best``. Returns the steps deleted.
+def rotate_checkpoints(
+    run_dir: Path, limit: int | None, best: str | None, fence: Callable[[str], None] | None = None
+) -> list[int]:
+    """Delete the oldest checkpoints beyond ``limit`` (coordinator), never the newest or ``best``. Returns the steps
+    deleted.
 
     Counts as transformers does (at most ``limit`` checkpoints, more only to keep both the newest
     and the best), using the manager's retention rule and deleter

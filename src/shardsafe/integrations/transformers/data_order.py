@@ -1,4 +1,5 @@
-"""The Trainer's data order as a :class:`~shardsafe.data.ReshardableSampler`, so a resume on another world size continues it.
+"""The Trainer's data order as a :class:`~shardsafe.data.ReshardableSampler`, so a resume on another world size
+continues it.
 
 The Trainer's own position is per rank: on resume it skips ``steps_trained_in_current_epoch``
 batches of each rank's sampler, which at another world size takes other samples. Here the train
@@ -34,7 +35,12 @@ from transformers.trainer_utils import has_length
 
 from shardsafe.api.checkpoint import load
 from shardsafe.compat.accelerate import make_shard_passthrough
-from shardsafe.compat.transformers import get_dataloader, skips_batches_by_function, train_batch_size, trainer_skips_nothing
+from shardsafe.compat.transformers import (
+    get_dataloader,
+    skips_batches_by_function,
+    train_batch_size,
+    trainer_skips_nothing,
+)
 from shardsafe.data.sampler import ReshardableSampler
 from shardsafe.errors import StateMismatchError
 from shardsafe.integrations.transformers.checkpoints import DATA
@@ -47,13 +53,25 @@ log = logging.getLogger(__name__)
 def global_batch(trainer: Any) -> dict[str, int]:
     """Samples per optimizer step and its factors, as the Trainer runs now."""
     args = trainer.args
-    world, per_device, accumulation = max(1, int(args.world_size)), train_batch_size(trainer), int(args.gradient_accumulation_steps)
-    return {"global_batch": world * per_device * accumulation, "world_size": world, "per_device": per_device, "accumulation": accumulation}
+    world, per_device, accumulation = (
+        max(1, int(args.world_size)),
+        train_batch_size(trainer),
+        int(args.gradient_accumulation_steps),
+    )
+    return {
+        "global_batch": world * per_device * accumulation,
+        "world_size": world,
+        "per_device": per_device,
+        "accumulation": accumulation,
+    }
 
 
 def _describe(batch: dict[str, Any]) -> str:
     ranks = "rank" if batch["world_size"] == 1 else "ranks"
-    return f"{batch['global_batch']} ({batch['world_size']} {ranks} x {batch['per_device']} per device x {batch['accumulation']} accumulation steps)"
+    return (
+        f"{batch['global_batch']} ({batch['world_size']} {ranks} x {batch['per_device']} per device x "
+        f"{batch['accumulation']} accumulation steps)"
+    )
 
 
 def fallback_reason(trainer: Any) -> str | None:
@@ -69,7 +87,10 @@ def fallback_reason(trainer: Any) -> str | None:
     config = trainer.accelerator.dataloader_config
     if getattr(config, "split_batches", False) or getattr(config, "dispatch_batches", None):
         return "accelerator_config split_batches / dispatch_batches deal the batches from one process"
-    if getattr(trainer.accelerator, "torch_device_mesh", None) is not None or getattr(trainer.accelerator, "parallelism_config", None) is not None:
+    if (
+        getattr(trainer.accelerator, "torch_device_mesh", None) is not None
+        or getattr(trainer.accelerator, "parallelism_config", None) is not None
+    ):
         return "a device mesh (tensor, context or sequence parallelism) decides which ranks share data"
     if not skips_batches_by_function():
         return "this transformers version skips resumed batches another way"
@@ -87,7 +108,8 @@ class DataOrder:
         self.sampler = sampler
         self.batch = batch
         self._global_step = global_step
-        self._anchor: tuple[int, int, int] | None = None  # (epoch, global step, position) where this run entered the epoch
+        # (epoch, global step, position) where this run entered the epoch
+        self._anchor: tuple[int, int, int] | None = None
         self._saved: dict[str, Any] | None = None
         self._resumed_epoch: int | None = None
 
@@ -103,7 +125,8 @@ class DataOrder:
         self._saved = dict(state)
 
     def resume(self, checkpoint: str, *, ignore_data_skip: bool) -> None:
-        """Continue the saved position (collective-free: every rank holds the same state); refuse another global batch."""
+        """Continue the saved position (collective-free: every rank holds the same state); refuse another global
+        batch."""
         saved, self._saved = self._saved, None
         if saved is None or ignore_data_skip:
             return
@@ -116,27 +139,34 @@ class DataOrder:
             ) from None
         if then["global_batch"] != self.batch["global_batch"]:
             raise StateMismatchError(
-                f"{checkpoint} was trained with a global batch of {_describe(then)}; this run has {_describe(self.batch)}. "
-                "Keep per_device_train_batch_size x gradient_accumulation_steps x world size equal to resume the same data order "
+                f"{checkpoint} was trained with a global batch of {_describe(then)}; this run has "
+                f"{_describe(self.batch)}. "
+                "Keep per_device_train_batch_size x gradient_accumulation_steps x world size equal to resume the same "
+                "data order "
                 "(or pass ignore_data_skip=True to start the epoch's data from its beginning)"
             )
         try:
             self.sampler.load_state_dict(sampler)
         except ValueError as exc:
-            raise StateMismatchError(f"{checkpoint}: the saved data position does not fit this train dataset: {exc}") from None
+            raise StateMismatchError(
+                f"{checkpoint}: the saved data position does not fit this train dataset: {exc}"
+            ) from None
         self._resumed_epoch = self.sampler.epoch
 
     def begin_epoch(self, epoch: int, global_step: int) -> bool:
-        """Called as the Trainer starts ``epoch``: True if the sampler resumes inside it (the Trainer must then skip nothing)."""
+        """Called as the Trainer starts ``epoch``: True if the sampler resumes inside it (the Trainer must then skip
+        nothing)."""
         resumes = self._resumed_epoch == epoch
         self._resumed_epoch = None
-        self.sampler.set_epoch(epoch)  # keeps a restored position of this epoch; accelerate's set_epoch may not reach the sampler
+        # keeps a restored position of this epoch; accelerate's set_epoch may not reach the sampler
+        self.sampler.set_epoch(epoch)
         self._anchor = (epoch, global_step, self.sampler.state_dict()["consumed"] if resumes else 0)
         return resumes
 
 
 class ReshardableDataTrainer(Trainer):
-    """The ``Trainer`` hooks of the data order (``ShardsafeTrainer`` is one): the train dataloader, the epoch, the resume."""
+    """The ``Trainer`` hooks of the data order (``ShardsafeTrainer`` is one): the train dataloader, the epoch, the
+    resume."""
 
     _data: DataOrder | None = None  # the train sampler and its position, when it reshards
 
@@ -145,7 +175,11 @@ class ReshardableDataTrainer(Trainer):
         reason = fallback_reason(self)
         if reason is not None:
             self._data = None
-            log.info("ShardsafeTrainer keeps the Trainer's sampler (%s): a resume continues the data order only at the same world size", reason)
+            log.info(
+                "ShardsafeTrainer keeps the Trainer's sampler (%s): a resume continues the data order only at the same "
+                "world size",
+                reason,
+            )
             return super().get_train_dataloader()
         loader, self._data = reshardable_train_dataloader(self)
         return loader
@@ -157,11 +191,16 @@ class ReshardableDataTrainer(Trainer):
             return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
 
     def _restore_data_order(self, path: str, saved: bool) -> None:
-        """The sampler's saved position (collective), checked against this run's global batch before anything else is loaded."""
+        """The sampler's saved position (collective), checked against this run's global batch before anything else is
+        loaded."""
         if self._data is None:
             return
         if not saved:
-            log.warning("%s holds no data position: the Trainer skips batches per rank, right only at the world size it was saved at", path)
+            log.warning(
+                "%s holds no data position: the Trainer skips batches per rank, right only at the world size it was "
+                "saved at",
+                path,
+            )
             return
         load(path, {DATA: self._data})
         self._data.resume(path, ignore_data_skip=self.args.ignore_data_skip)

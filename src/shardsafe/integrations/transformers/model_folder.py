@@ -70,7 +70,8 @@ def install_model_folder(staging: Path, out: Path, fsync: bool = True) -> None:
 
 
 def stage_upload(out: Path) -> Path:
-    """A hidden folder holding (hard links to) what the Trainer uploads from ``out``: all but ``checkpoint-*``, ``_*`` and hidden names."""
+    """A hidden folder holding (hard links to) what the Trainer uploads from ``out``: all but ``checkpoint-*``, ``_*``
+    and hidden names."""
     stage = new_hidden(out, "push")
     stage.mkdir()
     for entry in sorted(os.scandir(out), key=lambda e: e.name):

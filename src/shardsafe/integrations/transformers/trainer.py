@@ -48,7 +48,12 @@ from shardsafe.integrations.transformers.checkpoints import (
 )
 from shardsafe.integrations.transformers.data_order import ReshardableDataTrainer
 from shardsafe.integrations.transformers.model_folder import hub_token, install_model_folder, new_hidden, stage_upload
-from shardsafe.integrations.transformers.zero3 import is_zero3_model, parameter_count, zero3_gathered_tensors, zero3_sharded_model
+from shardsafe.integrations.transformers.zero3 import (
+    is_zero3_model,
+    parameter_count,
+    zero3_gathered_tensors,
+    zero3_sharded_model,
+)
 from shardsafe.manager.catalog import refuse_other_runs_step
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.protocol.commit import open_checkpoint
@@ -64,7 +69,8 @@ HF_MAX_SHARD_SIZE = "50GB"  # PreTrainedModel.save_pretrained's default in trans
 
 _UNSUPPORTED_STAGE = (
     "ShardsafeTrainer checkpoints DeepSpeed ZeRO stage 3 (and DDP, one process), not stage {stage}: "
-    "use stage 3, or save_strategy='no' (save_model works), or the plain Trainer and `shardsafe convert` for its checkpoints"
+    "use stage 3, or save_strategy='no' (save_model works), or the plain Trainer and `shardsafe convert` for its "
+    "checkpoints"
 )
 _REPLACE_REMEDY = (
     "To continue that run, train(resume_from_checkpoint=True); to replace its checkpoints on purpose, "
@@ -121,7 +127,10 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             self.store_flos()
         run_dir = run_output_dir(self, trial)
         output_dir = str(checkpoint_path(run_dir, self.state.global_step))
-        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
+        if (
+            self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+            and self.state.best_global_step
+        ):
             best = str(checkpoint_path(run_dir, self.state.best_global_step))
             if best == output_dir or os.path.isdir(best):
                 self.state.best_model_checkpoint = best
@@ -136,31 +145,48 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         metadata[META_KEY] = {**metadata.get(META_KEY, {}), **lease.metadata()}
         view = describe_collectively(state, comm)
         write_checkpoint(
-            location(output_dir), view, comm, overwrite=True, metadata=metadata, before_publish=lambda: lease.fence(f"publish {output_dir}")
+            location(output_dir),
+            view,
+            comm,
+            overwrite=True,
+            metadata=metadata,
+            before_publish=lambda: lease.fence(f"publish {output_dir}"),
         )
         if comm.is_coordinator:
             try:
                 write_trainer_files(Path(output_dir))
             except Exception as exc:  # the checkpoint is committed and holds them: a resume writes them again
-                log.warning("shardsafe: writing the trainer files next to %s failed (a resume writes them again): %s", output_dir, exc)
+                log.warning(
+                    "shardsafe: writing the trainer files next to %s failed (a resume writes them again): %s",
+                    output_dir,
+                    exc,
+                )
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
 
         def rotate() -> None:
             try:
-                rotate_checkpoints(Path(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, fence=lease.fence)
-            except Exception as exc:  # the checkpoint is committed: a rotation failure is logged and retried, never a failed save
-                log.warning("shardsafe: rotating the checkpoints in %s failed (retried after the next save): %s", run_dir, exc)
+                rotate_checkpoints(
+                    Path(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, fence=lease.fence
+                )
+            # the checkpoint is committed: a rotation failure is logged and retried, never a failed save
+            except Exception as exc:
+                log.warning(
+                    "shardsafe: rotating the checkpoints in %s failed (retried after the next save): %s", run_dir, exc
+                )
 
         comm.on_coordinator(rotate)  # every rank returns once the rotation is done, as a manager's save does
 
     def _refuse_other_runs_checkpoint(self, run_dir: str, lease: RootLease) -> None:
-        """Collective: every rank raises the same CheckpointExistsError if ``checkpoint-<step>`` is another run's (the manager's rule)."""
+        """Collective: every rank raises the same CheckpointExistsError if ``checkpoint-<step>`` is another run's (the
+        manager's rule)."""
         step, key = self.state.global_step, str(Path(run_dir).absolute())
         resumed = {self._resumed[key]} if key in self._resumed else set()
 
         def check() -> None:
-            refuse_other_runs_step(Path(run_dir), step, lease.run_id, resumed, _REPLACE_REMEDY, naming=TRAINER_NAMING, key=META_KEY)
+            refuse_other_runs_step(
+                Path(run_dir), step, lease.run_id, resumed, _REPLACE_REMEDY, naming=TRAINER_NAMING, key=META_KEY
+            )
 
         get_comm().on_coordinator(check, default=SaveError)
 
@@ -168,7 +194,9 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         from transformers.trainer_callback import ExportableState
 
         recorded: dict[str, Any] = self.state.stateful_callbacks  # type: ignore[assignment]  # a dict once training started
-        for callback in [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]:
+        for callback in [
+            cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)
+        ]:
             name = callback.__class__.__name__
             if isinstance(recorded[name], list):
                 recorded[name].append(callback.state())
@@ -197,7 +225,8 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             state[RNG] = RNGState()
             if self._data is not None:
                 state[DATA] = self._data
-        if get_comm().is_coordinator:  # the Trainer's state differs between ranks (logs, timings): the main process's is the run's
+        # the Trainer's state differs between ranks (logs, timings): the main process's is the run's
+        if get_comm().is_coordinator:
             state[FILES] = self._trainer_files()
         return state
 
@@ -213,7 +242,11 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             files["config.json"] = config.to_json_string(use_diff=True)
             generation = getattr(module, "generation_config", None)
             can_generate = getattr(module, "can_generate", None)
-            if generation is not None and hasattr(generation, "to_json_string") and (can_generate is None or can_generate()):
+            if (
+                generation is not None
+                and hasattr(generation, "to_json_string")
+                and (can_generate is None or can_generate())
+            ):
                 files["generation_config.json"] = generation.to_json_string(use_diff=True)
         return files
 
@@ -226,21 +259,41 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             for entry in self.state.log_history
             if entry.get("step") == step
             for k, v in entry.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k not in ("step", "epoch")
+            if isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and k not in ("step", "epoch")
         }
         meta: dict[str, Any] = {
-            META_KEY: {"step": step, "epoch": self.state.epoch, "metrics": metrics, "best_model_checkpoint": self.state.best_model_checkpoint}
+            META_KEY: {
+                "step": step,
+                "epoch": self.state.epoch,
+                "metrics": metrics,
+                "best_model_checkpoint": self.state.best_model_checkpoint,
+            }
         }
-        if self._deepspeed_engine() is None:  # the model is saved under "model" with its state-dict names: record what export needs
+        # the model is saved under "model" with its state-dict names: record what export needs
+        if self._deepspeed_engine() is None:
             module = self._module()
             names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-            meta[EXPORT_META] = {"key": MODEL, "dtype": None, "aliases": tied_aliases(module, names), "total_parameters": parameter_count(module)}
+            meta[EXPORT_META] = {
+                "key": MODEL,
+                "dtype": None,
+                "aliases": tied_aliases(module, names),
+                "total_parameters": parameter_count(module),
+            }
         return meta
 
     # ------------------------------------------------------------------ checkpoints: resume
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval: list[str] | None = None) -> Any:
-        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed shardsafe checkpoint in ``output_dir``.
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed shardsafe checkpoint in
+        ``output_dir``.
 
         Before the Trainer reads ``trainer_state.json`` from the checkpoint (every rank reads it),
         the coordinator writes it, and the other trainer files, from the checkpoint's own
@@ -294,7 +347,8 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         return lease
 
     def _check_checkpointable(self) -> None:
-        """Refuse, before training, a DeepSpeed setup whose checkpoints shardsafe cannot write (rather than at the first save)."""
+        """Refuse, before training, a DeepSpeed setup whose checkpoints shardsafe cannot write (rather than at the first
+        save)."""
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is None or self.args.save_strategy == SaveStrategy.NO:
             return
@@ -311,7 +365,8 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         if model is None and self._resuming_from is not None:
             return
         engine = self._zero3_engine()
-        if engine is not None:  # the weights are the engine's partitions (with the optimizer state, as DeepSpeed loads them)
+        # the weights are the engine's partitions (with the optimizer state, as DeepSpeed loads them)
+        if engine is not None:
             load(resume_from_checkpoint, {ENGINE: engine})
         else:
             load(resume_from_checkpoint, {MODEL: model if model is not None else self.model})
@@ -335,11 +390,16 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         state: dict[str, Any] = {}
         if engine is not None:
             if ENGINE not in saved:
-                raise StateMismatchError(f"{path}: holds {saved}, no DeepSpeed engine state; a ZeRO-3 run resumes only from a ZeRO-3 checkpoint")
+                raise StateMismatchError(
+                    f"{path}: holds {saved}, no DeepSpeed engine state; a ZeRO-3 run resumes only from a ZeRO-3 "
+                    "checkpoint"
+                )
             state[ENGINE] = engine
         else:
             if MODEL not in saved:
-                raise StateMismatchError(f"{path}: holds {saved}, no {MODEL!r}; it was not saved by ShardsafeTrainer without DeepSpeed")
+                raise StateMismatchError(
+                    f"{path}: holds {saved}, no {MODEL!r}; it was not saved by ShardsafeTrainer without DeepSpeed"
+                )
             state[MODEL] = self.model_wrapped
             if OPTIMIZER in saved:
                 state[OPTIMIZER] = _inner_optimizer(self.optimizer)
@@ -416,7 +476,9 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         total = parameter_count(module)
         if self._gather_16bit_on_save():
             infos, stream = zero3_gathered_tensors(module, self._deepspeed_engine(), dtype=self.save_dtype)
-            save_pretrained_stream(module, folder, infos, stream, total_parameters=total, max_shard_size=self.max_shard_size)
+            save_pretrained_stream(
+                module, folder, infos, stream, total_parameters=total, max_shard_size=self.max_shard_size
+            )
         else:
             sharded = zero3_sharded_model(module, self._deepspeed_engine())
             save_pretrained_sharded(module, folder, sharded, total_parameters=total, dtype=self.save_dtype)
@@ -485,7 +547,9 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         model_name = kwargs.pop("model_name", None)
         if model_name is None and self.args.should_save:
-            model_name = self._output_dir().name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
+            model_name = (
+                self._output_dir().name if self.args.hub_model_id is None else self.args.hub_model_id.split("/")[-1]
+            )
         token = token if token is not None else self.args.hub_token
         if self.hub_model_id is None:
             init_hf_repo(self, token, private)
@@ -520,7 +584,8 @@ class ShardsafeTrainer(ReshardableDataTrainer):
                 remove_tree(stage)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """At a checkpoint with ``push_to_hub`` (``hub_strategy`` other than ``end``): push the model as of now. Collective.
+        """At a checkpoint with ``push_to_hub`` (``hub_strategy`` other than ``end``): push the model as of now.
+        Collective.
 
         The Trainer copies the model files out of the checkpoint folder and uploads in the
         background; a shardsafe checkpoint holds shards, not a model folder, so the model is
@@ -531,7 +596,10 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         if self.args.hub_strategy == HubStrategy.END:
             return
         if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
-            log.warning("ShardsafeTrainer pushes the model at each save; the checkpoint folder %s is not uploaded", checkpoint_folder)
+            log.warning(
+                "ShardsafeTrainer pushes the model at each save; the checkpoint folder %s is not uploaded",
+                checkpoint_folder,
+            )
         comm = get_comm()
         repo_id = comm.broadcast(getattr(self, "hub_model_id", None))
         staging = Path(comm.on_coordinator(lambda: str(new_hidden(self._output_dir(), "push"))))
@@ -556,8 +624,12 @@ class ShardsafeTrainer(ReshardableDataTrainer):
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its state is keyed by the model's parameters)."""
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its state is keyed by the model's
+    parameters)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
-        raise ShardsafeError(f"the Trainer's optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save it")
+        raise ShardsafeError(
+            f"the Trainer's optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer; shardsafe cannot save "
+            "it"
+        )
     return inner

@@ -32,7 +32,8 @@ __all__ = ["is_zero3_model", "parameter_count", "zero3_gathered_tensors", "zero3
 
 
 def is_zero3_model(module: nn.Module) -> bool:
-    """Whether ``module``'s parameters are DeepSpeed ZeRO-3 partitions (``ds_id`` set by ``deepspeed.zero.Init`` or the engine)."""
+    """Whether ``module``'s parameters are DeepSpeed ZeRO-3 partitions (``ds_id`` set by ``deepspeed.zero.Init`` or the
+    engine)."""
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
@@ -43,7 +44,9 @@ def _state_entries(module: nn.Module) -> list[tuple[str, nn.Module, str, bool]]:
         dot = f"{prefix}." if prefix else ""
         entries += [(dot + name, owner, name, True) for name, p in owner._parameters.items() if p is not None]
         skip = owner._non_persistent_buffers_set
-        entries += [(dot + name, owner, name, False) for name, b in owner._buffers.items() if b is not None and name not in skip]
+        entries += [
+            (dot + name, owner, name, False) for name, b in owner._buffers.items() if b is not None and name not in skip
+        ]
     return entries
 
 
@@ -54,7 +57,8 @@ def parameter_count(module: nn.Module) -> int:
 
 @contextmanager
 def _checkpoint_event(engine: Any) -> Iterator[None]:
-    """Around whole-model gathers: partition everything first, re-gather the persistent parameters after (as DeepSpeed does)."""
+    """Around whole-model gathers: partition everything first, re-gather the persistent parameters after (as DeepSpeed
+    does)."""
     optimizer: Any = getattr(engine, "optimizer", None) if engine is not None else None
     if hasattr(optimizer, "checkpoint_event_prologue"):
         optimizer.checkpoint_event_prologue()
@@ -128,7 +132,11 @@ def zero3_sharded_model(module: nn.Module, engine: Any = None) -> nn.Module:
                 continue
             if id(tensor) not in made:
                 _check_partition_group(tensor, comm, name)
-                full = safe_get_full_fp32_param(tensor) if tensor.requires_grad and z3_optimizer(tensor) is not None else None
+                full = (
+                    safe_get_full_fp32_param(tensor)
+                    if tensor.requires_grad and z3_optimizer(tensor) is not None
+                    else None
+                )
                 if full is None:
                     with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                         full = tensor.detach().clone()
@@ -137,7 +145,9 @@ def zero3_sharded_model(module: nn.Module, engine: Any = None) -> nn.Module:
                 else:
                     pieces = full.chunk(comm.world_size, dim=0)
                     mine = pieces[comm.rank] if comm.rank < len(pieces) else full[full.shape[0] :]
-                    local = DTensor.from_local(mine.cpu().clone(), mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+                    local = DTensor.from_local(
+                        mine.cpu().clone(), mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+                    )
                 del full
                 made[id(tensor)] = nn.Parameter(local, requires_grad=False)
             holder.register_parameter(leaf, made[id(tensor)])
@@ -168,4 +178,7 @@ def _check_partition_group(param: Any, comm: Comm, name: str) -> None:
         import torch.distributed as dist
 
         if dist.get_world_size(group) != comm.world_size:
-            raise ShardsafeError(f"{name}: partitioned over {dist.get_world_size(group)} of {comm.world_size} ranks (ZeRO++ / MiCS); not supported")
+            raise ShardsafeError(
+                f"{name}: partitioned over {dist.get_world_size(group)} of {comm.world_size} ranks (ZeRO++ / MiCS); "
+                "not supported"
+            )
