@@ -66,4 +66,9 @@ def hub(hub_server: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # the module-level HfApi behind huggingface_hub.create_repo & co. read ENDPOINT when it was built
+    # (at import): older transformers (5.3's init_hf_repo) call those functions
+    import huggingface_hub.hf_api as hf_api
+
+    monkeypatch.setattr(hf_api.api, "endpoint", hub_server.url)
     return hub_server

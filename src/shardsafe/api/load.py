@@ -96,6 +96,28 @@ def load(
     one node (host name, or ``SHARDSAFE_NODE``) or the checkpoint is in an object store; on one
     node with local files the other ranks read it from the shared page cache, which is faster.
     ``True``: always shared. ``False``: every rank reads what it needs.
+
+    Args:
+        path: a checkpoint folder (local path or object-store URL); a DCP folder is read by its own
+            reader.
+        state: the objects to load into, keyed as they were saved (tensors and DTensors in any
+            layout, modules, optimizers, schedulers, stateful objects, values).
+        process_group: the ranks that load together (default: the default group, or this process).
+        strict: refuse keys the state asks for that the checkpoint lacks, and checkpoint tensors no
+            rank loads; with False both are skipped.
+        verify: check the block hash of every byte read.
+        atomic: a failed load leaves the tensors untouched (see above).
+        share_reads: read a chunk several ranks need once and send it to the others (see above).
+
+    Returns:
+        The checkpoint's user metadata (``metadata=`` of :func:`~shardsafe.save`).
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at ``path``.
+        FormatError: a file is damaged, hostile or of another format version; names the file.
+        IntegrityError: a block hash does not match (``verify``); names the tensor and block.
+        StateMismatchError: the state does not fit the checkpoint (missing or unexpected keys, shapes,
+            dtypes, optimizer groups), every problem reported at once before anything is modified.
     """
     with gc_paused():  # thousands of small entries: see core/gcpause.py
         return _load(path, state, process_group, strict, verify, atomic, share_reads)

@@ -59,9 +59,26 @@ def save(
     Before anything is written, every rank checks its part of the state and ``metadata`` with the
     very checks a load runs (depth, size, keys, tags): what a load would refuse is refused here,
     with the same FormatError, and nothing is left on disk.
-    Returns the checkpoint path. Raises :class:`~shardsafe.errors.CheckpointExistsError` if a
-    checkpoint is there and ``overwrite`` is False, :class:`~shardsafe.errors.SaveError` if any
-    rank failed (nothing is published; earlier checkpoints are untouched).
+
+    Args:
+        path: the checkpoint folder to create: a local path or an object-store URL (``s3://...``,
+            any fsspec protocol) or a :class:`~shardsafe.api.location.RemoteDir`.
+        state: a dict of tensors (plain, DTensor, FSDP2 / tensor-parallel / HSDP shards), modules,
+            optimizers, schedulers and other objects with ``state_dict()``, and JSON-able values.
+        process_group: the ranks that save together (default: the initialised default group, or
+            this process alone).
+        overwrite: replace a checkpoint already at ``path`` (published atomically in its place).
+        metadata: JSON-able user metadata, returned by :func:`~shardsafe.load`.
+        fsync: make every file and folder durable before the publish (off only for scratch runs).
+
+    Returns:
+        The checkpoint's path: a :class:`~pathlib.Path`, or the URL string of an object-store prefix.
+
+    Raises:
+        CheckpointExistsError: a checkpoint is at ``path`` and ``overwrite`` is False.
+        FormatError: the state or metadata holds what a load would refuse (too deep, too large,
+            a key or value of a kind the format cannot store); raised before anything is written.
+        SaveError: a rank failed to write; nothing is published and earlier checkpoints are untouched.
     """
     comm = get_comm(process_group)
     with gc_paused():  # thousands of small entries: see core/gcpause.py

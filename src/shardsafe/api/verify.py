@@ -20,9 +20,21 @@ __all__ = ["verify"]
 def verify(path: str | os.PathLike[str] | RemoteDir) -> dict[str, Any]:
     """Check a checkpoint completely: manifest, state file, shard headers and every block hash.
 
-    Raises a :class:`~shardsafe.errors.ShardsafeError` naming the file and tensor on the first
-    problem; returns a summary otherwise. Reads a few hash blocks at a time (file by file, in
-    order), each into its reading thread's scratch buffer: at most 64 MiB of buffers.
+    Reads a few hash blocks at a time (file by file, in order), each into its reading thread's
+    scratch buffer: at most 64 MiB of buffers. Not collective: one process checks everything.
+
+    Args:
+        path: a checkpoint folder (local path or object-store URL).
+
+    Returns:
+        A summary dict: ``path``, ``format_version``, ``world_size``, ``tensors``, ``files``,
+        ``indexes``, ``bytes_checked``, ``state_entries`` (the state file's top-level keys) and the
+        user ``metadata``.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at ``path``.
+        FormatError: a file is missing, damaged or hostile (names the file and tensor).
+        IntegrityError: a block hash does not match (names the tensor and block).
     """
     folder = location(path)
     refuse_foreign(folder)  # a DCP folder, ...: say so (see api/foreign.py)

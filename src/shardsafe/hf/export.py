@@ -364,7 +364,29 @@ def export_hf(
     stored dtypes). ``config.json`` / ``generation_config.json`` are copied from the source folder,
     or ``config`` (a transformers config, dict or path) is written. Tied weights the config
     declares are written once, as transformers does. The folder is built hidden next to ``out``,
-    checked by the model-folder guard and renamed into place. Returns ``out``.
+    checked by the model-folder guard and renamed into place. Not collective: one process.
+
+    Args:
+        src: a shardsafe checkpoint, a ``save_pretrained(gather_16bit=False)`` folder, a DCP or
+            DeepSpeed ZeRO folder, or a :class:`TensorSource`.
+        out: the model folder to create.
+        dtype: the floating-point dtype of the weights (a torch dtype or a name like ``"bf16"``).
+        max_shard_size: split into files of at most this size (``"5GB"`` or bytes).
+        key: the state key holding the model's tensors.
+        config: a transformers config, dict or path written as ``config.json`` (default: the
+            source folder's).
+        progress: a bytes progress bar.
+        overwrite: replace a non-empty ``out``.
+        verify: check the block hash of every byte read.
+        fsync: make the folder durable before it is renamed into place.
+
+    Returns:
+        ``out`` as an absolute :class:`~pathlib.Path`.
+
+    Raises:
+        CheckpointExistsError: ``out`` is a non-empty folder and ``overwrite`` is False.
+        FormatError, IntegrityError: the source is damaged or hostile (names the file and tensor).
+        ModelFolderError: the guard refuses the result (it is not published).
     """
     final = Path(out).absolute()
     if isinstance(dtype, str):

@@ -296,8 +296,23 @@ def load_pretrained(
     (all reported at once, before anything is written); otherwise they are returned.
     The guard refuses a folder without real weights first (a ZeRO-3 dummy file, say).
 
-    Returns ``{"missing_keys": [...], "unexpected_keys": [...], "tensors": n, "bytes_read": b}``
-    (this rank's tensors and bytes).
+    Args:
+        model: the model to fill, in any of the forms above.
+        source: a model folder, or ``hf://owner/name`` (config and safetensors downloaded by the
+            coordinator; offline, a complete copy in the Hub cache).
+        process_group: the ranks that hold the model (default: the default group).
+        strict: missing and unexpected keys are an error (all reported at once) rather than returned.
+        revision: the Hub revision of an ``hf://`` source.
+
+    Returns:
+        ``{"missing_keys": [...], "unexpected_keys": [...], "tensors": n, "bytes_read": b}`` (this
+        rank's tensors and bytes).
+
+    Raises:
+        ModelFolderError: the guard refuses the folder (no real weights, or weights that do not fit
+            its config.json).
+        StateMismatchError: with ``strict``, keys missing or unexpected; shapes that do not fit.
+        FormatError: a weights file is damaged or hostile (names the file).
     """
     comm = get_comm(process_group)
     module, zero3 = _unwrap(model)

@@ -82,6 +82,28 @@ def save_pretrained(
     :class:`~shardsafe.errors.CheckpointExistsError` when
     ``out_dir`` is a non-empty folder and ``overwrite`` is False; on any failure nothing is
     published and every rank raises the same error. Returns ``out_dir``.
+
+    Args:
+        model: the model (plain, DDP-wrapped or FSDP2-sharded) every rank holds its part of.
+        out_dir: the model folder to create.
+        gather_16bit: write the whole model's weights (above); False writes a sharded checkpoint.
+        dtype: the floating-point dtype of the weights file (None: as the parameters are).
+        max_shard_size: split the weights into files of at most this size (``"5GB"`` or bytes).
+        push_to, revision, private, commit_message: upload the folder after publishing (see
+            :func:`shardsafe.push`).
+        process_group: the ranks that hold the model (default: the default group).
+        overwrite: replace a non-empty ``out_dir``.
+        fsync: make the folder durable before it is renamed into place.
+        progress: a bytes progress bar on the coordinator.
+
+    Returns:
+        ``out_dir`` as an absolute :class:`~pathlib.Path`.
+
+    Raises:
+        CheckpointExistsError: ``out_dir`` is a non-empty folder and ``overwrite`` is False.
+        ModelFolderError: the guard refuses the folder (empty, dummy or incomplete weights).
+        PushError: the upload failed (the local folder stays published).
+        SaveError: a rank failed; nothing is published.
     """
     comm = get_comm(process_group)
     final = Path(out_dir).absolute()

@@ -76,6 +76,23 @@ def push(
     :class:`~shardsafe.errors.PushError` for anything else). ``revision`` (a branch, created if
     missing), ``private`` (applies when the repo is created) and ``message`` (the commit summary)
     are for Hub destinations. ``progress`` shows a bytes progress bar on the coordinator.
+
+    Args:
+        src: a model folder or a shardsafe checkpoint folder.
+        dest: ``hf://owner/name`` (a Hub repo) or an object-store URL (``s3://bucket/prefix``).
+        revision: the Hub branch to commit to (created if missing).
+        private: create the Hub repo private (only when it is created).
+        message: the Hub commit summary.
+        process_group: the ranks calling (default: the default group, or this process alone).
+        progress: a bytes progress bar on the coordinator.
+
+    Returns:
+        The Hub commit URL, or the object-store URL of ``dest``.
+
+    Raises:
+        ModelFolderError: the guard refuses ``src`` (empty, dummy or incomplete weights); nothing is
+            uploaded.
+        PushError: anything else (the destination, the network, an option that does not apply).
     """
     comm = get_comm(process_group)
     if not comm.distributed:

@@ -111,6 +111,22 @@ class CheckpointManager:
     tensors in place other than through those optimizers until the next ``step()``).
     ``read_only=True``: a reader (evaluation jobs next to a training run): no lease, ``save`` and
     ``apply_retention`` raise :class:`~shardsafe.errors.ReadOnlyError`.
+
+    Args:
+        root: the folder (or object-store URL) holding one ``step_<n>`` checkpoint per saved step.
+        keep_last: how many of the newest checkpoints retention keeps (None: all).
+        keep_best: how many of the best checkpoints by ``best_metric`` it also keeps (None: all).
+        best_metric: the ``metrics`` key that ranks checkpoints; ``best_mode``: "min" or "max".
+        save_every: save only steps that are multiples of it (None: every call).
+        async_save: False, True or "overlap" (above).
+        process_group: the ranks that save together (default: the default group).
+        handle_preemption: on one of ``preemption_signals``, save at the next :meth:`save` call
+            and set :attr:`stop_requested`.
+        fsync: make every checkpoint durable before it is published.
+        dedup, lease_timeout, read_only, local_every, local_dir, replicas: see :meth:`__init__`.
+
+    Raises:
+        ValueError: contradictory or out-of-range options (named in the message).
     """
 
     def __init__(
@@ -257,6 +273,22 @@ class CheckpointManager:
         it may save again (the rule: :func:`~shardsafe.manager.catalog.refuse_other_runs_step`).
         When the save returns (async: when it is committed, at the next ``save``/``wait``), the
         retention it triggered has finished, on every rank.
+
+        Args:
+            step: the training step; the checkpoint folder is ``step_<step>`` under the root.
+            state: what :func:`shardsafe.save` takes (modules, optimizers, schedulers, values).
+            metrics: JSON-able numbers recorded with the step (``best_metric`` ranks by one).
+            force: save even when ``save_every`` says not to.
+            overwrite: replace a committed ``step`` written by another run.
+
+        Returns:
+            True if a checkpoint of ``step`` was saved (or, async, handed to the background writer).
+
+        Raises:
+            CheckpointExistsError: ``step`` is another run's committed checkpoint.
+            LeaseLostError: another run took over the root; this run publishes nothing.
+            ReadOnlyError: the manager is ``read_only``.
+            SaveError: this save failed on some rank, or a previous background save did.
         """
         self._check_writable(f"save step {step}")
         self._raise_background_error()
@@ -491,7 +523,22 @@ class CheckpointManager:
         newest one left. Returns the step loaded, or None when the root holds no committed
         checkpoint. When it holds some and none loads, raises
         :class:`~shardsafe.errors.NoLoadableCheckpointError` (naming each, and who wrote it)
-        rather than let the run start from scratch over that history.
+        rather than let the run start from scratch over that history. With a local tier, a newer
+        complete step there is loaded first (:attr:`restored_from` says which tier).
+
+        Args:
+            state: the objects to load into, as :func:`shardsafe.load` takes them.
+            step: load exactly this step instead of the newest (no fallback to older ones).
+            strict: as :func:`shardsafe.load`'s ``strict``.
+
+        Returns:
+            The step loaded, or None when the root holds no committed checkpoint (a fresh run).
+
+        Raises:
+            NoLoadableCheckpointError: the root holds checkpoints and none of them loads.
+            LeaseHeldError: another live run holds the root's lease past ``lease_timeout``.
+            StateMismatchError: the state does not fit the checkpoint (the caller's error: no
+                fallback to an older step).
         """
         self.wait()
         if not self.read_only:
