@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-tiers bench-gpu stress clean
+.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-tiers bench-convert bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,13 @@ bench-nd: $(STAMP)
 
 bench-tiers: $(STAMP)
 	$(PY) benchmarks/bench_tiers.py --md BENCHMARKS.md
+
+# Not part of `make bench`: `shardsafe convert` of bench-deepspeed's ZeRO-3 checkpoint, this tree against the commit
+# before the fix that stopped every tensor being reassembled twice (a detached worktree in .bench-before/).
+CONVERT_BEFORE := 2ae7ff1^
+bench-convert: $(STAMP)
+	test -d .bench-before || git worktree add --detach .bench-before $(CONVERT_BEFORE)
+	$(PY) benchmarks/bench_convert.py --before .bench-before/src --md BENCHMARKS.md
 
 # Not part of `make bench`: needs a CUDA GPU and a CUDA build of torch (stops with a message otherwise); < 8 min on one H200.
 bench-gpu: $(STAMP)

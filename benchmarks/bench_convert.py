@@ -1,6 +1,6 @@
 """``shardsafe convert`` of a real DeepSpeed ZeRO-3 checkpoint, this tree against an earlier one.
 
-    .venv/bin/python benchmarks/bench_convert.py --before /tmp/convert-before/src --md BENCHMARKS.md
+    .venv/bin/python benchmarks/bench_convert.py --before .bench-before/src --md BENCHMARKS.md   # make bench-convert
 
 The checkpoint is the one ``bench_deepspeed.py`` builds and caches (a 152 M parameter Llama after one
 bf16 ZeRO-3 AdamW step at 2 CPU ranks, written by ``engine.save_checkpoint``). Each run is a fresh

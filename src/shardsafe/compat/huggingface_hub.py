@@ -25,7 +25,7 @@ from shardsafe.compat import missing
 
 __all__ = ["CHECKED", "tracked_add_class", "xet_enabled"]
 
-CHECKED = ">=1.3, checked on 1.3.0 and the latest (make test-compat)"
+CHECKED = ">=1.3, checked on 1.3.0 and 2.4.0 (make test-compat, 2026-12-03)"
 
 
 def xet_enabled() -> bool:
