@@ -6,7 +6,14 @@ import torch
 
 from shardsafe.errors import FormatError
 
-__all__ = ["dtype_from_name", "dtype_from_safetensors_name", "dtype_name", "element_size", "safetensors_dtype"]
+__all__ = [
+    "dtype_from_name",
+    "dtype_from_safetensors_name",
+    "dtype_from_torch_text",
+    "dtype_name",
+    "element_size",
+    "safetensors_dtype",
+]
 
 # torch dtype <-> (manifest name, safetensors name)
 _DTYPES: dict[torch.dtype, tuple[str, str]] = {
@@ -29,6 +36,7 @@ _DTYPES: dict[torch.dtype, tuple[str, str]] = {
 }
 _BY_NAME = {name: dtype for dtype, (name, _) in _DTYPES.items()}
 _BY_ST_NAME = {st: dtype for dtype, (_, st) in _DTYPES.items()}
+_BY_TORCH_TEXT = {str(dtype): dtype for dtype in _DTYPES}  # "torch.float32": how a save's records name a dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -44,6 +52,12 @@ def dtype_from_name(name: object, where: str) -> torch.dtype:
         what = f"a {len(name)}-character string" if isinstance(name, str) else f"a {type(name).__name__}"
         raise FormatError(f"{where}: unknown dtype ({what}; expected one of {', '.join(sorted(_BY_NAME))})")
     return _BY_NAME[name]
+
+
+def dtype_from_torch_text(text: str) -> torch.dtype:
+    """The dtype ``str(dtype)`` names (``"torch.float32"``): what this process's save records carry
+    (:class:`~shardsafe.core.plan.ChunkSpec`), never file content, so an unknown one is a bug."""
+    return _BY_TORCH_TEXT[text]
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str:

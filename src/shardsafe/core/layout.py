@@ -18,9 +18,7 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
-
-from shardsafe.core.dtypes import element_size
+from shardsafe.core.dtypes import dtype_from_torch_text, element_size
 from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
 from shardsafe.core.rule import LayoutRule
@@ -101,7 +99,7 @@ class HeldTensor:
 
     @property
     def nbytes(self) -> int:
-        return numel(self.shape) * element_size(getattr(torch, self.dtype.removeprefix("torch.")))
+        return numel(self.shape) * element_size(dtype_from_torch_text(self.dtype))
 
     def digest_entry(self) -> tuple[object, ...]:
         return (

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardsafe.core.dtypes import dtype_from_torch_text
 from shardsafe.core.format import ChunkEntry, TensorEntry, box_overlap, element_size, numel
 from shardsafe.core.rule import LayoutRule
 from shardsafe.errors import FormatError, SaveError
@@ -49,7 +50,7 @@ class ChunkSpec:
 
     @property
     def nbytes(self) -> int:
-        return numel(self.shape) * element_size(getattr(torch, self.dtype.removeprefix("torch.")))
+        return numel(self.shape) * element_size(dtype_from_torch_text(self.dtype))
 
 
 def assign_writers(specs_by_rank: list[list[ChunkSpec]]) -> list[list[int]]:
