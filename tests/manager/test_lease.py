@@ -131,6 +131,20 @@ def test_release_lets_the_next_run_in_with_a_higher_epoch(tmp_path: Path) -> Non
     second.release()
 
 
+def test_a_released_lease_is_taken_without_a_takeover_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A clean close hands the root over: the next run says so quietly; a lapsed lease is warned about."""
+    first = Lease(tmp_path, timeout=30, run_id="first")
+    first.acquire()
+    first.release()
+    with caplog.at_level("INFO", logger="shardsafe"):
+        second = Lease(tmp_path, timeout=30, run_id="second")
+        second.acquire()
+    taken = [r for r in caplog.records if "took over the lease" in r.getMessage()]
+    assert [r.levelname for r in taken] == ["INFO"], [(r.levelname, r.getMessage()) for r in taken]
+    assert "released at its close" in taken[0].getMessage() and "heartbeat" not in taken[0].getMessage()
+    second.release()
+
+
 def test_heartbeat_keeps_a_live_holder(tmp_path: Path) -> None:
     lease = Lease(tmp_path, timeout=0.8)
     lease.acquire()

@@ -185,3 +185,42 @@ def test_gc_treats_a_manifest_that_is_not_a_file_as_damage(tmp_path: Path) -> No
     report = collect(root)
     assert report.removed == [] and [d.step for d in report.damaged] == [1]
     assert (root / step_name(1)).is_dir()
+
+
+def test_a_renamed_step_folder_is_passed_over_before_anything_is_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A root step folder renamed by hand (its manifest records another step) would restore as a step
+    it is not, and the run would go on saving under later step names: restore skips it, naming both
+    steps, and loads the older real one; nothing of the renamed one reaches the state."""
+    root = tmp_path / "ckpt"
+    with shardsafe.CheckpointManager(root) as manager:
+        manager.save(1, _state(1))
+        manager.save(2, _state(2))
+    (root / step_name(2)).rename(root / step_name(7))
+    state = _state(0)
+    with caplog.at_level(logging.WARNING, logger="shardsafe"):
+        with shardsafe.CheckpointManager(root) as manager:
+            assert manager.restore(state) == 1
+            assert [step for step, _ in manager.skipped] == [7]
+    assert torch.equal(state["model"].weight, _state(1)["model"].weight) and state["step"] == 1
+    assert any("name says step 7 but its manifest records step 2" in m for m in _warnings(caplog, step_name(7)))
+
+
+def test_a_renamed_local_tier_step_falls_back_to_the_root(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The same in the local tier: its step folder renamed to a newer step is refused (the root loads)."""
+    root, local = tmp_path / "ckpt", tmp_path / "local-{node}"
+    manager = shardsafe.CheckpointManager(root, save_every=2, local_every=1, local_dir=local)
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    manager.wait()
+    manager._tier_worker.join()  # the tier's write of step 3 is done; then the job "dies" (no close)
+    (folder,) = [p for p in Path(str(local).replace("{node}", "*")).parent.glob("local-*/*") if p.is_dir()]
+    (folder / step_name(3)).rename(folder / step_name(9))
+    manager.lease.release()  # in this one process, the next "job" would otherwise wait for the lease
+    state = _state(0)
+    with caplog.at_level(logging.WARNING, logger="shardsafe"):
+        with shardsafe.CheckpointManager(root, save_every=2, local_every=1, local_dir=local) as again:
+            assert again.restore(state) == 2 and again.restored_from == "root"
+    assert torch.equal(state["model"].weight, _state(2)["model"].weight)
+    assert any("name says step 9 but its manifest records step 3" in m for m in _warnings(caplog, "local tier"))

@@ -27,7 +27,7 @@ from typing import Any
 
 from shardsafe.api.checkpoint import location
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, RETAINED_MANIFEST_NAME, Manifest, parse_manifest
-from shardsafe.errors import CheckpointExistsError, ShardsafeError
+from shardsafe.errors import CheckpointExistsError, FormatError, ShardsafeError
 from shardsafe.manager.naming import STEP_NAMING, StepNaming
 from shardsafe.storage.local import FileStamp
 from shardsafe.storage.location import as_location, public_path
@@ -137,6 +137,18 @@ def manager_meta(manifest: Manifest, key: str = META_KEY) -> dict[str, Any]:
     Accelerate use their own keys)."""
     meta = manifest.metadata.get(key)
     return meta if isinstance(meta, dict) else {}
+
+
+def refuse_renamed_step(manifest: Manifest, step: int, where: str, key: str = META_KEY) -> None:
+    """Raise :class:`FormatError` when ``manifest`` records another step than ``step``, the one its folder's
+    name says: a folder renamed by hand (or crafted) would restore as a step it is not, and the run
+    would then continue, and save, under another run's step names."""
+    recorded = manager_meta(manifest, key).get("step")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != step:
+        raise FormatError(
+            f"{where}: the folder's name says step {step} but its manifest records step {recorded} "
+            "(renamed or copied by hand?); give it back its name, or remove it"
+        )
 
 
 def writer_of(manifest: Manifest, key: str = META_KEY) -> tuple[str | None, int | None]:

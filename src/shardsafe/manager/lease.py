@@ -59,6 +59,7 @@ CLOCK_SKEW = 5.0  # seconds of wall-clock difference between hosts tolerated bef
 MAX_RECORD_BYTES = 4096
 _RECORD = "epoch-{epoch:010d}.json"
 _UNREADABLE = -1.0  # heartbeat of a record that could not be read: it lapses only by being seen unchanged for a timeout
+RELEASED_PID = -1  # with heartbeat 0: the record a run leaves when it gives the lease up at a clean close
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,14 @@ class LeaseRecord:
             raise ShardsafeError(f"{where}: not a valid lease record ({type(exc).__name__})") from None
         return record
 
+    @property
+    def released(self) -> bool:
+        """Given up by its run at a clean close (:meth:`RootLease.release` marks it so)."""
+        return self.pid == RELEASED_PID and self.heartbeat == 0.0
+
     def describe(self, now: float | None = None) -> str:
+        if self.released:
+            return f"run {self.run_id} (host {self.host}, epoch {self.epoch}, released at its close)"
         age = (now if now is not None else time.time()) - self.heartbeat
         return (
             f"run {self.run_id} (host {self.host}, pid {self.pid}, epoch {self.epoch}, last heartbeat {age:.0f} s ago)"
@@ -333,7 +341,9 @@ class Lease:
         if not self.store.create(record):
             return False
         if holder is not None and holder.run_id != self.run_id:
-            log.warning("%s: took over the lease from %s", self.store.where, holder.describe(now))
+            # a lease its run released is the normal hand-over; one that lapsed deserves a warning
+            report = log.info if holder.released else log.warning
+            report("%s: took over the lease from %s", self.store.where, holder.describe(now))
         for old in self.store.epochs():
             if old < epoch:
                 self.store.remove(old)
@@ -395,7 +405,7 @@ class Lease:
                 and max(self.store.epochs(), default=0) == self.record.epoch
             ):
                 # Leave the epoch record (so the next epoch is higher) but mark it lapsed.
-                self.store.overwrite(LeaseRecord(**{**asdict(self.record), "heartbeat": 0.0, "pid": -1}))
+                self.store.overwrite(LeaseRecord(**{**asdict(self.record), "heartbeat": 0.0, "pid": RELEASED_PID}))
             self.record = None
 
 

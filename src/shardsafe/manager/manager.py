@@ -69,12 +69,13 @@ from shardsafe.manager.catalog import (
     has_manifest,
     metric_value,
     refuse_other_runs_step,
+    refuse_renamed_step,
     scan,
     warn_damaged,
     where,
 )
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
-from shardsafe.manager.naming import step_name
+from shardsafe.manager.naming import STEP_NAMING, step_name
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR
 from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.manager.staging import SaveWorker, Staged, StagingBuffers, copy_all
@@ -564,9 +565,14 @@ class CheckpointManager:
         """The local tier's newest complete step, if it is newer than the root's newest committed one."""
         if self._tier is None:
             return None
-        return self._tier.restore(
-            self._newest_except({}), lambda folder: load(folder, state, process_group=self.comm.group, strict=strict)
-        )
+
+        def load_step(folder: Path) -> None:
+            step = STEP_NAMING.parse(folder.name)
+            assert step is not None  # the tier names its folders with the same naming
+            self._refuse_renamed(folder, step)
+            load(folder, state, process_group=self.comm.group, strict=strict)
+
+        return self._tier.restore(self._newest_except({}), load_step)
 
     def _restore_newest(self, state: dict[str, Any], strict: bool) -> int | None:
         """The newest step that loads, listing again after each failure (a reader's root can change meanwhile)."""
@@ -602,7 +608,14 @@ class CheckpointManager:
         """The coordinator's newest committed step not yet tried, on every rank."""
         return self.comm.on_coordinator(lambda: max((s for s in self.steps() if s not in failed), default=None))
 
+    def _refuse_renamed(self, folder: Path | RemoteDir, step: int) -> None:
+        """Collective, before a restore loads ``folder`` as ``step``: one manifest read, on the coordinator."""
+        self.comm.on_coordinator(
+            lambda: refuse_renamed_step(self._manifests(folder), step, where(folder)), default=FormatError
+        )
+
     def _load(self, step: int, state: dict[str, Any], strict: bool) -> None:
+        self._refuse_renamed(self.step_path(step), step)
         metadata = load(self.step_path(step), state, process_group=self.comm.group, strict=strict)
         written = metadata.get(META_KEY, {}) if isinstance(metadata, dict) else {}
         if self.comm.is_coordinator:
