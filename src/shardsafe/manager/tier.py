@@ -24,11 +24,15 @@ step folders next to their own files, so a node whose folder is lost can be rest
 peers' copies.
 
 Restore (:meth:`LocalTier.restore`): every leader reports the steps its folder holds and which of
-their files are present (whole: received files are renamed into place), the ranks pick the newest
-step newer than the persistent root's newest whose files the nodes hold between them, each node's
-missing files are sent to it by a node holding them (so every node's folder then holds the whole
-step), and every rank loads from its own node's folder, verifying block hashes as any load does.
-Damage found there (a missing file, a hash mismatch) means the persistent root is used instead.
+their files are present (whole: received files are renamed into place, and a file a restore sent
+only parts of is marked :data:`PARTIAL_MARK` and never counted), the ranks pick the newest step
+newer than the persistent root's newest whose files the nodes hold between them, and each node is
+sent what its ranks' loads will read, by nodes holding it: first the small files (state file,
+indexes, the manifest last), then, after every rank has planned its load over its node's folder
+(the manager's ``plan``: :func:`~shardsafe.api.load.ranges_read`), the shard files it lacks,
+whole or only the byte ranges its ranks read. Every rank then loads from its own node's folder,
+verifying block hashes as any load does. Damage found there (a missing file, a hash mismatch)
+means the persistent root is used instead.
 
 Retention: a node's folder holds the newest step saved everywhere and the one being written; the
 older ones are removed once a new step is complete (replicas included). Before each save the
@@ -71,6 +75,8 @@ PIECE_BYTES = 64 << 20  # one point-to-point message of a file being sent
 # next to a file a restore received only parts of (the byte ranges its node's ranks read): never offered as whole
 PARTIAL_MARK = ".shardsafe-partial"
 MARGIN_BYTES = 16 << 20  # headroom a node's folder keeps beyond what a save or restore writes there
+# a rank's load of a folder -> the byte ranges of each shard file it reads (None: it cannot tell)
+ReadPlan = Callable[[Path], "dict[str, list[tuple[int, int]]] | None"]
 _DAMAGE = (IntegrityError, FormatError, CheckpointNotFoundError)  # a tier step that does not load: use the root
 
 
@@ -500,7 +506,7 @@ class LocalTier:
         self,
         newer_than: int | None,
         load: Callable[[Path], object],
-        plan: Callable[[Path], set[str] | None] | None = None,
+        plan: ReadPlan | None = None,
     ) -> int | None:
         """Collective: load the newest complete step of the tier newer than ``newer_than`` (the
         root's newest committed step) with ``load(folder)`` (this rank's node's folder of it).
@@ -552,7 +558,7 @@ class LocalTier:
         step: int,
         digest: str,
         reports: list[tuple[dict[int, Held], int] | None],
-        plan: Callable[[Path], set[str] | None] | None,
+        plan: ReadPlan | None,
     ) -> None:
         """Collective: every node's folder gets what its ranks' load of ``step`` will read, from
         nodes holding it. First the small files every load reads (the state file, the indexes, the
