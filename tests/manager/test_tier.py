@@ -316,6 +316,12 @@ def test_replicas_restore_a_wiped_node_from_its_peer(tmp_path: Path) -> None:
     assert sent <= _share(manifest, (2, 3)) + _small(manifest, folder_b) + _share(manifest, (0, 1)) // 2
     shard_bytes = sent - (_small(manifest, folder_b) - _small_of(manifest, (2, 3)))
     assert shard_bytes < 0.75 * _share(manifest, (0, 1, 2, 3)), "node b was sent about every shard file"
+    # restored again: b's partial copies count as absent, so the parts are sent again (over the marks)
+    again = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(again):
+        assert (got["step"], got["from"]) == (6, "local"), got["log"]
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank} again")
+    assert 0 < again[0]["received"]["b"] < sent and again[0]["received"]["a"] == 0
     # b now holds a part of step 6: with node a lost as well, no node holds a's shards, so the step is
     # not offered as complete and the root's newest (step 4) is restored
     shutil.rmtree(local / "a")

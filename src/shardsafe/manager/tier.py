@@ -426,7 +426,8 @@ class LocalTier:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             if move.ranges is not None:  # holes between the ranges; marked before it takes its name
                 os.ftruncate(fd, move.size)
-                write_small_file(marker, b"", self.fsync)
+                if not marker.exists():  # (a partial copy an earlier restore sent keeps its mark)
+                    write_small_file(marker, b"", self.fsync)
         except Exception as exc:
             problem = exc
         try:
