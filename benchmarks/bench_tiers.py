@@ -13,9 +13,10 @@ persistent root is on this machine's disk. Every measurement is a fresh 4-rank (
    before (the memcpy floor) and against an async persistent save (``async_save=True``).
 2. **Restore after losing node b**: steps 1-3 saved (root every 2 steps: step 2; the tier: step 3),
    the job killed, node b's folder wiped; a new 4-rank job restores: from the tier (node a's
-   replica of b's files is sent to b over the tier's group), and, for comparison, a job with no
+   replica of what b's ranks read is sent to b over the tier's group), and, for comparison, a job with no
    tier from the root with a cold page cache (step 2, the same bytes). Bytes read from disk
-   (``read_bytes``) and moved over the process group (the files b gets back) are reported.
+   (``read_bytes``) and moved over the process group (what b gets back: the small files, and of
+   each shard file the bytes b's ranks read) are reported.
 3. **4 -> 2**: the same, restored by 2 ranks both on node a (resharding), from the tier and from the root.
 4. **Throughput**: steps padded to ~1 s (a real training step, then sleep), with ``local_every=1``
    against no checkpoints.
@@ -154,7 +155,9 @@ def _restore(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     seconds = _timed(lambda: box.update(step=manager.restore(state)))
     read = torch.tensor([_read_bytes() - read0])
     dist.all_reduce(read)
-    return {"seconds": seconds, "step": box["step"], "from": manager.restored_from, "read": int(read)}
+    # the bytes the tier's gathering sent over its group (whole files, or the ranges a node's ranks read)
+    moved = sum(manager._tier.received.values()) if manager._tier is not None else 0
+    return {"seconds": seconds, "step": box["step"], "from": manager.restored_from, "read": int(read), "moved": moved}
 
 
 def _throughput(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -208,11 +211,6 @@ def run_job(world: int = 4, **job: Any) -> dict[str, Any]:
         return dict(out[0])
 
 
-def _tier_folder(local: Path, node: str) -> Path:
-    (folder,) = (local / node).iterdir()
-    return folder
-
-
 def _lose_node_b(local: Path) -> None:
     shutil.rmtree(local / "b", ignore_errors=True)
 
@@ -226,8 +224,7 @@ def restore_case(base: Path, local: Path, size: dict[str, int], world: int, tier
     _lose_node_b(local)
     drop_file_cache(root)
     result = run_job(world, kind="restore", root=str(root), local=str(local / "{node}"), tier=tier, **size)
-    moved = folder_bytes(_tier_folder(local, "b")) if tier and world == 4 and (local / "b").exists() else 0
-    return result | {"moved": moved, "root_bytes": folder_bytes(root / "step-0000000002")}
+    return result | {"root_bytes": folder_bytes(root / "step-0000000002")}
 
 
 def main() -> None:

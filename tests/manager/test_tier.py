@@ -35,6 +35,7 @@ from shardsafe.core.comm import get_comm
 from shardsafe.manager.catalog import committed_steps
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NODE_ENV, NodeMap, gather_nodes, node_dir, node_id
+from shardsafe.manager.tier import PARTIAL_MARK
 
 
 def _node_of(rank: int) -> str:
@@ -152,9 +153,16 @@ def _train_job(
 
 
 def _restore_job(
-    rank: int, world_size: int, root: str, local: str, options: dict[str, Any], close: bool
+    rank: int,
+    world_size: int,
+    root: str,
+    local: str,
+    options: dict[str, Any],
+    close: bool,
+    nodes: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    os.environ[NODE_ENV] = _node_of(rank)
+    """Restore a fresh state; ``nodes``: each rank's node (default: a for ranks 0-1, b for 2-3)."""
+    os.environ[NODE_ENV] = _node_of(rank) if nodes is None else nodes[rank]
     model = shard(make_model(7), world_size)
     optimizer = make_optimizer(model)
     state = _state(model, optimizer)
@@ -171,6 +179,7 @@ def _restore_job(
         "state": _snapshot(model, optimizer, state),
         "rng": torch.rand(3),
         "log": messages,
+        "received": dict(manager._tier.received) if manager._tier is not None else {},
     }
     if close:
         manager.close()
@@ -294,8 +303,72 @@ def test_replicas_restore_a_wiped_node_from_its_peer(tmp_path: Path) -> None:
         assert (got["step"], got["from"]) == (6, "local")
         _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
         assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
-    # sent back to b
-    assert _files(_tier_folder(local, "b") / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)
+    # sent back to b: its ranks' shards and the small files whole, of node a's shards only the bytes b's
+    # ranks read (headers, the replicated scalars saved there), marked partial
+    folder_b = _tier_folder(local, "b") / step_name(6)
+    manifest = _manifest(_tier_folder(local, "a") / step_name(6))
+    partial = sorted(p.name.removesuffix(PARTIAL_MARK) for p in folder_b.glob("*" + PARTIAL_MARK))
+    assert partial and set(partial) <= {n for n in SHARDS["a"] if n.endswith(".safetensors")}
+    assert _files(folder_b) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED + [n + PARTIAL_MARK for n in partial])
+    sent = second[0]["received"]["b"]
+    assert second[0]["received"]["a"] == 0
+    assert _share(manifest, (2, 3)) + _small(manifest, folder_b) - _small_of(manifest, (2, 3)) < sent
+    assert sent <= _share(manifest, (2, 3)) + _small(manifest, folder_b) + _share(manifest, (0, 1)) // 2
+    shard_bytes = sent - (_small(manifest, folder_b) - _small_of(manifest, (2, 3)))
+    assert shard_bytes < 0.75 * _share(manifest, (0, 1, 2, 3)), "node b was sent about every shard file"
+    # restored again: b's partial copies count as absent, so the parts are sent again (over the marks)
+    again = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(again):
+        assert (got["step"], got["from"]) == (6, "local"), got["log"]
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank} again")
+    assert 0 < again[0]["received"]["b"] < sent and again[0]["received"]["a"] == 0
+    # b now holds a part of step 6: with node a lost as well, no node holds a's shards, so the step is
+    # not offered as complete and the root's newest (step 4) is restored
+    shutil.rmtree(local / "a")
+    third = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    assert all((got["step"], got["from"]) == (4, "root") for got in third)
+    reason = "passed over step 6: no node holds shard-00000.safetensors, shard-00001.safetensors"
+    assert any(reason in m for m in third[0]["log"]), third[0]["log"]
+
+
+def _manifest(folder: Path) -> Any:
+    from shardsafe.core.format import parse_manifest
+
+    return parse_manifest((folder / "manifest.json").read_bytes(), str(folder))
+
+
+def _share(manifest: Any, ranks: tuple[int, ...]) -> int:
+    """The bytes of the shard files the saving ranks ``ranks`` wrote."""
+    return sum(entry.size for entry in manifest.files.values() if entry.rank in ranks)
+
+
+def _small(manifest: Any, folder: Path) -> int:
+    """The bytes of the files every node gets: manifest, state file, every index."""
+    indexes = sum(e.index.size for e in manifest.files.values() if e.index is not None)
+    return indexes + manifest.state_size + (folder / "manifest.json").stat().st_size
+
+
+def _small_of(manifest: Any, ranks: tuple[int, ...]) -> int:
+    """The bytes of the indexes the saving ranks ``ranks`` wrote."""
+    return sum(e.index.size for e in manifest.files.values() if e.index is not None and e.rank in ranks)
+
+
+def test_a_reshard_from_the_tier_sends_each_node_only_what_its_ranks_read(tmp_path: Path) -> None:
+    """4 ranks saved (a: 0-1, b: 2-3, no replicas); 2 ranks restore with rank 0 on node b and rank 1
+    on node a, so each needs the rows the other node's ranks saved: each node is sent those shards
+    (and the small files), never the whole step, and the state is restored exactly."""
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 4, "local_every": 1}
+    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    manifest = _manifest(_tier_folder(local, "a") / step_name(6))
+    second = run_ranks(_restore_job, 2, str(root), str(local / "{node}"), options, False, ("b", "a"), work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local"), got["log"]
+        _assert_same_state(got["state"], first[0]["recorded"][6], f"rank {rank}")
+    received = second[0]["received"]
+    assert 0 < received["b"] <= _share(manifest, (0, 1)) and 0 < received["a"] <= _share(manifest, (2, 3))
+    # shards were sent, not only the indexes the other node wrote (b held the rest of the small files)
+    assert received["b"] > _small_of(manifest, (0, 1)) and received["a"] > _small_of(manifest, (2, 3))
 
 
 def test_a_damaged_replica_is_detected_and_the_root_used(tmp_path: Path) -> None:

@@ -3,9 +3,18 @@ a save the manager runs separately (``describe_collectively``, then ``write_chec
 
 from __future__ import annotations
 
-from shardsafe.api.load import load
+from shardsafe.api.load import load, merge_ranges, ranges_read
 from shardsafe.api.location import location
 from shardsafe.api.save import describe_collectively, save, write_checkpoint
 from shardsafe.api.verify import verify
 
-__all__ = ["describe_collectively", "load", "location", "save", "verify", "write_checkpoint"]
+__all__ = [
+    "describe_collectively",
+    "load",
+    "merge_ranges",
+    "ranges_read",
+    "location",
+    "save",
+    "verify",
+    "write_checkpoint",
+]

@@ -18,9 +18,10 @@ The phases, each ended by an agreement of every rank (so all raise, or none):
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from shardsafe.api.foreign import foreign_format
 from shardsafe.api.location import location, shown
 from shardsafe.core.comm import Comm, get_comm
-from shardsafe.core.format import Manifest
+from shardsafe.core.format import Manifest, TensorEntry
 from shardsafe.core.gcpause import gc_paused
 from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
@@ -49,7 +50,9 @@ from shardsafe.state.registry import (
 from shardsafe.storage.local import prefault_writable
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["load", "load_from", "open_checkpoint"]
+__all__ = ["load", "load_from", "merge_ranges", "open_checkpoint", "ranges_read"]
+
+log = logging.getLogger("shardsafe")
 
 
 def load(
@@ -152,6 +155,90 @@ def _load(
         atomic,
         share_reads,
     )
+
+
+def ranges_read(
+    path: str | os.PathLike[str], state: dict[str, Any], *, process_group: Any = None, strict: bool = True
+) -> dict[str, list[tuple[int, int]]] | None:
+    """The byte ranges ``[begin, end)`` of each shard file (names the manifest lists) that this
+    rank's ``load(path, state, process_group=..., strict=...)`` may read, planned as the load plans:
+    the same binding of ``state``, the same read planning (rule parts resolved through the per-rank
+    indexes), and the stored tensors the values it decodes whole take (each adapter's ``prepare``,
+    run over stand-ins of the stored shapes, nothing applied). Each stored chunk touched counts
+    whole (a chunk several ranks need is read whole by one of them, ``share_reads``), and each
+    file its header. Reads the manifest, the state file and the indexes, no shard file; modifies
+    nothing (state made for a fresh optimizer is dropped again); no collective.
+
+    None when it cannot tell (a foreign format, a chunk in a sibling checkpoint, or anything the
+    load itself would refuse): then the load may read any byte. The load keeps every check of
+    what it reads (sizes, headers, block hashes), so bytes missing from this answer make it fail
+    (a hash mismatch), never load wrong values."""
+    folder = location(path)
+    if isinstance(folder, RemoteDir) or foreign_format(folder) is not None:
+        return None
+    rank = get_comm(process_group).rank
+    fresh = fresh_optimizers(state)
+    try:
+        with gc_paused():
+            manifest, tree = open_checkpoint(folder)
+            check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
+            binding = bind_for_load(state, rank, tree, _layout_of(manifest), strict)
+            if check_binding(binding, manifest, tree, strict):
+                return None  # the load raises the mismatch
+            with ChunkReader(folder, manifest, verify=False) as reader:
+                fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
+                chunks = [r.op.chunk for r in fresh_reads + existing_reads]
+                taken: dict[str, TensorEntry] = {}
+                stand_ins = _StandIns(manifest, taken)
+                for name, bound in binding.bound.items():
+                    try:
+                        bound.adapter.prepare(bound, binding.contexts[name], stand_ins)
+                    # An adapter decodes its entry (every lookup) before it checks what it decoded, which
+                    # stand-ins can fail (an RNG state's bytes): what it looked up is recorded by then.
+                    except Exception as exc:
+                        log.debug("shardsafe: planning %r over stand-ins: %s", name, exc)
+                for key, entry in taken.items():
+                    chunks += [op.chunk for op in reader.plan(key, entry, (0,) * len(entry.shape), entry.shape)]
+                if any(c.checkpoint is not None for c in chunks):
+                    return None
+                spans: dict[str, set[tuple[int, int]]] = {}
+                for c in chunks:
+                    spans.setdefault(c.file, set()).add((c.begin, c.end))
+                for file, found in spans.items():
+                    found.add((0, reader.files.head_bytes(file)))
+    except Exception as exc:  # the load finds (and reports) the same problem
+        log.debug("shardsafe: cannot tell what the load of %s reads: %s", shown(folder), exc)
+        return None
+    finally:
+        for optimizer in fresh:
+            optimizer.state.clear()
+    return {file: merge_ranges(found) for file, found in spans.items()}
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[begin, end)`` ranges sorted, overlapping and adjacent ones joined, empty ones dropped."""
+    out: list[tuple[int, int]] = []
+    for begin, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((begin, end))
+    return out
+
+
+class _StandIns:
+    """A lookup for planning: records each stored tensor a value takes whole and returns an
+    uninitialised tensor of its stored shape and dtype in its place."""
+
+    def __init__(self, manifest: Manifest, taken: dict[str, TensorEntry]) -> None:
+        self.manifest, self.taken = manifest, taken
+
+    def __call__(self, key: str) -> torch.Tensor:
+        entry = self.manifest.tensors.get(key)
+        if entry is None:
+            raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
+        self.taken[key] = entry
+        return torch.empty(entry.shape, dtype=entry.dtype)
 
 
 OpenChecked = Callable[[], tuple[Manifest, dict[str, Any]]]  # the manifest and the state tree, parsed and cross-checked

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
+from shardsafe.api.checkpoint import describe_collectively, load, location, ranges_read, write_checkpoint
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.faults import crash_point
 from shardsafe.errors import (
@@ -572,7 +572,12 @@ class CheckpointManager:
             self._refuse_renamed(folder, step)
             load(folder, state, process_group=self.comm.group, strict=strict)
 
-        return self._tier.restore(self._newest_except({}), load_step)
+        return self._tier.restore(
+            self._newest_except({}),
+            load_step,
+            # only the bytes this rank's load will read are gathered onto its node
+            plan=lambda folder: ranges_read(folder, state, process_group=self.comm.group, strict=strict),
+        )
 
     def _restore_newest(self, state: dict[str, Any], strict: bool) -> int | None:
         """The newest step that loads, listing again after each failure (a reader's root can change meanwhile)."""

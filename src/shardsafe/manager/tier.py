@@ -24,11 +24,15 @@ step folders next to their own files, so a node whose folder is lost can be rest
 peers' copies.
 
 Restore (:meth:`LocalTier.restore`): every leader reports the steps its folder holds and which of
-their files are present (whole: received files are renamed into place), the ranks pick the newest
-step newer than the persistent root's newest whose files the nodes hold between them, each node's
-missing files are sent to it by a node holding them (so every node's folder then holds the whole
-step), and every rank loads from its own node's folder, verifying block hashes as any load does.
-Damage found there (a missing file, a hash mismatch) means the persistent root is used instead.
+their files are present (whole: received files are renamed into place, and a file a restore sent
+only parts of is marked :data:`PARTIAL_MARK` and never counted), the ranks pick the newest step
+newer than the persistent root's newest whose files the nodes hold between them, and each node is
+sent what its ranks' loads will read, by nodes holding it: first the small files (state file,
+indexes, the manifest last), then, after every rank has planned its load over its node's folder
+(the manager's ``plan``: :func:`~shardsafe.api.load.ranges_read`), the shard files it lacks,
+whole or only the byte ranges its ranks read. Every rank then loads from its own node's folder,
+verifying block hashes as any load does. Damage found there (a missing file, a hash mismatch)
+means the persistent root is used instead.
 
 Retention: a node's folder holds the newest step saved everywhere and the one being written; the
 older ones are removed once a new step is complete (replicas included). Before each save the
@@ -50,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsafe.api.checkpoint import write_checkpoint
+from shardsafe.api.checkpoint import merge_ranges, write_checkpoint
 from shardsafe.core.comm import Comm
 from shardsafe.core.faults import crash_point
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
@@ -68,7 +72,11 @@ __all__ = ["DEFAULT_LOCAL_DIR", "LocalTier", "NodeCommit", "tier_folder_name"]
 log = logging.getLogger("shardsafe")
 
 PIECE_BYTES = 64 << 20  # one point-to-point message of a file being sent
+# next to a file a restore received only parts of (the byte ranges its node's ranks read): never offered as whole
+PARTIAL_MARK = ".shardsafe-partial"
 MARGIN_BYTES = 16 << 20  # headroom a node's folder keeps beyond what a save or restore writes there
+# a rank's load of a folder -> the byte ranges of each shard file it reads (None: it cannot tell)
+ReadPlan = Callable[[Path], "dict[str, list[tuple[int, int]]] | None"]
 _DAMAGE = (IntegrityError, FormatError, CheckpointNotFoundError)  # a tier step that does not load: use the root
 
 
@@ -102,12 +110,23 @@ class NodeCommit(LocalCommit):
 
 @dataclass(frozen=True)
 class Move:
-    """One file sent whole from one rank to another (group ranks of the tier's comm)."""
+    """One file sent from one rank to another (group ranks of the tier's comm): whole, or only the
+    byte ``ranges`` a load there reads (the file then has its size, holes elsewhere, and is marked
+    partial: :data:`PARTIAL_MARK`)."""
 
     name: str
     size: int
     src: int
     dst: int
+    ranges: tuple[tuple[int, int], ...] | None = None
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        return ((0, self.size),) if self.ranges is None else self.ranges
+
+    @property
+    def sent(self) -> int:
+        """The bytes it sends."""
+        return sum(end - begin for begin, end in self.spans())
 
 
 @dataclass(frozen=True)
@@ -116,7 +135,8 @@ class Held:
 
     digest: str  # of the manifest's bytes: equal digests, same save
     needed: dict[str, int]  # every file the manifest names (with manifest.json), and its size
-    present: frozenset[str]  # those of them in the folder, whole
+    present: frozenset[str]  # those of them in the folder, whole (after a restore, maybe only what its ranks read)
+    shards: frozenset[str] = frozenset()  # the shard files among ``needed`` (the rest: state file, indexes, manifest)
 
 
 def _raise_if_any(comm: Comm, problem: BaseException | None, what: str) -> None:
@@ -169,6 +189,7 @@ class LocalTier:
         self.folder = node_dir(local_dir, self.nodes.node) / tier_folder_name(root)
         self.errors: list[str] = []  # local saves that failed or were skipped (logged, never raised)
         self.saved: int | None = None  # the newest step this run saved into the tier everywhere
+        self.received: dict[str, int] = {}  # bytes sent to each node by the last restore's gathering
         if replicas and len(self.nodes.nodes) <= replicas and comm.is_coordinator:
             log.warning(
                 "shardsafe: local tier: replicas=%d needs more than %d node(s); each node keeps only its own files",
@@ -376,7 +397,7 @@ class LocalTier:
         except Exception as exc:
             problem = exc
         try:
-            for offset, piece in _pieces(move.size):
+            for offset, piece in _pieces(move.spans()):
                 if problem is None and fd is not None:
                     try:
                         _read_exactly(fd, tensor_bytes(piece), offset, path)
@@ -399,17 +420,22 @@ class LocalTier:
         problem: BaseException | None = None
         tmp = hidden_sibling(path)
         fd = None
+        marker = path.parent / (path.name + PARTIAL_MARK)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            if move.ranges is not None:  # holes between the ranges; marked before it takes its name
+                os.ftruncate(fd, move.size)
+                if not marker.exists():  # (a partial copy an earlier restore sent keeps its mark)
+                    write_small_file(marker, b"", self.fsync)
         except Exception as exc:
             problem = exc
         try:
-            for _, piece in _pieces(move.size):
+            for offset, piece in _pieces(move.spans()):
                 dist.recv(piece, group=self.comm.group, group_src=move.src)
                 if problem is None and fd is not None:
                     try:
-                        _write_all(fd, tensor_bytes(piece))
+                        _write_all(fd, tensor_bytes(piece), offset)
                     except Exception as exc:
                         problem = exc
             flag = torch.zeros(1, dtype=torch.uint8)
@@ -423,6 +449,8 @@ class LocalTier:
                 fd = None
             if problem is None:
                 os.replace(tmp, path)
+                if move.ranges is None:  # whole now (a partial copy of an earlier restore was there)
+                    marker.unlink(missing_ok=True)
                 if self.fsync:
                     fsync_dir(path.parent)
         except Exception as exc:
@@ -443,11 +471,16 @@ class LocalTier:
             folder = self.step_folder(step)
             try:
                 data = read_small_file(folder / MANIFEST_NAME, MAX_JSON_BYTES)
-                needed = _needed(parse_manifest(data, str(folder / MANIFEST_NAME)), data)
+                manifest = parse_manifest(data, str(folder / MANIFEST_NAME))
             except (OSError, ShardsafeError):  # no manifest (not committed here) or a damaged one
                 continue
-            present = frozenset(name for name, size in needed.items() if _size_of(folder / name) == size)
-            out[step] = Held(hash_bytes(data), needed, present)
+            needed = _needed(manifest, data)
+            present = frozenset(
+                name
+                for name, size in needed.items()
+                if _size_of(folder / name) == size and not (folder / (name + PARTIAL_MARK)).exists()
+            )
+            out[step] = Held(hash_bytes(data), needed, present, frozenset(manifest.files))
         return out
 
     def _choose(
@@ -470,9 +503,16 @@ class LocalTier:
                 passed.append(f"step {step}: no node holds {', '.join(missing[:3])}{more}")
         return None, "", passed
 
-    def restore(self, newer_than: int | None, load: Callable[[Path], object]) -> int | None:
+    def restore(
+        self,
+        newer_than: int | None,
+        load: Callable[[Path], object],
+        plan: ReadPlan | None = None,
+    ) -> int | None:
         """Collective: load the newest complete step of the tier newer than ``newer_than`` (the
         root's newest committed step) with ``load(folder)`` (this rank's node's folder of it).
+        ``plan(folder)``: the shard files that load will read (None: it cannot tell), so that each
+        node is sent only those of them it lacks; without it, every node gets the whole step.
         None, with the reason logged, when there is none or it does not load: the caller then
         restores from the root. What ``load`` raises for a state that does not fit the step (not
         the tier's fault) is raised."""
@@ -494,7 +534,7 @@ class LocalTier:
                 log.info("shardsafe: local tier holds no complete step newer than %s; restoring from the root", root)
             return None
         try:
-            self._complete(step, digest, reports)
+            self._complete(step, digest, reports, plan)
         except SaveError as exc:
             if self.comm.is_coordinator:
                 log.warning(
@@ -514,8 +554,22 @@ class LocalTier:
             log.info("shardsafe: restored step %d from the local tier (newer than %s)", step, root)
         return step
 
-    def _complete(self, step: int, digest: str, reports: list[tuple[dict[int, Held], int] | None]) -> None:
-        """Collective: every node's folder gets the files of ``step`` it lacks, from nodes holding them."""
+    def _complete(
+        self,
+        step: int,
+        digest: str,
+        reports: list[tuple[dict[int, Held], int] | None],
+        plan: ReadPlan | None,
+    ) -> None:
+        """Collective: every node's folder gets what its ranks' load of ``step`` will read, from
+        nodes holding it. First the small files every load reads (the state file, the indexes, the
+        manifest last), which every node gets; then each rank plans its load over its node's folder
+        (``plan``: the byte ranges of each shard file it will read, None for all) and each node gets
+        the shard files its ranks named that it lacks: whole, or, when its ranks read only parts of
+        one, those byte ranges (the file then has holes and is marked partial). A node that held no
+        copy of this save gets a new folder, published when both rounds are done; it then holds a
+        part of the step (what its ranks read), which :meth:`_held` reports file by file (a partial
+        file as absent), never as the whole step."""
         held: dict[str, Held | None] = {}
         free: dict[str, int] = {}
         for r, rep in enumerate(reports):
@@ -523,22 +577,11 @@ class LocalTier:
                 h = rep[0].get(step)
                 held[self.nodes.node_of[r]] = h if h is not None and h.digest == digest else None
                 free[self.nodes.node_of[r]] = rep[1]
-        needed = next(h.needed for h in held.values() if h is not None)
-        holders = {name: [n for n, h in held.items() if h is not None and name in h.present] for name in needed}
-        moves: list[Move] = []
-        short = []
+        first = next(h for h in held.values() if h is not None)
+        needed, shards = first.needed, first.shards
         # the manifest last: it commits a new folder
-        order = sorted(needed, key=lambda name: (name == MANIFEST_NAME, name))
-        for i, node in enumerate(self.nodes.nodes):
-            h = held[node]
-            lacking = [name for name in order if h is None or name not in h.present]
-            if sum(needed[name] for name in lacking) + MARGIN_BYTES > free[node] and lacking:
-                short.append(f"node {node}: {free[node]} bytes free")
-            for j, name in enumerate(lacking):
-                source = holders[name][(i + j) % len(holders[name])]
-                moves.append(Move(name, needed[name], self.nodes.leader(source), self.nodes.leader(node)))
-        if short:
-            raise SaveError("too little space: " + "; ".join(short))
+        small = sorted((n for n in needed if n not in shards), key=lambda name: (name == MANIFEST_NAME, name))
+        moves = self._moves(step, {node: dict.fromkeys(small) for node in self.nodes.nodes}, held, free, needed, {})
         mine = held[self.nodes.node]
         temp: TemporaryPath | None = None
         problem: BaseException | None = None
@@ -547,19 +590,98 @@ class LocalTier:
                 temp = TemporaryPath.create(self.step_folder(step), fsync=self.fsync)
             except Exception as exc:
                 problem = exc
-        _raise_if_any(self.comm, problem, f"local tier: preparing step {step}")
-        here = self.step_folder(step)
-        into = temp.path if temp is not None else here
-        problem = self._transfer(moves, lambda name: here / name, lambda name: into / name)
-        if temp is not None:
-            try:
-                if problem is None:
+        paths = self.comm.all_gather(str(temp.path) if temp is not None else None)
+        try:
+            _raise_if_any(self.comm, problem, f"local tier: preparing step {step}")
+            here = self.step_folder(step)
+            leader_temp = paths[self.nodes.leader()]
+            into = Path(leader_temp) if leader_temp is not None else here
+            problem = self._transfer(moves, lambda name: here / name, lambda name: into / name)
+            _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
+            reads: dict[str, list[tuple[int, int]]] | None = None
+            if plan is not None:
+                try:
+                    reads = plan(into)
+                except Exception as exc:  # cannot tell: this node gets every shard file whole
+                    log.debug("shardsafe: local tier: planning the load of step %d: %s", step, exc)
+            asked = self.comm.all_gather(
+                None if reads is None else {name: spans for name, spans in reads.items() if name in shards}
+            )
+            wanted = {
+                node: self._wanted([asked[r] for r in ranks], needed, shards)
+                for node, ranks in self.nodes.ranks_of.items()
+            }
+            first_round = _bytes_to(self.nodes, moves)
+            more = self._moves(step, wanted, held, free, needed, first_round)
+            self.received = _bytes_to(self.nodes, moves + more)
+            if self.comm.is_coordinator:
+                log.info(
+                    "shardsafe: local tier: gathering step %d: %s",
+                    step,
+                    ", ".join(f"{n}: {b} bytes" for n, b in self.received.items()),
+                )
+            problem = self._transfer(more, lambda name: here / name, lambda name: into / name)
+            if temp is not None and problem is None:
+                try:
                     temp.publish()
-            except Exception as exc:
-                problem = exc
-            finally:
+                except Exception as exc:
+                    problem = exc
+            _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
+        finally:
+            if temp is not None:
                 temp.remove()
-        _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
+
+    @staticmethod
+    def _wanted(
+        asked: list[dict[str, list[tuple[int, int]]] | None], needed: dict[str, int], shards: frozenset[str]
+    ) -> dict[str, tuple[tuple[int, int], ...] | None]:
+        """What one node's ranks read (``asked``: each rank's ranges by file, None: everything), by
+        shard file: None for the whole file, else the byte ranges."""
+        if any(a is None for a in asked):
+            return dict.fromkeys(sorted(shards))
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for a in asked:
+            assert a is not None
+            for name, ranges in a.items():
+                spans.setdefault(name, []).extend(ranges)
+        out: dict[str, tuple[tuple[int, int], ...] | None] = {}
+        for name in sorted(spans):
+            merged = merge_ranges((max(0, b), min(needed[name], e)) for b, e in spans[name])
+            out[name] = None if merged == [(0, needed[name])] else tuple(merged)
+        return out
+
+    def _moves(
+        self,
+        step: int,
+        wanted: dict[str, dict[str, tuple[tuple[int, int], ...] | None]],
+        held: dict[str, Held | None],
+        free: dict[str, int],
+        needed: dict[str, int],
+        before: dict[str, int],
+    ) -> list[Move]:
+        """The moves that give each node the files of ``wanted`` it lacks (whole, or the byte ranges
+        given), each from a node holding it (spread over the holders), in one global order;
+        SaveError (on every rank alike) when a node's folder has too little room for what they send
+        it and the ``before`` bytes it received earlier in this restore (``free`` was measured
+        before it)."""
+        moves: list[Move] = []
+        short = []
+        for i, node in enumerate(self.nodes.nodes):
+            h = held[node]
+            lacking = [name for name in wanted[node] if h is None or name not in h.present]
+            here: list[Move] = []
+            for j, name in enumerate(lacking):
+                holders = [n for n, hn in held.items() if hn is not None and name in hn.present]
+                source = holders[(i + j) % len(holders)]
+                here.append(
+                    Move(name, needed[name], self.nodes.leader(source), self.nodes.leader(node), wanted[node][name])
+                )
+            if here and sum(m.sent for m in here) + before.get(node, 0) + MARGIN_BYTES > free[node]:
+                short.append(f"node {node}: {free[node]} bytes free")
+            moves += here
+        if short:
+            raise SaveError(f"step {step}: too little space: " + "; ".join(short))
+        return moves
 
     # ------------------------------------------------------------------ close
 
@@ -582,13 +704,23 @@ class LocalTier:
             pass
 
 
-def _pieces(size: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(offset, bytes) of each point-to-point message of a ``size``-byte file, in order: views of one
-    buffer of at most :data:`PIECE_BYTES`, allocated once per file (each piece is sent or written
-    before the next one is asked for)."""
-    buffer = torch.zeros(min(PIECE_BYTES, size), dtype=torch.uint8)
-    for offset in range(0, size, PIECE_BYTES):
-        yield offset, buffer[: min(PIECE_BYTES, size - offset)]
+def _bytes_to(nodes: NodeMap, moves: list[Move]) -> dict[str, int]:
+    """The bytes ``moves`` send to each node."""
+    out = dict.fromkeys(nodes.nodes, 0)
+    for m in moves:
+        out[nodes.node_of[m.dst]] += m.sent
+    return out
+
+
+def _pieces(spans: Iterable[tuple[int, int]]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset, bytes) of each point-to-point message of the byte ranges ``spans`` of a file, in
+    order: views of one buffer of at most :data:`PIECE_BYTES`, allocated once per file (each piece
+    is sent or written before the next one is asked for)."""
+    spans = list(spans)
+    buffer = torch.zeros(min(PIECE_BYTES, max((e - b for b, e in spans), default=0)), dtype=torch.uint8)
+    for begin, end in spans:
+        for offset in range(begin, end, PIECE_BYTES):
+            yield offset, buffer[: min(PIECE_BYTES, end - offset)]
 
 
 def _size_of(path: Path) -> int | None:
@@ -607,7 +739,7 @@ def _read_exactly(fd: int, view: memoryview, offset: int, where: Path) -> None:
         done += n
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
     while len(view):
-        n = os.write(fd, view)
-        view = view[n:]
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n

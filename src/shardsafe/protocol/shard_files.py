@@ -181,6 +181,12 @@ class ShardFiles:
                     f"(bytes [{chunk.begin}, {chunk.end}): manifest {dtype} {list(chunk.shape)}, header {shown})"
                 )
 
+    def head_bytes(self, file: str) -> int:
+        """How many leading bytes of shard ``file`` of this checkpoint opening it reads (its header
+        check): up to where its first chunk (or index part) begins."""
+        data_start = min((c.begin for _, _, c in self._chunks_in(None, file)), default=HEAD_READ_BYTES)
+        return min(self.manifest.files[file].size, max(8, data_start))
+
     def _chunks_in(self, checkpoint: str | None, file: str) -> list[tuple[str, torch.dtype, ChunkEntry]]:
         """Every chunk the manifest places in the file, and, for a shard of this checkpoint with an
         index, every part its index places there (the index is read and checked first)."""
