@@ -227,8 +227,8 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class _StandIns:
-    """A lookup for planning: records each stored tensor a value takes whole and returns an
-    uninitialised tensor of its stored shape and dtype in its place."""
+    """A lookup for planning: records each stored tensor a value takes whole and returns a
+    storage-less (meta) tensor of its stored shape and dtype in its place."""
 
     def __init__(self, manifest: Manifest, taken: dict[str, TensorEntry]) -> None:
         self.manifest, self.taken = manifest, taken
@@ -238,7 +238,7 @@ class _StandIns:
         if entry is None:
             raise FormatError(f"state.json refers to tensor {key!r}, which the manifest does not list")
         self.taken[key] = entry
-        return torch.empty(entry.shape, dtype=entry.dtype)
+        return torch.empty(entry.shape, dtype=entry.dtype, device="meta")  # no memory: the shape is the file's claim
 
 
 OpenChecked = Callable[[], tuple[Manifest, dict[str, Any]]]  # the manifest and the state tree, parsed and cross-checked
