@@ -190,7 +190,7 @@ class CheckpointManager:
         )
         self.restored_from: str | None = None  # "local" or "root": where the last restore() loaded from
         self._staging = StagingBuffers()
-        # what the previous save's describe found, reused while the state's structure is unchanged (local and root saves)
+        # what the previous describe found, reused while the structure is unchanged (local and root saves)
         self._describe_cache = DescribeCache()
         self._manifests = ManifestCache()
         self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already warned about

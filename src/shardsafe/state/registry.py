@@ -127,7 +127,16 @@ def _structure(view: SaveView) -> tuple[Any, ...]:
         tuple(view.tree),
         tuple(view.per_rank),
         tuple(
-            (c.key, c.global_shape, c.offsets, tuple(c.tensor.shape), c.tensor.dtype, c.tensor.device, c.per_rank, c.rule)
+            (
+                c.key,
+                c.global_shape,
+                c.offsets,
+                tuple(c.tensor.shape),
+                c.tensor.dtype,
+                c.tensor.device,
+                c.per_rank,
+                c.rule,
+            )
             for c in view.chunks
         ),
     )
@@ -163,7 +172,7 @@ def describe_for_save(state: dict[str, Any], rank: int, cache: DescribeCache | N
 def _describe(
     state: dict[str, Any], rank: int, previous: tuple[Any, ...] | None = None, cached: bool = False
 ) -> tuple[SaveView, tuple[Any, ...] | None]:
-    """The view, and with ``cached`` its structure (``previous``: the previous save's, whose chunk names were unique)."""
+    """The view, and with ``cached`` its structure (``previous``: the previous save's, its chunk names unique)."""
     chunks: list[LocalChunk] = []
     tree: dict[str, Any] = {}
     per_rank: dict[str, Any] = {}
