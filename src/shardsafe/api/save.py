@@ -28,7 +28,7 @@ from shardsafe.errors import SaveError, ShardsafeError
 from shardsafe.protocol.commit import CommitTarget, agree_and_publish, new_manifest, prepare_save
 from shardsafe.protocol.shard_write import ReuseMap, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
-from shardsafe.state.registry import SaveView, describe_for_save, merge_trees
+from shardsafe.state.registry import DescribeCache, SaveView, describe_for_save, merge_trees
 from shardsafe.storage.location import as_location, public_path
 from shardsafe.storage.remote import RemoteDir
 
@@ -92,23 +92,40 @@ def describe_collectively(
     comm: Comm,
     coordinator_check: Callable[[], None] | None = None,
     default: type[ShardsafeError] = ShardsafeError,
+    cache: DescribeCache | None = None,
 ) -> SaveView:
     """Describe (and check) this rank's state; if any rank cannot, every rank raises (rather than
     some waiting forever).
 
     ``coordinator_check`` (the manager's refusal of another run's step) runs on the coordinator
     first and shares the same agreement: one collective however many checks, which is all an
-    async save's caller waits for besides its copy."""
+    async save's caller waits for besides its copy.
+
+    ``cache`` (a manager's, kept from its previous save of this state): the describe reuses what is
+    unchanged (:class:`~shardsafe.state.registry.DescribeCache`); the same agreement carries each
+    rank's verdict, and unless every rank found its previous structure, the ranks that did describe
+    again in full, without the cache (then a second agreement): the ranks reuse only together."""
     problem: Exception | None = None
     view = None
     try:
         if coordinator_check is not None and comm.is_coordinator:
             coordinator_check()
         with gc_paused():  # the part of an async save the training loop waits for (core/gcpause.py)
-            view = describe_for_save(state, comm.rank)
+            view = describe_for_save(state, comm.rank, cache)
     except Exception as exc:
         problem = exc
-    comm.agree(problem, default=default)
+    votes = comm.agree(problem, default=default, vote=cache is not None and cache.unchanged)
+    if cache is not None and not all(votes):
+        problem = None
+        try:
+            if cache.unchanged:  # another rank's structure changed: this one describes again, in full
+                cache.forget()
+                cache.cached -= 1
+                with gc_paused():
+                    view = describe_for_save(state, comm.rank, cache)
+        except Exception as exc:
+            problem = exc
+        comm.agree(problem, default=default)
     assert view is not None
     return view
 

@@ -139,18 +139,21 @@ class Comm:
         shared: Outcome[T] = self.broadcast(outcome)
         return shared.unwrap(default, cause)
 
-    def agree(self, problem: BaseException | None, *, default: type[ShardsafeError] = ShardsafeError) -> None:
+    def agree(
+        self, problem: BaseException | None, *, default: type[ShardsafeError] = ShardsafeError, vote: Any = None
+    ) -> list[Any]:
         """Every rank reports its own ``problem`` (or None); if any rank had one, every rank raises.
 
         The class is the first failing rank's; the message lists each distinct problem once, and
         ranks that did not fail are told which rank reported it. A :class:`~shardsafe.errors.PeerFailedError`
         (a rank that waited on a peer that failed) gives way to the peer's own report.
+        Returns every rank's ``vote`` (a small value carried by the same collective), in rank order.
         """
-        mine = Outcome.failure(problem, self.rank, default) if problem is not None else Outcome[Any]()
+        mine = Outcome.failure(problem, self.rank, default) if problem is not None else Outcome[Any](value=vote)
         reports: list[Outcome[Any]] = self.all_gather(mine)
         failed = [r for r in reports if not r.ok]
         if not failed:
-            return
+            return [r.value for r in reports]
         causes = [r for r in failed if r.error != errors.PeerFailedError.__name__]
         failed = causes or failed  # a rank that only waited on a failed peer steps aside for the peer's own error
         first = failed[0]

@@ -81,7 +81,7 @@ from shardsafe.manager.retention import choose_kept, retire
 from shardsafe.manager.staging import SaveWorker, Staged, StagingBuffers, copy_all
 from shardsafe.manager.tier import LocalTier
 from shardsafe.protocol.shard_write import ReuseMap, reuse_map
-from shardsafe.state.registry import SaveView
+from shardsafe.state.registry import DescribeCache, SaveView
 from shardsafe.storage.remote import RemoteDir
 
 log = logging.getLogger("shardsafe")
@@ -207,6 +207,8 @@ class CheckpointManager:
         )
         self.restored_from: str | None = None  # "local" or "root": where the last restore() loaded from
         self._staging = StagingBuffers()
+        # what the previous describe found, reused while the structure is unchanged (local and root saves)
+        self._describe_cache = DescribeCache()
         self._manifests = ManifestCache()
         self._reported: set[tuple[str, str]] = set()  # damaged checkpoints already warned about
         self._warned_metric = False
@@ -331,7 +333,7 @@ class CheckpointManager:
         assert self._tier is not None
         self._tier_worker.join()
         self.lease.ensure()
-        view = describe_collectively(state, self.comm, default=SaveError)
+        view = describe_collectively(state, self.comm, default=SaveError, cache=self._describe_cache)
         staged = self._tier_staging.prepare(view)
         copy_all(staged)
         tier, metadata = self._tier, self._metadata(step, metrics)
@@ -369,7 +371,9 @@ class CheckpointManager:
                 self.root, step, self.lease.run_id, self._restored, _REPLACE_REMEDY, read=self._manifests
             )
 
-        return describe_collectively(state, self.comm, None if overwrite else refuse, default=SaveError)
+        return describe_collectively(
+            state, self.comm, None if overwrite else refuse, default=SaveError, cache=self._describe_cache
+        )
 
     def _check_best_metric(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Warn (once) when a save cannot be ranked: keep_best would silently keep nothing for it."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -50,6 +52,7 @@ __all__ = [
     "StateAdapter",
     "StoredTensor",
     "bind_tensors",
+    "TensorCache",
     "check_storable",
     "encode_with_chunks",
     "local_tensor",
@@ -323,18 +326,97 @@ def unique_paths(name: str) -> Callable[[str], None]:
     return check
 
 
+def tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a tensor's description (its chunks, their checks) depends on, read without describing it:
+    the memory its local values occupy (address, shape, strides, dtype, device, type) and, for a
+    DTensor, its global shape, placements and mesh. Equal identities mean equal chunks, pointing at
+    the same memory: a cached chunk keeps its storage alive, so no other storage can start there."""
+    if is_dtensor(tensor):
+        local = getattr(tensor, "_local_tensor", None)
+        if not isinstance(local, torch.Tensor):
+            local = tensor.to_local()  # type: ignore[attr-defined]
+        mesh = tensor.device_mesh  # type: ignore[attr-defined]
+        extra: tuple[Any, ...] = (tuple(tensor.shape), tuple(tensor.placements), id(mesh))  # type: ignore[attr-defined]
+    else:
+        local, extra = tensor, ()
+    return (
+        type(tensor),
+        type(local),
+        local.data_ptr(),
+        tuple(local.shape),
+        local.stride(),
+        local.dtype,
+        local.device,
+        *extra,
+    )
+
+
+class TensorCache:
+    """The chunks of every tensor a save described, by checkpoint key, kept for the next save of the
+    same state (the manager's): a tensor whose :func:`tensor_identity` is unchanged gets its previous
+    chunks (and its previous checks: key, dtype, shape, placements), without being described again.
+    ``reused`` / ``described``: tensors taken from the cache / described afresh by the last save."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[tuple[Any, ...], Any, tuple[LocalChunk, ...]]] = {}
+        self._seen: dict[str, tuple[tuple[Any, ...], Any, tuple[LocalChunk, ...]]] = {}
+        self.reused = 0
+        self.described = 0
+
+    def clear(self) -> None:
+        self._held = {}
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Describe with this cache (:func:`encode_with_chunks` consults it); what was not seen is dropped."""
+        self._seen, self.reused, self.described = {}, 0, 0
+        token = _ACTIVE_CACHE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE_CACHE.reset(token)
+        self._held, self._seen = self._seen, {}
+
+    def lookup(self, path: str, tensor: torch.Tensor) -> tuple[tuple[Any, ...], tuple[LocalChunk, ...] | None]:
+        ident = tensor_identity(tensor)
+        held = self._held.get(path)
+        if held is not None and held[0] == ident:  # the mesh's id: the same mesh, which the entry keeps alive
+            self._seen[path] = held
+            self.reused += 1
+            return ident, held[2]
+        return ident, None
+
+    def keep(self, path: str, ident: tuple[Any, ...], tensor: torch.Tensor, chunks: tuple[LocalChunk, ...]) -> None:
+        mesh = tensor.device_mesh if is_dtensor(tensor) else None  # type: ignore[attr-defined]
+        self._seen[path] = (ident, mesh, chunks)
+        self.described += 1
+
+
+_ACTIVE_CACHE: ContextVar[TensorCache | None] = ContextVar("shardsafe_tensor_cache", default=None)
+
+
 def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
-    """Encode ``value``, adding this rank's chunk of every tensor in it to ``chunks``."""
+    """Encode ``value``, adding this rank's chunk of every tensor in it to ``chunks`` (through the
+    active :class:`TensorCache`, when a save describes with one)."""
     unique = unique_paths(name)
+    cache = _ACTIVE_CACHE.get()
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
+        if cache is not None:
+            ident, cached = cache.lookup(path, tensor)
+            if cached is not None:
+                chunks.extend(cached)
+                return path
         global_shape, held = pieces(tensor)
         check_storable(path, tensor, global_shape)
         rule = dtensor_rule(tensor) if is_dtensor(tensor) else None
         # Empty shards too (FSDP2 ranks past the end of dim 0): they are never written, but say which
         # part of the split rule this rank holds, so every rank describes the same tensors (core/layout).
-        chunks.extend(LocalChunk(path, piece.local, global_shape, piece.offsets, rule=rule) for piece in held)
+        made = tuple(LocalChunk(path, piece.local, global_shape, piece.offsets, rule=rule) for piece in held)
+        chunks.extend(made)
+        if cache is not None:
+            cache.keep(path, ident, tensor, made)
         return path
 
     return encode_value(value, name, ref)

@@ -31,12 +31,14 @@ from shardsafe.state.base import (
     SaveContext,
     SavedLayout,
     StateAdapter,
+    TensorCache,
 )
 from shardsafe.state.deepspeed_engine import ENGINE_ADAPTER
 from shardsafe.state.optimizer import OptimizerAdapter
 
 __all__ = [
     "ADAPTERS",
+    "DescribeCache",
     "LoadBinding",
     "SaveView",
     "adapter_for",
@@ -92,14 +94,85 @@ class SaveView:
     per_rank: dict[str, Any] = field(default_factory=dict)  # this rank's per-rank entries
 
 
-def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
+class DescribeCache:
+    """What a save of one state keeps for the next save of the same state (a training run's manager).
+
+    The state is described afresh every save (every adapter's state dict, so step counters, learning
+    rates, RNG and data positions are always the current ones, and the tree is checked as a load
+    checks it), but a tensor unchanged since the previous save (:func:`~shardsafe.state.base.tensor_identity`)
+    keeps its chunks and checks (:class:`~shardsafe.state.base.TensorCache`), and when the whole
+    structure is unchanged (:attr:`structure`: names, every chunk's key, dtype, shapes, offsets,
+    device, rule) the uniqueness check of the chunk names is not repeated.
+
+    ``unchanged``: the last describe found the previous save's structure; ``full`` / ``cached``:
+    how many describes found a new structure (or had no previous one) / an unchanged one."""
+
+    def __init__(self) -> None:
+        self.tensors = TensorCache()
+        self.structure: tuple[Any, ...] | None = None
+        self.unchanged = False
+        self.full = 0
+        self.cached = 0
+
+    def forget(self) -> None:
+        """The next describe is a full one (nothing reused)."""
+        self.tensors.clear()
+        self.structure = None
+        self.unchanged = False
+
+
+def _structure(view: SaveView) -> tuple[Any, ...]:
+    """Everything about ``view`` that a save's checks and plan depend on, except the tree's values."""
+    return (
+        tuple(view.tree),
+        tuple(view.per_rank),
+        tuple(
+            (
+                c.key,
+                c.global_shape,
+                c.offsets,
+                tuple(c.tensor.shape),
+                c.tensor.dtype,
+                c.tensor.device,
+                c.per_rank,
+                c.rule,
+            )
+            for c in view.chunks
+        ),
+    )
+
+
+def describe_for_save(state: dict[str, Any], rank: int, cache: DescribeCache | None = None) -> SaveView:
     """This rank's view of ``state``, refused (FormatError) if any reader would refuse what it holds.
 
     The shared entries, and this rank's per-rank entries as they will sit in ``state.json``, are
     encoded and run through the very checks a load runs on the file (size, depth, tags, tensor
     keys); every chunk name this rank may write is unique in its shard file. So a save refuses,
-    before anything is written, what a load would refuse.
+    before anything is written, what a load would refuse. ``cache``: what the previous describe of
+    this state found (:class:`DescribeCache`), reused where nothing changed.
     """
+    if cache is None:
+        return _describe(state, rank)[0]
+    cache.unchanged = False
+    try:
+        with cache.tensors.active():
+            view, structure = _describe(state, rank, cache.structure, True)
+    except BaseException:
+        cache.forget()
+        raise
+    cache.unchanged = structure == cache.structure
+    cache.structure = structure
+    if cache.unchanged:
+        cache.cached += 1
+    else:
+        cache.full += 1
+    return view
+
+
+def _describe(
+    state: dict[str, Any], rank: int, previous: tuple[Any, ...] | None = None, cached: bool = False
+) -> tuple[SaveView, tuple[Any, ...] | None]:
+    """The view, and with ``cached`` its structure (``previous``: the previous save's, its chunk names unique)."""
     chunks: list[LocalChunk] = []
     tree: dict[str, Any] = {}
     per_rank: dict[str, Any] = {}
@@ -117,6 +190,9 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
     encode_state(
         {**view.tree, **{n: {"kind": KIND_PER_RANK, "ranks": [e]} for n, e in view.per_rank.items()}}, compact=True
     )
+    structure = _structure(view) if cached else None
+    if previous is not None and structure == previous:
+        return view, structure  # the same chunk keys as the previous save's, whose names were unique
     seen: set[str] = set()
     for chunk in view.chunks:
         shown = chunk_name(chunk)
@@ -126,7 +202,7 @@ def describe_for_save(state: dict[str, Any], rank: int) -> SaveView:
                 "containing '@'?)"
             )
         seen.add(shown)
-    return view
+    return view, structure
 
 
 def merge_trees(trees: list[dict[str, Any]]) -> dict[str, Any]:
