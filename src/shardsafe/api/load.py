@@ -48,6 +48,7 @@ from shardsafe.state.registry import (
     unclaimed,
 )
 from shardsafe.storage.local import prefault_writable
+from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["load", "load_from", "merge_ranges", "open_checkpoint", "ranges_read"]
@@ -174,7 +175,8 @@ def ranges_read(
     what it reads (sizes, headers, block hashes), so bytes missing from this answer make it fail
     (a hash mismatch), never load wrong values."""
     folder = location(path)
-    if isinstance(folder, RemoteDir) or foreign_format(folder) is not None:
+    remote = as_location(folder).choose(local=lambda _: False, remote=lambda _: True)
+    if remote or foreign_format(folder) is not None:  # the tier plans local folders only
         return None
     rank = get_comm(process_group).rank
     fresh = fresh_optimizers(state)
