@@ -467,8 +467,8 @@ def _parse_files(raw: dict[str, Any], version: int, where: str) -> dict[str, Fil
     return files
 
 
-def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
-    raw = parse_json(data, where, depth=False)  # every part kept is checked field by field; metadata's depth below
+def _parse_header(raw: Any, where: str) -> tuple[int, str, int, int]:
+    """The manifest's identity and parameters: format version, hash algorithm, hash block size, world size."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not a shardsafe manifest")
     version = _expect(raw, "format_version", int, where)
@@ -493,17 +493,26 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     world_size = _expect(raw, "world_size", int, where)
     if world_size < 1:
         raise FormatError(f"{where}: world size {world_size} is invalid")
-    files = _parse_files(_expect(raw, "files", dict, where), version, where)
-    _check_file_names(files, world_size, where)
-    state = _expect(raw, "state", dict, where)
+    return version, algorithm, block, world_size
+
+
+def _parse_state_ref(state: dict[str, Any], where: str) -> tuple[str, int]:
+    """The state file's name and size (its hash is read last, where the manifest is built)."""
     state_file = check_component(state.get("file"), where)
     if not (state_file.startswith("state") and state_file.endswith(".json")):
         raise FormatError(f"{where}: state file {state_file!r} must be named state*.json")
     state_size = _expect(state, "size", int, where)
     if not 0 <= state_size <= MAX_JSON_BYTES:
         raise FormatError(f"{where}: state size {state_size} is out of range")
+    return state_file, state_size
+
+
+def _parse_tensors(
+    raw: dict[str, Any], world_size: int, version: int, files: dict[str, FileEntry], block: int, where: str
+) -> dict[str, TensorEntry]:
+    """The ``tensors`` section, entry by entry, then the byte ranges of all chunks checked disjoint."""
     tensors: dict[str, TensorEntry] = {}
-    for key, entry in _expect(raw, "tensors", dict, where).items():
+    for key, entry in raw.items():
         twhere = f"{where} tensor {key!r:.200}"
         check_tensor_key(key, where)
         dtype = dtype_from_name(_expect(entry, "dtype", str, twhere), twhere)
@@ -519,15 +528,39 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         else:
             tensors[key] = TensorEntry(dtype, shape, tuple(chunks), rule, _check_overrides(rule, shape, chunks, twhere))
     _check_disjoint_ranges(tensors, where)
+    return tensors
+
+
+def _parse_metadata(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The user metadata: the one free-form part kept, its depth counted where it sits in the file."""
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: metadata must be an object")
-    check_depth({"metadata": metadata}, where)  # the one free-form part kept, at the depth it has in the file
+    check_depth({"metadata": metadata}, where)
+    return metadata
+
+
+def _parse_created(raw: dict[str, Any], where: str) -> float:
+    """The save's time stamp: a finite number (an int within range, or a float)."""
     created = raw.get("created", 0.0)
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise FormatError(f"{where}: field 'created' has the wrong type ({type(created).__name__})")
     if not (isinstance(created, float) or -MAX_CREATED <= created <= MAX_CREATED) or not math.isfinite(float(created)):
         raise FormatError(f"{where}: field 'created' is not a time (out of range or not finite)")
+    return float(created)
+
+
+def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate a manifest, field by field; :class:`FormatError` naming ``where`` on the first problem."""
+    raw = parse_json(data, where, depth=False)  # every part kept is checked field by field; metadata's depth below
+    version, algorithm, block, world_size = _parse_header(raw, where)
+    files = _parse_files(_expect(raw, "files", dict, where), version, where)
+    _check_file_names(files, world_size, where)
+    state = _expect(raw, "state", dict, where)
+    state_file, state_size = _parse_state_ref(state, where)
+    tensors = _parse_tensors(_expect(raw, "tensors", dict, where), world_size, version, files, block, where)
+    metadata = _parse_metadata(raw, where)
+    created = _parse_created(raw, where)
     return Manifest(
         world_size=world_size,
         tensors=tensors,
@@ -535,7 +568,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         state_size=state_size,
         state_hash=str(_expect(state, "hash", str, where)),
         metadata=metadata,
-        created=float(created),
+        created=created,
         writer_version=str(raw.get("writer_version", "")),
         hash_algorithm=algorithm,
         hash_block_size=block,

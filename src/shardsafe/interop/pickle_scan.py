@@ -176,114 +176,161 @@ class _Scan:
         if len(self.stack) != 1 or self.marks:
             raise FormatError(f"{self.where}: refused pickle: {len(self.stack)} values left at STOP")
 
-    def step(self, name: str, arg: Any, pos: int) -> bool:  # noqa: C901 - one branch per opcode reads best
-        push = self.stack.append
-        if name == "PROTO":
-            return False
-        if name == "STOP":
-            return True
-        if name == "MARK":
-            if self.marks >= MAX_NESTING:
-                raise self.refuse(pos, f"MARKs nested more than {MAX_NESTING} deep")
-            self.marks += 1
-            push(_MARK)
-        elif name in ("NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "BINFLOAT"):
-            push(_LEAF)
-        elif name == "LONG1":
-            if not -(1 << 63) <= arg < (1 << 64):
-                raise self.refuse(pos, "an integer wider than 64 bits")
-            push(_LEAF)
-        elif name in ("BINUNICODE", "SHORT_BINUNICODE"):
-            try:
-                arg.encode("utf-8")
-            except UnicodeEncodeError:
-                raise self.refuse(pos, "a string that is not valid UTF-8") from None
-            push(_Sym("str", arg[:200]))  # kept (short) for STACK_GLOBAL
-        elif name == "FRAME":
-            pass  # a length hint of the protocol-4 framing; the opcodes inside are scanned like any others
-        elif name == "MEMOIZE":
-            if not self.stack or self.stack[-1] is _MARK:
-                raise self.refuse(pos, f"{name} on an empty stack")
-            self.memo[len(self.memo)] = self.stack[-1]
-        elif name == "STACK_GLOBAL":
-            member, module = self.pop(pos, name), self.pop(pos, name)
-            if member.kind != "str" or module.kind != "str":
-                raise self.refuse(pos, "STACK_GLOBAL of values that are not strings")
-            self.named_global(f"{module.name}.{member.name}", pos)
-        elif name == "EMPTY_DICT":
-            push(_Sym("dict"))
-        elif name == "EMPTY_LIST":
-            push(_Sym("list"))
-        elif name == "EMPTY_TUPLE":
-            push(_Sym("tuple"))
-        elif name == "TUPLE":
-            push(self.container("tuple", self.pop_to_mark(pos, name), pos))
-        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-            items = [self.pop(pos, name) for _ in range(int(name[-1]))][::-1]
-            push(self.container("tuple", items, pos))
-        elif name == "APPEND":
-            item = self.pop(pos, name)
-            self.nest(self.top(pos, name, ("list",)), [item], pos)
-        elif name == "APPENDS":
-            items = self.pop_to_mark(pos, name)
-            self.nest(self.top(pos, name, ("list",)), items, pos)
-        elif name in ("SETITEM", "SETITEMS"):
-            items = (
-                [self.pop(pos, name), self.pop(pos, name)][::-1] if name == "SETITEM" else self.pop_to_mark(pos, name)
-            )
-            if len(items) % 2:
-                raise self.refuse(pos, "SETITEMS with a key and no value")
-            target = self.top(pos, name, ("dict", "call"))
-            if target.kind == "call" and target.name != "collections.OrderedDict":
-                raise self.refuse(pos, f"{name} on the result of {target.name}")
-            self.nest(target, items, pos)
-        elif name in ("BINPUT", "LONG_BINPUT"):
-            if not self.stack or self.stack[-1] is _MARK:
-                raise self.refuse(pos, f"{name} on an empty stack")
-            if not 0 <= arg <= len(self.memo):
-                raise self.refuse(pos, f"memo index {arg} out of sequence ({len(self.memo)} entries)")
-            self.memo[arg] = self.stack[-1]
-        elif name in ("BINGET", "LONG_BINGET"):
-            if arg not in self.memo:
-                raise self.refuse(pos, f"memo index {arg} was never stored")
-            push(self.memo[arg])
-        elif name == "GLOBAL":
-            self.named_global(".".join(str(arg).split(" ", 1)), pos)
-        elif name == "REDUCE":
-            args, func = self.pop(pos, name), self.pop(pos, name)
-            if func.kind != "global" or func.name not in self.rules.callables:
-                raise self.refuse(
-                    pos, f"REDUCE calls {func.name or 'a ' + func.kind}, which is not an allowed callable"
-                )
-            if args.kind != "tuple":
-                raise self.refuse(pos, f"REDUCE arguments are a {args.kind}, not a tuple")
-            push(self.container("call", [args], pos, func.name))
-        elif name == "NEWOBJ":
-            args, cls = self.pop(pos, name), self.pop(pos, name)
-            if cls.kind != "global" or cls.name not in self.rules.classes:
-                raise self.refuse(pos, f"NEWOBJ of {cls.name or 'a ' + cls.kind}, which is not an allowed class")
-            if args.kind != "tuple" or args.length:
-                raise self.refuse(pos, f"NEWOBJ of {cls.name} with arguments")
-            push(_Sym("new", cls.name))
-        elif name == "BUILD":
-            state = self.pop(pos, name)
-            target = self.top(pos, name, ("new", "call"))
-            if target.kind == "call" and target.name != "collections.OrderedDict":  # a state dict's `_metadata`
-                raise self.refuse(pos, f"BUILD of the result of {target.name}")
-            if state.kind != "dict" and not (state.kind == "tuple" and target.name in self.rules.tuple_state):
-                raise self.refuse(pos, f"BUILD of {target.name} with a {state.kind} state, not a dict")
-            self.nest(target, [state], pos)
-        elif name == "BINPERSID":
-            if not self.rules.persistent_ids:
-                raise self.refuse(pos, "a persistent id (a storage reference) where none may occur")
-            pid = self.pop(pos, name)
-            if pid.kind != "tuple" or pid.length not in (5,):
-                raise self.refuse(pos, "a persistent id that is not a 5-tuple")
-            self.report.persistent_ids += 1
-            push(_Sym("pid"))
-        else:  # pragma: no cover - ALLOWED_OPCODES and the branches above list the same opcodes
+    def step(self, name: str, arg: Any, pos: int) -> bool:
+        """Apply one opcode to the symbolic stack (one handler per opcode, see :data:`_HANDLERS`); True at STOP."""
+        handler = _HANDLERS.get(name)
+        if handler is None:  # pragma: no cover - ALLOWED_OPCODES and _HANDLERS list the same opcodes
             raise self.refuse(pos, f"opcode {name} is not handled")
-        return False
+        handler(self, name, arg, pos)
+        return name == "STOP"
+
+    def on_nothing(self, name: str, arg: Any, pos: int) -> None:
+        """PROTO (checked by :meth:`run`), STOP, FRAME (a length hint; the opcodes inside are scanned like any
+        others)."""
+
+    def on_mark(self, name: str, arg: Any, pos: int) -> None:
+        if self.marks >= MAX_NESTING:
+            raise self.refuse(pos, f"MARKs nested more than {MAX_NESTING} deep")
+        self.marks += 1
+        self.stack.append(_MARK)
+
+    def on_leaf(self, name: str, arg: Any, pos: int) -> None:
+        self.stack.append(_LEAF)
+
+    def on_long1(self, name: str, arg: Any, pos: int) -> None:
+        if not -(1 << 63) <= arg < (1 << 64):
+            raise self.refuse(pos, "an integer wider than 64 bits")
+        self.stack.append(_LEAF)
+
+    def on_unicode(self, name: str, arg: Any, pos: int) -> None:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise self.refuse(pos, "a string that is not valid UTF-8") from None
+        self.stack.append(_Sym("str", arg[:200]))  # kept (short) for STACK_GLOBAL
+
+    def on_memoize(self, name: str, arg: Any, pos: int) -> None:
+        if not self.stack or self.stack[-1] is _MARK:
+            raise self.refuse(pos, f"{name} on an empty stack")
+        self.memo[len(self.memo)] = self.stack[-1]
+
+    def on_stack_global(self, name: str, arg: Any, pos: int) -> None:
+        member, module = self.pop(pos, name), self.pop(pos, name)
+        if member.kind != "str" or module.kind != "str":
+            raise self.refuse(pos, "STACK_GLOBAL of values that are not strings")
+        self.named_global(f"{module.name}.{member.name}", pos)
+
+    def on_empty(self, name: str, arg: Any, pos: int) -> None:
+        """EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE."""
+        self.stack.append(_Sym(_EMPTY_KINDS[name]))
+
+    def on_tuple(self, name: str, arg: Any, pos: int) -> None:
+        self.stack.append(self.container("tuple", self.pop_to_mark(pos, name), pos))
+
+    def on_tuple_n(self, name: str, arg: Any, pos: int) -> None:
+        """TUPLE1, TUPLE2, TUPLE3: the count is the name's last digit."""
+        items = [self.pop(pos, name) for _ in range(int(name[-1]))][::-1]
+        self.stack.append(self.container("tuple", items, pos))
+
+    def on_append(self, name: str, arg: Any, pos: int) -> None:
+        item = self.pop(pos, name)
+        self.nest(self.top(pos, name, ("list",)), [item], pos)
+
+    def on_appends(self, name: str, arg: Any, pos: int) -> None:
+        items = self.pop_to_mark(pos, name)
+        self.nest(self.top(pos, name, ("list",)), items, pos)
+
+    def on_setitems(self, name: str, arg: Any, pos: int) -> None:
+        """SETITEM, SETITEMS: into a dict, or an OrderedDict (a state dict) and nothing else REDUCE made."""
+        items = [self.pop(pos, name), self.pop(pos, name)][::-1] if name == "SETITEM" else self.pop_to_mark(pos, name)
+        if len(items) % 2:
+            raise self.refuse(pos, "SETITEMS with a key and no value")
+        target = self.top(pos, name, ("dict", "call"))
+        if target.kind == "call" and target.name != "collections.OrderedDict":
+            raise self.refuse(pos, f"{name} on the result of {target.name}")
+        self.nest(target, items, pos)
+
+    def on_put(self, name: str, arg: Any, pos: int) -> None:
+        """BINPUT, LONG_BINPUT: dense indices only (a huge one would make the C unpickler allocate its memo)."""
+        if not self.stack or self.stack[-1] is _MARK:
+            raise self.refuse(pos, f"{name} on an empty stack")
+        if not 0 <= arg <= len(self.memo):
+            raise self.refuse(pos, f"memo index {arg} out of sequence ({len(self.memo)} entries)")
+        self.memo[arg] = self.stack[-1]
+
+    def on_get(self, name: str, arg: Any, pos: int) -> None:
+        if arg not in self.memo:
+            raise self.refuse(pos, f"memo index {arg} was never stored")
+        self.stack.append(self.memo[arg])
+
+    def on_global(self, name: str, arg: Any, pos: int) -> None:
+        self.named_global(".".join(str(arg).split(" ", 1)), pos)
+
+    def on_reduce(self, name: str, arg: Any, pos: int) -> None:
+        args, func = self.pop(pos, name), self.pop(pos, name)
+        if func.kind != "global" or func.name not in self.rules.callables:
+            raise self.refuse(pos, f"REDUCE calls {func.name or 'a ' + func.kind}, which is not an allowed callable")
+        if args.kind != "tuple":
+            raise self.refuse(pos, f"REDUCE arguments are a {args.kind}, not a tuple")
+        self.stack.append(self.container("call", [args], pos, func.name))
+
+    def on_newobj(self, name: str, arg: Any, pos: int) -> None:
+        args, cls = self.pop(pos, name), self.pop(pos, name)
+        if cls.kind != "global" or cls.name not in self.rules.classes:
+            raise self.refuse(pos, f"NEWOBJ of {cls.name or 'a ' + cls.kind}, which is not an allowed class")
+        if args.kind != "tuple" or args.length:
+            raise self.refuse(pos, f"NEWOBJ of {cls.name} with arguments")
+        self.stack.append(_Sym("new", cls.name))
+
+    def on_build(self, name: str, arg: Any, pos: int) -> None:
+        state = self.pop(pos, name)
+        target = self.top(pos, name, ("new", "call"))
+        if target.kind == "call" and target.name != "collections.OrderedDict":  # a state dict's `_metadata`
+            raise self.refuse(pos, f"BUILD of the result of {target.name}")
+        if state.kind != "dict" and not (state.kind == "tuple" and target.name in self.rules.tuple_state):
+            raise self.refuse(pos, f"BUILD of {target.name} with a {state.kind} state, not a dict")
+        self.nest(target, [state], pos)
+
+    def on_binpersid(self, name: str, arg: Any, pos: int) -> None:
+        if not self.rules.persistent_ids:
+            raise self.refuse(pos, "a persistent id (a storage reference) where none may occur")
+        pid = self.pop(pos, name)
+        if pid.kind != "tuple" or pid.length not in (5,):
+            raise self.refuse(pos, "a persistent id that is not a 5-tuple")
+        self.report.persistent_ids += 1
+        self.stack.append(_Sym("pid"))
+
+
+_EMPTY_KINDS = {"EMPTY_DICT": "dict", "EMPTY_LIST": "list", "EMPTY_TUPLE": "tuple"}
+# Each allowed opcode's handler (ALLOWED_OPCODES | PROTOCOL4_OPCODES, exactly).
+_HANDLERS: dict[str, Callable[[_Scan, str, Any, int], None]] = {
+    "PROTO": _Scan.on_nothing,
+    "STOP": _Scan.on_nothing,
+    "FRAME": _Scan.on_nothing,
+    "MARK": _Scan.on_mark,
+    **dict.fromkeys(("NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "BINFLOAT"), _Scan.on_leaf),
+    "LONG1": _Scan.on_long1,
+    "BINUNICODE": _Scan.on_unicode,
+    "SHORT_BINUNICODE": _Scan.on_unicode,
+    "MEMOIZE": _Scan.on_memoize,
+    "STACK_GLOBAL": _Scan.on_stack_global,
+    **dict.fromkeys(_EMPTY_KINDS, _Scan.on_empty),
+    "TUPLE": _Scan.on_tuple,
+    **dict.fromkeys(("TUPLE1", "TUPLE2", "TUPLE3"), _Scan.on_tuple_n),
+    "APPEND": _Scan.on_append,
+    "APPENDS": _Scan.on_appends,
+    "SETITEM": _Scan.on_setitems,
+    "SETITEMS": _Scan.on_setitems,
+    "BINPUT": _Scan.on_put,
+    "LONG_BINPUT": _Scan.on_put,
+    "BINGET": _Scan.on_get,
+    "LONG_BINGET": _Scan.on_get,
+    "GLOBAL": _Scan.on_global,
+    "REDUCE": _Scan.on_reduce,
+    "NEWOBJ": _Scan.on_newobj,
+    "BUILD": _Scan.on_build,
+    "BINPERSID": _Scan.on_binpersid,
+}
 
 
 def check_value_graph(root: Any, where: str, containers: tuple[type, ...]) -> None:
