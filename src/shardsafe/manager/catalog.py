@@ -50,6 +50,7 @@ __all__ = [
     "read_manifest",
     "references",
     "refuse_other_runs_step",
+    "refuse_renamed_step",
     "scan",
     "step_folders",
     "warn_damaged",
