@@ -148,6 +148,7 @@ def _train_job(
         "recorded": recorded,
         "errors": list(manager._tier.errors),
         "saved": manager._tier.saved,
+        "tier_buffers": len(manager._tier_staging.buffers),
         "rng": torch.rand(3),
     }
 
@@ -219,6 +220,20 @@ def test_local_steps_are_written_per_node_and_restored_after_a_crash(tmp_path: P
         _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
         assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
     assert not (local / "a").exists() and not (local / "b").exists()  # close() removed the tier
+
+
+def test_a_step_due_in_both_tiers_is_copied_once_and_both_hold_it(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 2, "local_every": 2, "async_save": True}
+    first = run_ranks(_train_job, 2, str(root), str(local / "{node}"), 4, options, [4], None, work_dir=tmp_path)
+    assert committed_steps(root) == [2, 4] and _files(_tier_folder(local, "a")) == [step_name(4)]
+    assert [(r["errors"], r["saved"]) for r in first] == [([], 4)] * 2  # the newest local step
+    assert all(r["tier_buffers"] == 0 for r in first)  # the tier wrote from the root's staged copy
+    shutil.rmtree(root / step_name(4))  # now only the local tier holds step 4
+    second = run_ranks(_restore_job, 2, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (4, "local")
+        _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
 
 
 def test_root_newer_than_every_local_step_is_restored_from_the_root(tmp_path: Path) -> None:

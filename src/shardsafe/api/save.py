@@ -119,8 +119,7 @@ def describe_collectively(
         problem = None
         try:
             if cache.unchanged:  # another rank's structure changed: this one describes again, in full
-                cache.forget()
-                cache.cached -= 1
+                cache.withdraw()
                 with gc_paused():
                     view = describe_for_save(state, comm.rank, cache)
         except Exception as exc:

@@ -296,11 +296,17 @@ class CheckpointManager:
         self._check_writable(f"save step {step}")
         self._raise_background_error()
         preempted = self._agree_on_preemption()
-        if self._tier is not None and not preempted and self._tier.due(step):
+        local_due = self._tier is not None and not preempted and self._tier.due(step)
+        root_due = force or preempted or self.should_save(step)
+        # a step due in both tiers is copied once, into the root's staging buffers, which both write from
+        shared_copy = local_due and root_due and self.async_save is True
+        if local_due and not shared_copy:
             self._save_local(step, state, metrics)
-        if not (force or preempted or self.should_save(step)):
+        if not root_due:
             return False
         self.wait()
+        if self._tier is not None:  # a local write of a step saved to both may still read the root's buffers
+            self._tier_worker.join()
         self.lease.ensure()
         self._check_best_metric(step, metrics)
         if self.dedup:
@@ -316,6 +322,8 @@ class CheckpointManager:
                 self._hook_optimizers(state)
             else:
                 copy_all(staged)
+            if shared_copy:
+                self._submit_local(step, staged, metadata)
             self._worker.submit(partial(self._background, step, metadata, staged))
             if not self._at_exit:
                 atexit.register(self._finish_at_exit)
@@ -336,7 +344,12 @@ class CheckpointManager:
         view = describe_collectively(state, self.comm, default=SaveError, cache=self._describe_cache)
         staged = self._tier_staging.prepare(view)
         copy_all(staged)
-        tier, metadata = self._tier, self._metadata(step, metrics)
+        self._submit_local(step, staged, self._metadata(step, metrics))
+
+    def _submit_local(self, step: int, staged: Staged, metadata: dict[str, Any]) -> None:
+        """Hand the local tier's write of ``step`` from ``staged`` (filled) to the tier's thread."""
+        tier = self._tier
+        assert tier is not None
 
         def write() -> None:
             tier.save(step, staged.view, metadata)

@@ -120,6 +120,14 @@ class DescribeCache:
         self.structure = None
         self.unchanged = False
 
+    def withdraw(self) -> None:
+        """Undo the last describe's reuse: another rank's structure changed, so this rank describes
+        again in full (ranks reuse only together). The describe that found its structure unchanged
+        is no longer counted as one; the next describe is a full one."""
+        if self.unchanged:
+            self.cached -= 1
+        self.forget()
+
 
 def _structure(view: SaveView) -> tuple[Any, ...]:
     """Everything about ``view`` that a save's checks and plan depend on, except the tree's values."""
