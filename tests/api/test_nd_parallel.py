@@ -67,7 +67,7 @@ MATRIX = {
     ("pp", 2): {1: ["one"], 4: ["pp", "2d"], 2: ["pp", "fsdp"]},
     ("hsdp", 4): {2: ["fsdp", "tp"], 4: ["hsdp"]},
     ("fsdp", 2): {4: ["2d", "hsdp"]},
-    ("pp_fsdp", 4): {2: ["pp"], 1: ["one"]},
+    ("pp_fsdp", 4): {4: ["pp_fsdp"], 2: ["pp", "fsdp"], 1: ["one"]},
     ("ep", 2): {4: ["ep"], 1: ["one_ep"]},
 }
 
@@ -86,11 +86,26 @@ def test_reshard_every_direction(tmp_path: Path, saved: tuple[str, int]) -> None
     # param + exp_avg, exp_avg_sq, step
     assert len(reference) == len([k for k in reference if not k.startswith("optim/")]) * 4
     assert shardsafe.verify(path)["world_size"] == world
+    if layout == "pp_fsdp":
+        _assert_stage_rules(path)
     for load_world, layouts in MATRIX[saved].items():
         loaded = _run(load_jobs, load_world, layouts, str(path), work_dir=tmp_path)
         for name in layouts:
             got = _merged([r[name] for r in loaded])
             assert_tensors_equal(got, reference, f"{layout}@{world} -> {name}@{load_world}")
+
+
+def _assert_stage_rules(path: Path) -> None:
+    """Each stage's FSDP2 tensors (on its slice ``mesh["dp"]`` of the ``(pp, dp)`` world mesh) are
+    described by a rule held at the stage's pp coordinate, not by listed chunks: the manifest does
+    not grow with the ranks per stage."""
+    tensors = json.loads((path / "manifest.json").read_text())["tensors"]
+    staged = {k: t for k, t in tensors.items() if not k.endswith("/step")}
+    assert staged and all("chunks" not in t for t in staged.values())
+    stages = {k: t["layout"]["placements"][0] for k, t in staged.items()}
+    assert all(t["layout"]["mesh"] == [2, 2] and t["layout"]["placements"][1] == ["shard", 0] for t in staged.values())
+    assert stages["model/layers.0.w1.weight"] == ["at", 0] and stages["model/layers.3.w1.weight"] == ["at", 1]
+    assert stages["model/output.weight"] == ["at", 1] and set(map(tuple, stages.values())) == {("at", 0), ("at", 1)}
 
 
 def strided_bytes_job(rank: int, world_size: int, path: str) -> int:

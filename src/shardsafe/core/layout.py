@@ -21,7 +21,7 @@ from enum import Enum
 from shardsafe.core.dtypes import dtype_from_torch_text, element_size
 from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
-from shardsafe.core.rule import LayoutRule
+from shardsafe.core.rule import LayoutRule, spread_writers
 
 __all__ = [
     "IRREGULAR",
@@ -33,6 +33,7 @@ __all__ = [
     "follows_rule",
     "is_stored",
     "rule_for",
+    "stage_rules",
     "whole_writers",
 ]
 
@@ -128,6 +129,43 @@ def whole_writers(whole: list[tuple[str, int]], world_size: int) -> dict[str, in
         out[key] = rank
         heapq.heappush(heap, (load + nbytes, rank))
     return out
+
+
+RuleHeld = tuple[str, str, tuple[int, ...], LayoutRule]  # (key, dtype, global shape, rule) of a SPLIT tensor
+
+
+def stage_rules(gathered: list[tuple[list[ChunkSpec], list[RuleHeld]]]) -> dict[str, RuleHeld]:
+    """When the ranks hold different tensors (pipeline stages), the tensors still described by a
+    rule: from every rank's (stored chunk specs, rule-described tensors), each tensor that every
+    rank holding it holds under the same rule (dtype and shape too), none lists, and whose holders
+    are a product of mesh coordinates (:meth:`LayoutRule.held_by`: a stage's tensors get ``["at",
+    k]`` on the pipeline dim). Their writers are spread as the rule plan spreads them. The rest
+    stay listed (their agreement is checked by ``assign_writers``). O(ranks x tensors held), on the
+    coordinator, from the gather the listed plan makes anyway."""
+    listed: set[str] = set()
+    first: dict[str, RuleHeld] = {}
+    holders: dict[str, list[int]] = {}
+    for rank, (specs, held) in enumerate(gathered):
+        mine = {t[0] for t in held}
+        listed.update(s.key for s in specs if s.key not in mine)
+        for t in held:
+            if first.setdefault(t[0], t) != t:
+                listed.add(t[0])
+            holders.setdefault(t[0], []).append(rank)
+    exact: dict[tuple[LayoutRule, tuple[int, ...]], LayoutRule | None] = {}  # a stage's tensors share holders
+    out: list[tuple[str, int, LayoutRule]] = []
+    for key, ranks in holders.items():
+        if key in listed:
+            continue
+        rule = first[key][3]
+        group = (rule, tuple(ranks))
+        if group not in exact:
+            exact[group] = rule.held_by(ranks)
+        found = exact[group]
+        if found is not None:
+            _, dtype, shape, _ = first[key]
+            out.append((key, numel(shape) * element_size(dtype_from_torch_text(dtype)), found))
+    return {key: (key, first[key][1], first[key][2], rule) for key, rule in spread_writers(out).items()}
 
 
 def is_stored(chunk: LocalChunk) -> bool:
