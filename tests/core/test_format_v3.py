@@ -187,6 +187,13 @@ def _not_a_box(manifest: dict[str, Any]) -> None:
         (_both_rules, "not both"),
         (lambda m: m.update(format_version=2), "format version 3 field"),
         (_not_a_box, "not a part of its layout rule"),
+        # ["at", k] (format 4: a pipeline stage's tensors)
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", 2]]), r"coordinate outside 0\.\.1"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", -1]]), r"coordinate outside 0\.\.1"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", True]]), "placement"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", "0"]]), "placement"),
+        (_edit_rule(NORM, placements=[["at", 0], ["at", 1]]), "shards nothing"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", 0]]), "format version 4 field"),
     ],
 )
 def test_hostile_layout_rules_are_refused(
@@ -207,5 +214,17 @@ def test_a_writer_that_is_not_the_rule_s_is_refused(
     manifest = _manifest(path)
     rule = manifest["tensors"][NORM]["layout"]
     rule["writer"] = 1 - rule["writer"]
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    _refused(path, "index.json", "writes under the layout rule")
+
+
+def test_a_stage_rule_whose_holders_did_not_write_is_refused(
+    saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A format 4 rule that says only the tp=1 ranks hold the norm, while a tp=0 rank's index holds a part of it."""
+    path = _copy(saved, tmp_path)
+    manifest = _manifest(path)
+    manifest["format_version"] = 4
+    manifest["tensors"][NORM]["layout"].update(placements=[["shard", 0], ["at", 1]], writer=0)
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
     _refused(path, "index.json", "writes under the layout rule")

@@ -294,12 +294,14 @@ def _plan(comm: Comm, view: SaveView, layout: LocalLayout) -> SavePlan:
         return replace(plan, tree=tree)
     stored = [c.spec() for c in view.chunks if is_stored(c)]
     held: list[RuleHeld] = [(t.key, t.dtype, t.shape, t.rule) for t in layout.tensors if t.rule is not None]
-    everything = comm.gather((stored, held))
+    ruled = {t[0] for t in held}
+    listed = sorted({s.key for s in stored if s.key not in ruled})
+    everything = comm.gather((stored, layout.digest, listed, held))
 
     def assign() -> tuple[list[list[int]], dict[str, RuleHeld]]:
         gathered = everything or []
-        stage = stage_rules(gathered)
-        return assign_writers([[s for s in specs if s.key not in stage] for specs, _ in gathered]), stage
+        stage = stage_rules([(digest, keys, rules) for _, digest, keys, rules in gathered])
+        return assign_writers([[s for s in specs if s.key not in stage] for specs, *_ in gathered]), stage
 
     full, stage = comm.on_coordinator(assign, default=SaveError)
     return SavePlan(False, full=full, stage=stage, trees_differ=plan.trees_differ, tree=tree)

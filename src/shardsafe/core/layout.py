@@ -134,33 +134,36 @@ def whole_writers(whole: list[tuple[str, int]], world_size: int) -> dict[str, in
 RuleHeld = tuple[str, str, tuple[int, ...], LayoutRule]  # (key, dtype, global shape, rule) of a SPLIT tensor
 
 
-def stage_rules(gathered: list[tuple[list[ChunkSpec], list[RuleHeld]]]) -> dict[str, RuleHeld]:
+def stage_rules(gathered: list[tuple[str, list[str], list[RuleHeld]]]) -> dict[str, RuleHeld]:
     """When the ranks hold different tensors (pipeline stages), the tensors still described by a
-    rule: from every rank's (stored chunk specs, rule-described tensors), each tensor that every
-    rank holding it holds under the same rule (dtype and shape too), none lists, and whose holders
-    are a product of mesh coordinates (:meth:`LayoutRule.held_by`: a stage's tensors get ``["at",
-    k]`` on the pipeline dim). Their writers are spread as the rule plan spreads them. The rest
-    stay listed (their agreement is checked by ``assign_writers``). O(ranks x tensors held), on the
-    coordinator, from the gather the listed plan makes anyway."""
+    rule, from every rank's (layout digest, keys of its chunks to list, rule-described tensors):
+    each tensor that every rank holding it holds under the same rule (dtype and shape too), no rank
+    lists, and whose holders are a product of mesh coordinates (:meth:`LayoutRule.held_by`: a
+    stage's tensors get ``["at", k]`` on the pipeline dim). Their writers are spread as the rule
+    plan spreads them; the rest stay listed (``assign_writers`` checks their agreement).
+
+    Ranks of equal digests hold the same rule-described tensors (the digest covers them), so one
+    list per distinct digest is read: O(ranks + stages x tensors) on the coordinator."""
     listed: set[str] = set()
+    groups: dict[str, list[int]] = {}
+    for rank, (digest, keys, _) in enumerate(gathered):
+        listed.update(keys)
+        groups.setdefault(digest, []).append(rank)
     first: dict[str, RuleHeld] = {}
-    holders: dict[str, list[int]] = {}
-    for rank, (specs, held) in enumerate(gathered):
-        mine = {t[0] for t in held}
-        listed.update(s.key for s in specs if s.key not in mine)
-        for t in held:
+    holders: dict[str, list[str]] = {}  # key -> the digests of the ranks holding it
+    for digest, ranks in groups.items():
+        for t in gathered[ranks[0]][2]:
             if first.setdefault(t[0], t) != t:
                 listed.add(t[0])
-            holders.setdefault(t[0], []).append(rank)
-    exact: dict[tuple[LayoutRule, tuple[int, ...]], LayoutRule | None] = {}  # a stage's tensors share holders
+            holders.setdefault(t[0], []).append(digest)
+    exact: dict[tuple[LayoutRule, tuple[str, ...]], LayoutRule | None] = {}  # a stage's tensors share holders
     out: list[tuple[str, int, LayoutRule]] = []
-    for key, ranks in holders.items():
+    for key, digests in holders.items():
         if key in listed:
             continue
-        rule = first[key][3]
-        group = (rule, tuple(ranks))
+        rule, group = first[key][3], (first[key][3], tuple(digests))
         if group not in exact:
-            exact[group] = rule.held_by(ranks)
+            exact[group] = rule.held_by(r for d in digests for r in groups[d])
         found = exact[group]
         if found is not None:
             _, dtype, shape, _ = first[key]
