@@ -22,6 +22,7 @@ import torch.distributed as dist
 import nd_utils
 import shardsafe
 from dist_utils import assert_tensors_equal, run_ranks
+from shardsafe.cli.inspect import describe_checkpoint
 from shardsafe.errors import SaveError, ShardsafeError, StateMismatchError
 
 
@@ -106,6 +107,8 @@ def _assert_stage_rules(path: Path) -> None:
     assert all(t["layout"]["mesh"] == [2, 2] and t["layout"]["placements"][1] == ["shard", 0] for t in staged.values())
     assert stages["model/layers.0.w1.weight"] == ["at", 0] and stages["model/layers.3.w1.weight"] == ["at", 1]
     assert stages["model/output.weight"] == ["at", 1] and set(map(tuple, stages.values())) == {("at", 0), ("at", 1)}
+    shown = {t["key"]: t["layout"] for t in describe_checkpoint(path)["tensors"]}  # what `shardsafe inspect` prints
+    assert shown["model/layers.3.w1.weight"] == "mesh [2, 2], (At(1), Shard(dim=0))"
 
 
 def strided_bytes_job(rank: int, world_size: int, path: str) -> int:

@@ -1,4 +1,4 @@
-"""Layouts described by a rule instead of a list of chunks (format versions 2 and 3).
+"""Layouts described by a rule instead of a list of chunks (format versions 2 to 4).
 
 The rule itself is core/rule.py: a DTensor's mesh and placements when its mesh spans the job, or
 format version 2's dim-0 split over the world for the flat shards of FSDP2 ``Shard(0)``, FSDP1
@@ -7,7 +7,9 @@ chunk lists) and sends the
 coordinator only a digest of what it holds (:func:`layout_digest`); equal digests mean every rank
 holds the same tensors, with the same dtypes, shapes and classes. Replicated ("whole") tensors get
 their writer from :func:`whole_writers`, a deterministic function of that common list, so every
-rank computes the same assignment without a gather.
+rank computes the same assignment without a gather. Unequal digests (pipeline stages hold
+different tensors): :func:`stage_rules`, on the coordinator, keeps a rule for each tensor whose
+holders are a slice of the mesh (``["at", k]`` on the dims they share one coordinate of).
 """
 
 from __future__ import annotations

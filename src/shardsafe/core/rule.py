@@ -7,8 +7,14 @@ on a mesh whose ranks are numbered row-major and span the world (``init_device_m
     "layout": {"mesh": [2, 2], "placements": [["strided", 0, 2], ["shard", 0]], "writer": 0}
 
 A placement is ``["shard", d]`` (``Shard(d)``), ``["strided", d, sf]`` (``_StridedShard(d, sf)``:
-FSDP2 over tensor parallel) or ``["replicate"]``, one per mesh dim, applied left to right as
-core/boxes.py says. The version 2 rule is the special case ``mesh [W], [["shard", 0]]``.
+FSDP2 over tensor parallel), ``["replicate"]`` or (version 4) ``["at", k]``, one per mesh dim,
+applied left to right as core/boxes.py says. ``["at", k]`` says only the ranks whose coordinate on
+that mesh dim is ``k`` hold the tensor: a pipeline stage's tensors, parallelised on the stage's
+slice ``world_mesh["dp_shard", "tp"]`` of a ``(pp, dp_shard, tp)`` mesh, are ``at`` the stage on
+``pp``. A rank cannot see that alone (its slice looks like a TP-replicated norm's, which every
+coordinate of the dropped dim holds): it describes ``Replicate`` there, and the save's merge of the
+ranks' descriptions (:meth:`LayoutRule.held_by`, core/layout.stage_rules) makes it ``at`` from the
+set of ranks that hold the tensor. The version 2 rule is the special case ``mesh [W], [["shard", 0]]``.
 
 Words used below:
 
@@ -16,8 +22,11 @@ Words used below:
   ``Replicate`` dims hold the same bytes). Parts are numbered row-major over the sharding dims.
   A part is one box of the tensor, or several (``_StridedShard``), or nothing (past the end of an
   uneven split);
-* a part's **writer** is one of its replicas: the one whose number on the replicate dims is
-  ``(part + writer) mod replicas``; the save picks ``writer`` per tensor to spread the writes
+* a rank **holds** the tensor when its coordinate on every ``at`` dim is that dim's ``k`` (every
+  rank, without ``at`` dims); ``at`` dims are neither sharding nor replicate dims, and the ranks
+  at other coordinates hold nothing of the tensor and read nothing for it;
+* a part's **writer** is one of its replicas among the holders: the one whose number on the
+  replicate dims is ``(part + writer) mod replicas``; the save picks ``writer`` per tensor to spread the writes
   (:func:`spread_writers`). The writer's per-rank index (core/index.py) says where the part's
   boxes lie in its shard file.
 
