@@ -28,6 +28,7 @@ from shardsafe.core.rule import LayoutRule, spread_writers
 __all__ = [
     "IRREGULAR",
     "LocalLayout",
+    "RuleHeld",
     "SPLIT",
     "WHOLE",
     "classify",
