@@ -6,7 +6,10 @@ moment, whole (``full_tensor()``, merged over pipeline stages), must equal the s
 bit. Each load job loads the same checkpoint into several layouts one after another, so a handful
 of launches covers the matrix: 2-D (FSDP2 over TP, ``_StridedShard``) -> 2-D, HSDP, pipeline
 stages with and without FSDP, TP only, 1-D FSDP2 at another size, one process; pipeline stages ->
-fewer, more, FSDP2; experts (EP) -> more ranks, one process; HSDP -> FSDP2 and back.
+fewer, more, FSDP2; experts (EP) -> more ranks, one process; HSDP -> FSDP2 and back. A pipeline
+whose stages are FSDP2 or TP on their slice of the ``(pp, dp)`` / ``(pp, tp)`` world mesh is stored
+as layout rules ``["at", stage]`` on pp (no listed chunks), and loads back on its own layout,
+FSDP2 and one process.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ MATRIX = {
     ("hsdp", 4): {2: ["fsdp", "tp"], 4: ["hsdp"]},
     ("fsdp", 2): {4: ["2d", "hsdp"]},
     ("pp_fsdp", 4): {4: ["pp_fsdp"], 2: ["pp", "fsdp"], 1: ["one"]},
+    ("pp_tp", 4): {1: ["one"]},
     ("ep", 2): {4: ["ep"], 1: ["one_ep"]},
 }
 
@@ -89,6 +93,11 @@ def test_reshard_every_direction(tmp_path: Path, saved: tuple[str, int]) -> None
     assert shardsafe.verify(path)["world_size"] == world
     if layout == "pp_fsdp":
         _assert_stage_rules(path)
+    if layout == "pp_tp":  # colwise / rowwise on each stage's tp slice: rules at the stage
+        tensors = json.loads((path / "manifest.json").read_text())["tensors"]
+        assert tensors["model/layers.3.w1.weight"]["layout"]["placements"] == [["at", 1], ["shard", 0]]
+        assert tensors["model/layers.0.w2.weight"]["layout"]["placements"] == [["at", 0], ["shard", 1]]
+        assert "chunks" not in tensors["optim/state/layers.0.w2.weight/exp_avg"]
     for load_world, layouts in MATRIX[saved].items():
         loaded = _run(load_jobs, load_world, layouts, str(path), work_dir=tmp_path)
         for name in layouts:
