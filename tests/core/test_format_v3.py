@@ -4,7 +4,9 @@ One real 4-rank FSDP2 x TP save (``(dp=2, tp=2)``: ``_StridedShard`` weights, no
 and replicated on tp). Its manifest lists no chunk of any parameter or moment; it loads bit for bit
 in one process. Hostile manifests whose rule lies (a mesh larger than the world, placements on
 dims the tensor lacks, a writer that is no replica, a rule beside a split, a version that predates
-rules) and hostile indexes (a box outside its part or outside the tensor, a box left out or listed
+rules; format 4's ``["at", k]`` with a coordinate outside its mesh dim, not an integer, on
+every dim, in a version-3 manifest, or naming holders whose indexes do not hold the parts) and
+hostile indexes (a box outside its part or outside the tensor, a box left out or listed
 twice, a part written by a rank that is not its writer) are refused by load and verify with a
 FormatError naming the file, and a refused load leaves the model as it was.
 """
