@@ -56,7 +56,7 @@ from shardsafe.core.format import (  # noqa: E402
 from shardsafe.core.gcpause import gc_paused  # noqa: E402
 from shardsafe.core.index import build_index  # noqa: E402
 from shardsafe.core.integrity import hash_bytes  # noqa: E402
-from shardsafe.core.layout import LocalLayout, describe_layout  # noqa: E402
+from shardsafe.core.layout import LocalLayout, RuleHeld, describe_layout, stage_rules  # noqa: E402
 from shardsafe.core.plan import LocalChunk, assign_writers  # noqa: E402
 from shardsafe.core.rule import LayoutRule, Placement, spread_writers  # noqa: E402
 from shardsafe.protocol.commit import new_manifest  # noqa: E402
@@ -353,6 +353,136 @@ def report_nd(samples: list[Sample], runs: int, command: str, elapsed: float) ->
     )
 
 
+# ----------------------------------------------------------------------------- pipeline stages
+
+PP_SECTION = "## Scale on a pipeline mesh (metadata, simulated)"
+PP_MESH = (8, 256, 8)  # (pp, dp_shard, tp): 8 stages, each FSDP2 x TP on its slice world_mesh["dp_shard", "tp"]
+
+
+def pp_layout(n: int = TENSORS) -> list[tuple[str, tuple[int, ...], LayoutRule, int]]:
+    """:func:`nd_layout`'s model split into ``PP_MESH[0]`` stages by layer (torchtitan's split: full
+    names): (key, shape, the rule a stage's rank describes, stage). A stage's rank describes its
+    tensors with ``Replicate`` on pp (its mesh is a slice without that dim): the save's merge makes it
+    ``["at", stage]``."""
+    tensors = nd_layout(n)
+    layers = int(tensors[-1][0].split(".")[1]) + 1
+    stages = PP_MESH[0]
+    return [
+        (key, shape, LayoutRule(PP_MESH, rule.placements), int(key.split(".")[1]) * stages // layers)
+        for key, shape, rule in tensors
+    ]
+
+
+def pp_once(tensors: list[tuple[str, tuple[int, ...], LayoutRule, int]], world: int) -> Sample:
+    """One rank's describe, the coordinator's merge of every rank's rule-described tensors and its
+    manifest, one rank's parse + plan of its stage's boxes."""
+    per_stage = world // PP_MESH[0]
+    reader_rank = world // 2 + 1
+    stage_of = reader_rank // per_stage
+    own = [(k, s, r) for k, s, r, stage in tensors if stage == stage_of]
+    gc.collect()
+    t0 = time.perf_counter()
+    describe_layout(nd_chunks(own, reader_rank), reader_rank, world)
+    rank_describe = time.perf_counter() - t0
+    # what the coordinator gathers: every rank's layout digest, the keys it lists (none here) and its
+    # rule-described tensors (equal within a stage: stage_rules reads one list per digest)
+    held: list[list[RuleHeld]] = [
+        [(k, "torch.bfloat16", s, r) for k, s, r, stage in tensors if stage == st] for st in range(PP_MESH[0])
+    ]
+    digests = [f"stage{st}" for st in range(PP_MESH[0])]  # a stage's ranks' layout digests are equal
+    gathered: list[tuple[str, list[str], list[RuleHeld]]] = [
+        (digests[r // per_stage], [], held[r // per_stage]) for r in range(world)
+    ]
+    t0 = time.perf_counter()
+    with gc_paused():
+        stage = stage_rules(gathered)
+    merge = time.perf_counter() - t0
+    del gathered
+    rules = {k: t[3] for k, t in stage.items()}
+    assert len(rules) == len(tensors) and all(r.at_dims == (0,) for r in rules.values())
+    writers = sorted({rules[key].writer_of(rules[key].part_of(reader_rank)) for key, _, _ in own})
+    indexes = {w: nd_index(own, rules, w) for w in writers}
+    results = [
+        RankResult(
+            (SHARD_PATTERN.format(rank=r), 1 << 40),
+            IndexRef(INDEX_PATTERN.format(rank=r), len(indexes[r]), hash_bytes(indexes[r]))
+            if r in indexes
+            else IndexRef(INDEX_PATTERN.format(rank=r), 1000, f"{r:016x}"),
+        )
+        for r in range(world)
+    ]
+    t0 = time.perf_counter()
+    with gc_paused():
+        files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
+        made = new_manifest(
+            world,
+            files,
+            b"{}",
+            {},
+            __version__,
+            tensors=tensor_entries(results, None, rules, stage),
+            state_file=STATE_NAME,
+        )
+        data = made.to_bytes()
+        parse_manifest(data, "the manifest about to be written")
+    coordinator = time.perf_counter() - t0 + merge
+    del results
+    gc.collect()
+    t0 = time.perf_counter()
+    with gc_paused():
+        parsed = parse_manifest(data)
+        parse = time.perf_counter() - t0
+        reader = ChunkReader(Path("/nonexistent"), parsed)
+        reader.files.source = MemorySource({INDEX_PATTERN.format(rank=w): indexes[w] for w in writers})  # type: ignore[assignment]
+        reads = 0
+        for key, shape, _ in own:
+            rule = parsed.tensors[key].rule
+            assert rule is not None and rule.holds(reader_rank)
+            for box in rule.boxes(shape, rule.part_of(reader_rank)):
+                reads += len(reader.plan(key, parsed.tensors[key], box.offsets, box.shape))
+    load_plan = time.perf_counter() - t0
+    print(
+        f"    merge {secs(merge)}, parse {secs(parse)}, plan {secs(load_plan - parse)} reading {len(writers)} indexes",
+        flush=True,
+    )
+    return Sample(rank_describe, coordinator, len(data), load_plan, reads)
+
+
+def report_pp(samples: list[Sample], runs: int, command: str, elapsed: float) -> str:
+    size, plan = median(samples, "manifest_bytes"), median(samples, "load_plan")
+    ok = size <= 8e6 and plan <= 0.5
+    world = PP_MESH[0] * PP_MESH[1] * PP_MESH[2]
+    return (
+        "\n".join(
+            [
+                PP_SECTION,
+                "",
+                f"- **Command:** `{command}`; medians of {runs} runs; took {elapsed:.0f} s; load average at the end "
+                f"{load_average()}",
+                f"- **Layout:** the model above split by layer into {PP_MESH[0]} pipeline stages on a "
+                f"`(pp={PP_MESH[0]}, dp_shard={PP_MESH[1]}, tp={PP_MESH[2]})` world mesh ({world:,} ranks), "
+                "each stage FSDP2 x TP on its "
+                'slice `world_mesh["dp_shard", "tp"]` (torchtitan\'s split): a stage\'s tensors exist only on its '
+                f'{world // PP_MESH[0]:,} ranks, stored as rules with `["at", stage]` on pp.',
+                "- **Measured:** one rank's describe; the coordinator's merge of the W ranks' rule-described tensors "
+                "(core/layout.stage_rules) and its manifest, validated by the load's parser; one rank's parse of that "
+                "manifest and the plan of the reads of its own boxes (its stage's tensors), reading and validating "
+                "(from memory) the indexes of the writers of its parts.",
+                "",
+                "| ranks | manifest | coordinator (merge + manifest) | one rank's parse + plan | one rank's describe | "
+                "reads planned | target |",
+                "|---|---|---|---|---|---|---|",
+                f"| {world:,} | {mb(size)} | {secs(median(samples, 'coordinator'))} | {secs(plan)} | "
+                f"{secs(median(samples, 'rank_describe'))} "
+                f"| {samples[0].reads:,} | manifest <= 8 MB, parse + plan <= 0.5 s: {'met' if ok else 'MISSED'} |",
+                "",
+                f"Listed chunks (before format 4) would take {world // PP_MESH[0]:,} chunks per tensor.",
+            ]
+        )
+        + "\n"
+    )
+
+
 # ----------------------------------------------------------------------------- DCP
 
 
@@ -578,7 +708,7 @@ def main() -> None:
         action="store_true",
         help="smoke test: 64 and 1,024 ranks, 1 run, BENCHMARKS.md untouched unless --md",
     )
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=None, help="runs per measurement (default 3; 1 with --quick)")
     parser.add_argument(
         "--dcp-max",
         type=int,
@@ -596,14 +726,15 @@ def main() -> None:
         "--layers", type=int, default=250, help="Linear(64, 64) layers of the real runs (4 tensors each)"
     )
     args = parser.parse_args()
-    runs = 1 if args.quick else args.runs
+    runs = args.runs if args.runs is not None else (1 if args.quick else 3)
     worlds = WORLDS[:2] if args.quick else WORLDS
     md = args.md if args.md is not None else (None if args.quick else REPO / "BENCHMARKS.md")
     tensors = layout()
     command = (
         "python benchmarks/bench_scale.py"
         + (" --quick" if args.quick else "")
-        + (f" --runs {args.runs}" if args.runs != 3 else "")
+        + (f" --runs {runs}" if runs != (1 if args.quick else 3) else "")
+        + (" --nd-only" if args.nd_only else "")
     )
     if not args.real_only:
         start = time.perf_counter()
@@ -613,6 +744,13 @@ def main() -> None:
         if md is not None:
             write_section(md, ND_SECTION, text)
             print(f"wrote the {ND_SECTION!r} section of {md}")
+        start = time.perf_counter()
+        pp = measure(pp_once, pp_layout(), 16384, runs)  # type: ignore[arg-type]
+        text = report_pp(pp, runs, command, time.perf_counter() - start)
+        print(text)
+        if md is not None:
+            write_section(md, PP_SECTION, text)
+            print(f"wrote the {PP_SECTION!r} section of {md}")
     if args.nd_only:
         return
     if not args.real_only:

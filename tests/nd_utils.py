@@ -11,6 +11,7 @@
 * ``pp``: pipeline stages: rank r keeps only its stage's blocks, under their full names
   (``layers.0`` on stage 0, ...), and the head on the last stage;
 * ``pp_fsdp``: ``(pp, dp)`` = (2, world/2): stages as ``pp``, each stage ``fully_shard`` over ``dp``;
+* ``pp_tp``: ``(pp, tp)`` = (2, world/2): stages as ``pp``, each stage tensor parallel over ``tp``;
 * ``ep``: a stacked ``experts`` tensor ``[E, D, D]`` sharded on dim 0 over all ranks (expert
   parallel), the rest plain on every rank; ``one_ep``: the same model in one process.
 
@@ -123,6 +124,10 @@ def build(layout: str, rank: int, world_size: int, seed: int = 0) -> tuple[nn.Mo
         for block in model.layers.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif layout == "pp_tp":
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "tp"))
+        _keep_stage(model, mesh.get_coordinate()[0], 2)
+        _tensor_parallel(model, mesh["tp"])
     elif layout == "ep":
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
         # the rest: plain, on every rank

@@ -6,7 +6,10 @@ moment, whole (``full_tensor()``, merged over pipeline stages), must equal the s
 bit. Each load job loads the same checkpoint into several layouts one after another, so a handful
 of launches covers the matrix: 2-D (FSDP2 over TP, ``_StridedShard``) -> 2-D, HSDP, pipeline
 stages with and without FSDP, TP only, 1-D FSDP2 at another size, one process; pipeline stages ->
-fewer, more, FSDP2; experts (EP) -> more ranks, one process; HSDP -> FSDP2 and back.
+fewer, more, FSDP2; experts (EP) -> more ranks, one process; HSDP -> FSDP2 and back. A pipeline
+whose stages are FSDP2 or TP on their slice of the ``(pp, dp)`` / ``(pp, tp)`` world mesh is stored
+as layout rules ``["at", stage]`` on pp (no listed chunks), and loads back on its own layout,
+FSDP2 and one process.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import nd_utils
 import shardsafe
 from dist_utils import assert_tensors_equal, run_ranks
+from shardsafe.cli.inspect import describe_checkpoint
 from shardsafe.errors import SaveError, ShardsafeError, StateMismatchError
 
 
@@ -67,7 +71,8 @@ MATRIX = {
     ("pp", 2): {1: ["one"], 4: ["pp", "2d"], 2: ["pp", "fsdp"]},
     ("hsdp", 4): {2: ["fsdp", "tp"], 4: ["hsdp"]},
     ("fsdp", 2): {4: ["2d", "hsdp"]},
-    ("pp_fsdp", 4): {2: ["pp"], 1: ["one"]},
+    ("pp_fsdp", 4): {4: ["pp_fsdp"], 2: ["pp", "fsdp"], 1: ["one"]},
+    ("pp_tp", 4): {1: ["one"]},
     ("ep", 2): {4: ["ep"], 1: ["one_ep"]},
 }
 
@@ -86,11 +91,33 @@ def test_reshard_every_direction(tmp_path: Path, saved: tuple[str, int]) -> None
     # param + exp_avg, exp_avg_sq, step
     assert len(reference) == len([k for k in reference if not k.startswith("optim/")]) * 4
     assert shardsafe.verify(path)["world_size"] == world
+    if layout == "pp_fsdp":
+        _assert_stage_rules(path)
+    if layout == "pp_tp":  # colwise / rowwise on each stage's tp slice: rules at the stage
+        tensors = json.loads((path / "manifest.json").read_text())["tensors"]
+        assert tensors["model/layers.3.w1.weight"]["layout"]["placements"] == [["at", 1], ["shard", 0]]
+        assert tensors["model/layers.0.w2.weight"]["layout"]["placements"] == [["at", 0], ["shard", 1]]
+        assert "chunks" not in tensors["optim/state/layers.0.w2.weight/exp_avg"]
     for load_world, layouts in MATRIX[saved].items():
         loaded = _run(load_jobs, load_world, layouts, str(path), work_dir=tmp_path)
         for name in layouts:
             got = _merged([r[name] for r in loaded])
             assert_tensors_equal(got, reference, f"{layout}@{world} -> {name}@{load_world}")
+
+
+def _assert_stage_rules(path: Path) -> None:
+    """Each stage's FSDP2 tensors (on its slice ``mesh["dp"]`` of the ``(pp, dp)`` world mesh) are
+    described by a rule held at the stage's pp coordinate, not by listed chunks: the manifest does
+    not grow with the ranks per stage."""
+    tensors = json.loads((path / "manifest.json").read_text())["tensors"]
+    staged = {k: t for k, t in tensors.items() if not k.endswith("/step")}
+    assert staged and all("chunks" not in t for t in staged.values())
+    stages = {k: t["layout"]["placements"][0] for k, t in staged.items()}
+    assert all(t["layout"]["mesh"] == [2, 2] and t["layout"]["placements"][1] == ["shard", 0] for t in staged.values())
+    assert stages["model/layers.0.w1.weight"] == ["at", 0] and stages["model/layers.3.w1.weight"] == ["at", 1]
+    assert stages["model/output.weight"] == ["at", 1] and set(map(tuple, stages.values())) == {("at", 0), ("at", 1)}
+    shown = {t["key"]: t["layout"] for t in describe_checkpoint(path)["tensors"]}  # what `shardsafe inspect` prints
+    assert shown["model/layers.3.w1.weight"] == "mesh [2, 2], (At(1), Shard(dim=0))"
 
 
 def strided_bytes_job(rank: int, world_size: int, path: str) -> int:

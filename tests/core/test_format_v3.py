@@ -4,7 +4,9 @@ One real 4-rank FSDP2 x TP save (``(dp=2, tp=2)``: ``_StridedShard`` weights, no
 and replicated on tp). Its manifest lists no chunk of any parameter or moment; it loads bit for bit
 in one process. Hostile manifests whose rule lies (a mesh larger than the world, placements on
 dims the tensor lacks, a writer that is no replica, a rule beside a split, a version that predates
-rules) and hostile indexes (a box outside its part or outside the tensor, a box left out or listed
+rules; format 4's ``["at", k]`` with a coordinate outside its mesh dim, not an integer, on
+every dim, in a version-3 manifest, or naming holders whose indexes do not hold the parts) and
+hostile indexes (a box outside its part or outside the tensor, a box left out or listed
 twice, a part written by a rank that is not its writer) are refused by load and verify with a
 FormatError naming the file, and a refused load leaves the model as it was.
 """
@@ -187,6 +189,13 @@ def _not_a_box(manifest: dict[str, Any]) -> None:
         (_both_rules, "not both"),
         (lambda m: m.update(format_version=2), "format version 3 field"),
         (_not_a_box, "not a part of its layout rule"),
+        # ["at", k] (format 4: a pipeline stage's tensors)
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", 2]]), r"coordinate outside 0\.\.1"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", -1]]), r"coordinate outside 0\.\.1"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", True]]), "placement"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", "0"]]), "placement"),
+        (_edit_rule(NORM, placements=[["at", 0], ["at", 1]]), "shards nothing"),
+        (_edit_rule(NORM, placements=[["shard", 0], ["at", 0]]), "format version 4 field"),
     ],
 )
 def test_hostile_layout_rules_are_refused(
@@ -207,5 +216,17 @@ def test_a_writer_that_is_not_the_rule_s_is_refused(
     manifest = _manifest(path)
     rule = manifest["tensors"][NORM]["layout"]
     rule["writer"] = 1 - rule["writer"]
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    _refused(path, "index.json", "writes under the layout rule")
+
+
+def test_a_stage_rule_whose_holders_did_not_write_is_refused(
+    saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A format 4 rule that says only the tp=1 ranks hold the norm, while a tp=0 rank's index holds a part of it."""
+    path = _copy(saved, tmp_path)
+    manifest = _manifest(path)
+    manifest["format_version"] = 4
+    manifest["tensors"][NORM]["layout"].update(placements=[["shard", 0], ["at", 1]], writer=0)
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
     _refused(path, "index.json", "writes under the layout rule")

@@ -20,7 +20,17 @@ from shardsafe.core.format import ChunkEntry, FileEntry, IndexRef, Manifest, Ten
 from shardsafe.core.gcpause import gc_paused
 from shardsafe.core.index import build_index
 from shardsafe.core.integrity import HASH_BLOCK_SIZE, hash_bytes
-from shardsafe.core.layout import IRREGULAR, SPLIT, WHOLE, LocalLayout, describe_layout, is_stored, whole_writers
+from shardsafe.core.layout import (
+    IRREGULAR,
+    SPLIT,
+    WHOLE,
+    LocalLayout,
+    RuleHeld,
+    describe_layout,
+    is_stored,
+    stage_rules,
+    whole_writers,
+)
 from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers
 from shardsafe.core.rule import LayoutRule, spread_writers
 from shardsafe.core.values import encode_state
@@ -148,12 +158,15 @@ class SavePlan:
     """What every rank writes. ``rule``: the parts of rule-described tensors by their writers
     (core/rule.py, :func:`spread_writers`), replicated tensors by :func:`whole_writers`, irregular
     chunks as ``irregular`` assigns them (the coordinator's pick among the irregular chunks only).
-    Otherwise (the ranks hold different tensors or layouts) ``full`` lists, per rank, the indices
-    of its stored chunks it writes, all listed in the manifest."""
+    Otherwise (the ranks hold different tensors or layouts) ``stage`` holds the tensors still
+    described by a rule (pipeline stages' tensors on their slice of the world mesh:
+    core/layout.stage_rules, writers set), and ``full`` lists, per rank, the indices of its other
+    stored chunks it writes, all listed in the manifest."""
 
     rule: bool
     irregular: list[list[int]] | None = None  # per rank: indices into its irregular chunks
-    full: list[list[int]] | None = None
+    full: list[list[int]] | None = None  # per rank: indices into its stored chunks of keys not in ``stage``
+    stage: dict[str, RuleHeld] | None = None
     trees_differ: bool = False  # the ranks' shared entries differ (pipeline stages): merged on the coordinator
     tree: dict[str, Any] | None = None  # on the coordinator, the tree state.json gets (set locally, never sent)
 
@@ -194,7 +207,7 @@ def write_checkpoint(
         if comm.is_coordinator:
             target.abort()
         raise
-    rules = spread_writers(layout.rules()) if plan.rule else {}
+    rules = spread_writers(layout.rules()) if plan.rule else {k: t[3] for k, t in (plan.stage or {}).items()}
     mine = _mine(comm, view, layout, plan, rules)
     split_keys = set(rules)
     result: Outcome[RankResult]
@@ -229,7 +242,7 @@ def write_checkpoint(
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
-        tensors = tensor_entries(results, layout if plan.rule else None, rules)
+        tensors = tensor_entries(results, layout if plan.rule else None, rules, plan.stage)
         made = new_manifest(
             comm.world_size, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name()
         )
@@ -279,9 +292,18 @@ def _plan(comm: Comm, view: SaveView, layout: LocalLayout) -> SavePlan:
     if plan.rule:
         return replace(plan, tree=tree)
     stored = [c.spec() for c in view.chunks if is_stored(c)]
-    everything = comm.gather(stored)
-    full = comm.on_coordinator(lambda: assign_writers(everything or []), default=SaveError)
-    return SavePlan(False, full=full, trees_differ=plan.trees_differ, tree=tree)
+    held: list[RuleHeld] = [(t.key, t.dtype, t.shape, t.rule) for t in layout.tensors if t.rule is not None]
+    ruled = {t[0] for t in held}
+    listed = sorted({s.key for s in stored if s.key not in ruled})
+    everything = comm.gather((stored, layout.digest, listed, held))
+
+    def assign() -> tuple[list[list[int]], dict[str, RuleHeld]]:
+        gathered = everything or []
+        stage = stage_rules([(digest, keys, rules) for _, digest, keys, rules in gathered])
+        return assign_writers([[s for s in specs if s.key not in stage] for specs, *_ in gathered]), stage
+
+    full, stage = comm.on_coordinator(assign, default=SaveError)
+    return SavePlan(False, full=full, stage=stage, trees_differ=plan.trees_differ, tree=tree)
 
 
 def tree_digest(tree: dict[str, Any]) -> str:
@@ -307,8 +329,9 @@ def _mine(
     """This rank's chunks to write under ``plan`` (``rules``: each rule-described tensor's, writers set)."""
     if not plan.rule:
         assert plan.full is not None
-        stored = [c for c in view.chunks if is_stored(c)]
-        return [stored[i] for i in plan.full[comm.rank]]
+        stored = [c for c in view.chunks if is_stored(c) and c.key not in rules]
+        staged = [c for c in view.chunks if c.key in rules and is_stored(c) and rules[c.key].writes(comm.rank)]
+        return [stored[i] for i in plan.full[comm.rank]] + staged
     assert plan.irregular is not None
     whole = [(c.key, c.spec().nbytes) for c, cls in zip(view.chunks, layout.classes) if cls == WHOLE]
     writers = whole_writers(whole, comm.world_size)
@@ -331,12 +354,16 @@ def _sibling(final: Path | RemoteDir, name: str) -> Path | RemoteDir:
 
 
 def tensor_entries(
-    results: list[RankResult], layout: LocalLayout | None, rules: dict[str, LayoutRule]
+    results: list[RankResult],
+    layout: LocalLayout | None,
+    rules: dict[str, LayoutRule],
+    stage: dict[str, RuleHeld] | None = None,
 ) -> dict[str, TensorEntry]:
     """The manifest's tensors: listed chunks from the results; with the rule plan, every
     rule-described tensor of the coordinator's layout (equal on every rank: the digests agreed) as
-    its rule (``rules``: with the writers the save used)."""
-    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    its rule (``rules``: with the writers the save used); with the listed plan, the tensors of
+    ``stage`` (pipeline stages' tensors, from every rank: the coordinator's merge) as theirs."""
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {key: (t[1], t[2]) for key, t in (stage or {}).items()}
     chunks: dict[str, list[ChunkEntry]] = {}
     for held in layout.tensors if layout is not None else ():
         if held.cls == SPLIT:

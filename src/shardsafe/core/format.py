@@ -10,8 +10,9 @@ A checkpoint is a folder holding
   shard (byte ranges, block hashes); its size and hash are in the manifest (core/index.py).
 
 Version 2 describes one regular layout by a rule (``split``: dim 0 over the world); version 3 any
-DTensor layout on a row-major mesh (``layout``: mesh + placements, core/rule.py). A save writes
-version 2 unless some tensor needs a version 3 rule.
+DTensor layout on a row-major mesh (``layout``: mesh + placements, core/rule.py); version 4 adds
+the ``["at", k]`` placement (a tensor only the ranks at coordinate k of a mesh dim hold: a
+pipeline stage's). A save writes the oldest version its tensors need (:func:`version_needed`).
 
 See docs/FORMAT.md for the prose version. Every parser here validates before it trusts: names
 must be single safe path components, sizes are bounded and cross-checked, JSON has no duplicate
@@ -82,10 +83,11 @@ __all__ = [
 from shardsafe.errors import FormatError
 
 FORMAT_NAME = "shardsafe"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 OLDEST_FORMAT_VERSION = 1  # version 1: every chunk listed in the manifest, no split rules, no indexes
 RULE_VERSION = 2  # the first version with rules (``split``) and per-rank indexes
 LAYOUT_VERSION = 3  # the first version with N-D layout rules (``layout``)
+STAGE_VERSION = 4  # the first version with ``["at", k]`` placements (pipeline stages' tensors)
 MANIFEST_NAME = "manifest.json"
 # A retired checkpoint whose files later checkpoints still store tensors in (dedup) keeps its
 # manifest under this name: no longer a checkpoint, but readers can check a reference against it.
@@ -169,6 +171,8 @@ def version_needed(tensors: dict[str, TensorEntry]) -> int:
     """The oldest format version that holds these tensors (a save writes that one, so older readers
     keep reading what they can)."""
     rules = [t.rule for t in tensors.values() if t.rule is not None]
+    if any(r.at_dims for r in rules):
+        return STAGE_VERSION
     if any(not r.is_v2_split for r in rules):
         return LAYOUT_VERSION
     return RULE_VERSION
@@ -411,6 +415,11 @@ def _parse_rule(entry: Any, shape: tuple[int, ...], world_size: int, version: in
             )
         rule = LayoutRule.from_json(entry["layout"], where)
         rule.check(shape, world_size, where)
+        if rule.at_dims and version < STAGE_VERSION:
+            raise FormatError(
+                f'{where}: an ["at", k] placement is a format version {STAGE_VERSION} field, the manifest says '
+                f"version {version}"
+            )
         return rule
     raw = entry.get("split")
     if raw is None:

@@ -1,4 +1,4 @@
-"""Layouts described by a rule instead of a list of chunks (format versions 2 and 3).
+"""Layouts described by a rule instead of a list of chunks (format versions 2 to 4).
 
 The rule itself is core/rule.py: a DTensor's mesh and placements when its mesh spans the job, or
 format version 2's dim-0 split over the world for the flat shards of FSDP2 ``Shard(0)``, FSDP1
@@ -7,7 +7,9 @@ chunk lists) and sends the
 coordinator only a digest of what it holds (:func:`layout_digest`); equal digests mean every rank
 holds the same tensors, with the same dtypes, shapes and classes. Replicated ("whole") tensors get
 their writer from :func:`whole_writers`, a deterministic function of that common list, so every
-rank computes the same assignment without a gather.
+rank computes the same assignment without a gather. Unequal digests (pipeline stages hold
+different tensors): :func:`stage_rules`, on the coordinator, keeps a rule for each tensor whose
+holders are a slice of the mesh (``["at", k]`` on the dims they share one coordinate of).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from enum import Enum
 from shardsafe.core.dtypes import dtype_from_torch_text, element_size
 from shardsafe.core.fields import numel
 from shardsafe.core.plan import ChunkSpec, LocalChunk
-from shardsafe.core.rule import LayoutRule
+from shardsafe.core.rule import LayoutRule, spread_writers
 
 __all__ = [
     "IRREGULAR",
     "LocalLayout",
+    "RuleHeld",
     "SPLIT",
     "WHOLE",
     "classify",
@@ -33,6 +36,7 @@ __all__ = [
     "follows_rule",
     "is_stored",
     "rule_for",
+    "stage_rules",
     "whole_writers",
 ]
 
@@ -128,6 +132,46 @@ def whole_writers(whole: list[tuple[str, int]], world_size: int) -> dict[str, in
         out[key] = rank
         heapq.heappush(heap, (load + nbytes, rank))
     return out
+
+
+RuleHeld = tuple[str, str, tuple[int, ...], LayoutRule]  # (key, dtype, global shape, rule) of a SPLIT tensor
+
+
+def stage_rules(gathered: list[tuple[str, list[str], list[RuleHeld]]]) -> dict[str, RuleHeld]:
+    """When the ranks hold different tensors (pipeline stages), the tensors still described by a
+    rule, from every rank's (layout digest, keys of its chunks to list, rule-described tensors):
+    each tensor that every rank holding it holds under the same rule (dtype and shape too), no rank
+    lists, and whose holders are a product of mesh coordinates (:meth:`LayoutRule.held_by`: a
+    stage's tensors get ``["at", k]`` on the pipeline dim). Their writers are spread as the rule
+    plan spreads them; the rest stay listed (``assign_writers`` checks their agreement).
+
+    Ranks of equal digests hold the same rule-described tensors (the digest covers them), so one
+    list per distinct digest is read: O(ranks + stages x tensors) on the coordinator."""
+    listed: set[str] = set()
+    groups: dict[str, list[int]] = {}
+    for rank, (digest, keys, _) in enumerate(gathered):
+        listed.update(keys)
+        groups.setdefault(digest, []).append(rank)
+    first: dict[str, RuleHeld] = {}
+    holders: dict[str, list[str]] = {}  # key -> the digests of the ranks holding it
+    for digest, ranks in groups.items():
+        for t in gathered[ranks[0]][2]:
+            if first.setdefault(t[0], t) != t:
+                listed.add(t[0])
+            holders.setdefault(t[0], []).append(digest)
+    exact: dict[tuple[LayoutRule, tuple[str, ...]], LayoutRule | None] = {}  # a stage's tensors share holders
+    out: list[tuple[str, int, LayoutRule]] = []
+    for key, digests in holders.items():
+        if key in listed:
+            continue
+        rule, group = first[key][3], (first[key][3], tuple(digests))
+        if group not in exact:
+            exact[group] = rule.held_by(r for d in digests for r in groups[d])
+        found = exact[group]
+        if found is not None:
+            _, dtype, shape, _ = first[key]
+            out.append((key, numel(shape) * element_size(dtype_from_torch_text(dtype)), found))
+    return {key: (key, first[key][1], first[key][2], rule) for key, rule in spread_writers(out).items()}
 
 
 def is_stored(chunk: LocalChunk) -> bool:

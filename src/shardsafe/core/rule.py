@@ -7,8 +7,14 @@ on a mesh whose ranks are numbered row-major and span the world (``init_device_m
     "layout": {"mesh": [2, 2], "placements": [["strided", 0, 2], ["shard", 0]], "writer": 0}
 
 A placement is ``["shard", d]`` (``Shard(d)``), ``["strided", d, sf]`` (``_StridedShard(d, sf)``:
-FSDP2 over tensor parallel) or ``["replicate"]``, one per mesh dim, applied left to right as
-core/boxes.py says. The version 2 rule is the special case ``mesh [W], [["shard", 0]]``.
+FSDP2 over tensor parallel), ``["replicate"]`` or (version 4) ``["at", k]``, one per mesh dim,
+applied left to right as core/boxes.py says. ``["at", k]`` says only the ranks whose coordinate on
+that mesh dim is ``k`` hold the tensor: a pipeline stage's tensors, parallelised on the stage's
+slice ``world_mesh["dp_shard", "tp"]`` of a ``(pp, dp_shard, tp)`` mesh, are ``at`` the stage on
+``pp``. A rank cannot see that alone (its slice looks like a TP-replicated norm's, which every
+coordinate of the dropped dim holds): it describes ``Replicate`` there, and the save's merge of the
+ranks' descriptions (:meth:`LayoutRule.held_by`, core/layout.stage_rules) makes it ``at`` from the
+set of ranks that hold the tensor. The version 2 rule is the special case ``mesh [W], [["shard", 0]]``.
 
 Words used below:
 
@@ -16,8 +22,11 @@ Words used below:
   ``Replicate`` dims hold the same bytes). Parts are numbered row-major over the sharding dims.
   A part is one box of the tensor, or several (``_StridedShard``), or nothing (past the end of an
   uneven split);
-* a part's **writer** is one of its replicas: the one whose number on the replicate dims is
-  ``(part + writer) mod replicas``; the save picks ``writer`` per tensor to spread the writes
+* a rank **holds** the tensor when its coordinate on every ``at`` dim is that dim's ``k`` (every
+  rank, without ``at`` dims); ``at`` dims are neither sharding nor replicate dims, and the ranks
+  at other coordinates hold nothing of the tensor and read nothing for it;
+* a part's **writer** is one of its replicas among the holders: the one whose number on the
+  replicate dims is ``(part + writer) mod replicas``; the save picks ``writer`` per tensor to spread the writes
   (:func:`spread_writers`). The writer's per-rank index (core/index.py) says where the part's
   boxes lie in its shard file.
 
@@ -45,13 +54,17 @@ MAX_MESH_DIMS = 8
 
 @dataclass(frozen=True)
 class Placement:
-    """One mesh dim's placement: shard tensor dim ``dim`` (``None``: replicate) into ``split_factor``
-    strided pieces first (1: a plain ``Shard``)."""
+    """One mesh dim's placement: shard tensor dim ``dim`` into ``split_factor`` strided pieces first
+    (1: a plain ``Shard``); ``dim`` None: replicate, or, with ``at`` set, held only by the ranks whose
+    coordinate on this mesh dim is ``at`` (a pipeline stage's tensors: neither shard nor replica)."""
 
     dim: int | None
     split_factor: int = 1
+    at: int | None = None
 
     def to_json(self) -> list[Any]:
+        if self.at is not None:
+            return ["at", self.at]
         if self.dim is None:
             return ["replicate"]
         if self.split_factor == 1:
@@ -66,8 +79,10 @@ class Placement:
             return cls(raw[1])
         if isinstance(raw, list) and len(raw) == 3 and raw[0] == "strided" and _is_int(raw[1]) and _is_int(raw[2]):
             return cls(raw[1], raw[2])
+        if isinstance(raw, list) and len(raw) == 2 and raw[0] == "at" and _is_int(raw[1]):
+            return cls(None, at=raw[1])
         raise FormatError(
-            f'{where}: placement {raw!r:.80} is not ["shard", d], ["strided", d, factor] or ["replicate"]'
+            f'{where}: placement {raw!r:.80} is not ["shard", d], ["strided", d, factor], ["replicate"] or ["at", k]'
         )
 
 
@@ -116,7 +131,18 @@ class LayoutRule:
 
     @cached_property
     def replica_dims(self) -> tuple[int, ...]:
-        return tuple(i for i, p in enumerate(self.placements) if p.dim is None)
+        """The mesh dims whose every coordinate holds the same bytes (``Replicate``)."""
+        return tuple(i for i, p in enumerate(self.placements) if p.dim is None and p.at is None)
+
+    @cached_property
+    def at_dims(self) -> tuple[int, ...]:
+        """The mesh dims on which only one coordinate holds the tensor (``["at", k]``)."""
+        return tuple(i for i, p in enumerate(self.placements) if p.at is not None)
+
+    @cached_property
+    def _at_offset(self) -> int:
+        """The rank-number contribution of the ``at`` coordinates (every holder's share)."""
+        return sum((self.placements[i].at or 0) * self._strides[i] for i in self.at_dims)
 
     @cached_property
     def parts(self) -> int:
@@ -150,15 +176,53 @@ class LayoutRule:
         """The part rank ``rank`` holds."""
         return sum((rank // stride) % size * inner for size, stride, inner in self._numbering[0])
 
+    def holds(self, rank: int) -> bool:
+        """Whether rank ``rank`` holds the tensor at all: its coordinate on every ``at`` dim is that dim's."""
+        return all((rank // self._strides[i]) % self.mesh[i] == self.placements[i].at for i in self.at_dims)
+
     def writer_of(self, part: int) -> int:
-        """The rank that writes ``part``."""
+        """The rank that writes ``part`` (always one that holds it)."""
         shard, replica = self._numbering
         replica_number = (part + self.writer) % self.replicas
-        rank = sum((part // inner) % size * stride for size, stride, inner in shard)
+        rank = self._at_offset + sum((part // inner) % size * stride for size, stride, inner in shard)
         return rank + sum((replica_number // inner) % size * stride for size, stride, inner in replica)
 
     def writes(self, rank: int) -> bool:
+        """Whether ``rank`` writes its part (never a rank that does not hold the tensor)."""
         return self.writer_of(self.part_of(rank)) == rank
+
+    def held_by(self, ranks: Iterable[int]) -> LayoutRule | None:
+        """This rule (``Replicate`` where a rank's own mesh lacks a dim of the mesh it is a slice of)
+        made exact for the ranks that really hold the tensor: a replicate dim on which the holders
+        take one coordinate k becomes ``["at", k]`` (a pipeline stage's slice of the world mesh);
+        None when the holders are not every coordinate of the sharding dims times, per replicate
+        dim, all coordinates or one (the tensor's chunks are then listed). Cost: O(holders x dims)."""
+        held = set(ranks)
+        seen: list[set[int]] = [set() for _ in self.mesh]
+        for rank in held:
+            if not 0 <= rank < self.world_size:
+                return None
+            for i, size in enumerate(self.mesh):
+                seen[i].add((rank // self._strides[i]) % size)
+        placements = list(self.placements)
+        for i, coordinates in enumerate(seen):
+            full = len(coordinates) == self.mesh[i]
+            if i in self.replica_dims and not full:
+                if len(coordinates) != 1:
+                    return None
+                placements[i] = Placement(None, at=next(iter(coordinates)))
+            elif i in self.at_dims and coordinates != {placements[i].at}:
+                return None
+            elif i in self.shard_dims and not full:
+                return None
+        exact = LayoutRule(self.mesh, tuple(placements))
+        if len(held) != math.prod(n for i, n in enumerate(self.mesh) if i not in exact.at_dims):
+            return None
+        return _interned(exact.mesh, exact.placements, self.writer % exact.replicas)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its three fields (never the answers it remembers), interned again on arrival."""
+        return _interned, (self.mesh, self.placements, self.writer)
 
     # --------------------------------------------------------------- the tensor
 
@@ -253,7 +317,9 @@ class LayoutRule:
         """For people: ``mesh [2, 2], (_StridedShard(dim=0, sf=2), Shard(dim=0))``."""
         names = []
         for p in self.placements:
-            if p.dim is None:
+            if p.at is not None:
+                names.append(f"At({p.at})")
+            elif p.dim is None:
                 names.append("Replicate()")
             elif p.split_factor == 1:
                 names.append(f"Shard(dim={p.dim})")
@@ -275,9 +341,13 @@ class LayoutRule:
             raise FormatError(
                 f"{where}: layout mesh {list(self.mesh)} does not span the checkpoint's {world_size} ranks"
             )
-        for p in self.placements:
+        for i, p in enumerate(self.placements):
             if p.dim is not None and (not 0 <= p.dim < len(shape) or not 1 <= p.split_factor <= MAX_BOXES):
                 raise FormatError(f"{where}: placement {p.to_json()} does not split a dim of shape {list(shape)}")
+            if p.at is not None and not 0 <= p.at < self.mesh[i]:
+                raise FormatError(
+                    f"{where}: placement {p.to_json()} on mesh dim {i} names a coordinate outside 0..{self.mesh[i] - 1}"
+                )
         if not self.shard_dims or not 0 <= self.writer < self.replicas:
             raise FormatError(
                 f"{where}: layout rule shards nothing, or its writer {self.writer} is not a replica number below "

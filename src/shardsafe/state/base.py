@@ -252,7 +252,13 @@ def _root_dims(mesh: Any) -> tuple[Any, tuple[int, ...]] | None:
 def dtensor_rule(tensor: Any) -> LayoutRule | None:
     """The layout rule of a DTensor whose mesh (or the mesh it is a slice of) spans the job, with
     ``Replicate`` on the dims its own mesh lacks; None otherwise (its chunks are then listed). The
-    save checks every rank's boxes against the rule (core/layout.follows_rule) before trusting it."""
+    save checks every rank's boxes against the rule (core/layout.follows_rule) before trusting it.
+
+    A dim the slice lacks is ``Replicate`` here even for a pipeline stage's slice, whose other
+    coordinates do not hold the tensor: one rank cannot tell the two apart. When the ranks hold
+    different tensors the save's coordinator makes it ``["at", k]`` from who holds the tensor
+    (core/layout.stage_rules); when they hold the same, every coordinate holds it and
+    ``Replicate`` is right."""
     from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
     found = _root_dims(tensor.device_mesh)
