@@ -214,20 +214,20 @@ def test_hostile_rules_are_refused(raw: dict[str, object], shape: tuple[int, ...
 def test_stage_rules_keep_a_rule_only_where_every_holder_agrees() -> None:
     """The coordinator's merge when ranks hold different tensors (core/layout.stage_rules), on a
     (pp=2, dp=2) world: one rule list per digest, ``at`` the stage where a stage holds the tensor."""
-    from shardsafe.core.layout import stage_rules
+    from shardsafe.core.layout import RuleHeld, stage_rules
 
     fsdp = LayoutRule((2, 2), (Placement(None), Placement(0)))  # what a stage's rank describes on mesh["dp"]
     other = LayoutRule((2, 2), (Placement(None), Placement(1)))
-    stage0 = [("a", "torch.float32", (4, 4), fsdp), ("shared", "torch.float32", (4, 4), fsdp)]
-    stage1 = [("b", "torch.float32", (4, 4), fsdp), ("shared", "torch.float32", (4, 4), fsdp)]
+    stage0 = [RuleHeld("a", "torch.float32", (4, 4), fsdp), RuleHeld("shared", "torch.float32", (4, 4), fsdp)]
+    stage1 = [RuleHeld("b", "torch.float32", (4, 4), fsdp), RuleHeld("shared", "torch.float32", (4, 4), fsdp)]
     gathered = [("d0", [], stage0), ("d0", [], stage0), ("d1", ["c"], stage1), ("d1", [], stage1)]
-    got = {k: t[3].to_json()["placements"] for k, t in stage_rules(gathered).items()}
+    got = {k: t.rule.to_json()["placements"] for k, t in stage_rules(gathered).items()}
     assert got == {
         "a": [["at", 0], ["shard", 0]],
         "b": [["at", 1], ["shard", 0]],
         "shared": [["replicate"], ["shard", 0]],  # every rank holds it: replicated on pp
     }
     # a rank lists one of them, another disagrees on the rule: both stay listed
-    stage1_other = [("b", "torch.float32", (4, 4), other), ("shared", "torch.float32", (4, 4), fsdp)]
+    stage1_other = [RuleHeld("b", "torch.float32", (4, 4), other), RuleHeld("shared", "torch.float32", (4, 4), fsdp)]
     gathered = [("d0", ["a"], stage0), ("d0", [], stage0), ("d1", [], stage1), ("d2", [], stage1_other)]
     assert set(stage_rules(gathered)) == {"shared"}

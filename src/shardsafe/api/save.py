@@ -207,7 +207,7 @@ def write_checkpoint(
         if comm.is_coordinator:
             target.abort()
         raise
-    rules = spread_writers(layout.rules()) if plan.rule else {k: t[3] for k, t in (plan.stage or {}).items()}
+    rules = spread_writers(layout.rules()) if plan.rule else {k: t.rule for k, t in (plan.stage or {}).items()}
     mine = _mine(comm, view, layout, plan, rules)
     split_keys = set(rules)
     result: Outcome[RankResult]
@@ -292,8 +292,8 @@ def _plan(comm: Comm, view: SaveView, layout: LocalLayout) -> SavePlan:
     if plan.rule:
         return replace(plan, tree=tree)
     stored = [c.spec() for c in view.chunks if is_stored(c)]
-    held: list[RuleHeld] = [(t.key, t.dtype, t.shape, t.rule) for t in layout.tensors if t.rule is not None]
-    ruled = {t[0] for t in held}
+    held = [RuleHeld(t.key, t.dtype, t.shape, t.rule) for t in layout.tensors if t.rule is not None]
+    ruled = {t.key for t in held}
     listed = sorted({s.key for s in stored if s.key not in ruled})
     everything = comm.gather((stored, layout.digest, listed, held))
 
@@ -363,7 +363,7 @@ def tensor_entries(
     rule-described tensor of the coordinator's layout (equal on every rank: the digests agreed) as
     its rule (``rules``: with the writers the save used); with the listed plan, the tensors of
     ``stage`` (pipeline stages' tensors, from every rank: the coordinator's merge) as theirs."""
-    meta: dict[str, tuple[str, tuple[int, ...]]] = {key: (t[1], t[2]) for key, t in (stage or {}).items()}
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {key: (t.dtype, t.shape) for key, t in (stage or {}).items()}
     chunks: dict[str, list[ChunkEntry]] = {}
     for held in layout.tensors if layout is not None else ():
         if held.cls == SPLIT:

@@ -19,6 +19,7 @@ import heapq
 import json
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from shardsafe.core.dtypes import dtype_from_torch_text, element_size
 from shardsafe.core.fields import numel
@@ -134,7 +135,14 @@ def whole_writers(whole: list[tuple[str, int]], world_size: int) -> dict[str, in
     return out
 
 
-RuleHeld = tuple[str, str, tuple[int, ...], LayoutRule]  # (key, dtype, global shape, rule) of a SPLIT tensor
+class RuleHeld(NamedTuple):
+    """A rule-described (SPLIT) tensor a rank holds, as it travels in the save's gather when the
+    ranks' layouts differ (pipeline stages): equal records mean the same tensor, laid out alike."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    rule: LayoutRule
 
 
 def stage_rules(gathered: list[tuple[str, list[str], list[RuleHeld]]]) -> dict[str, RuleHeld]:
@@ -156,22 +164,23 @@ def stage_rules(gathered: list[tuple[str, list[str], list[RuleHeld]]]) -> dict[s
     holders: dict[str, list[str]] = {}  # key -> the digests of the ranks holding it
     for digest, ranks in groups.items():
         for t in gathered[ranks[0]][2]:
-            if first.setdefault(t[0], t) != t:
-                listed.add(t[0])
-            holders.setdefault(t[0], []).append(digest)
+            if first.setdefault(t.key, t) != t:
+                listed.add(t.key)
+            holders.setdefault(t.key, []).append(digest)
     exact: dict[tuple[LayoutRule, tuple[str, ...]], LayoutRule | None] = {}  # a stage's tensors share holders
     out: list[tuple[str, int, LayoutRule]] = []
     for key, digests in holders.items():
         if key in listed:
             continue
-        rule, group = first[key][3], (first[key][3], tuple(digests))
+        rule = first[key].rule
+        group = (rule, tuple(digests))
         if group not in exact:
             exact[group] = rule.held_by(r for d in digests for r in groups[d])
         found = exact[group]
         if found is not None:
-            _, dtype, shape, _ = first[key]
-            out.append((key, numel(shape) * element_size(dtype_from_torch_text(dtype)), found))
-    return {key: (key, first[key][1], first[key][2], rule) for key, rule in spread_writers(out).items()}
+            held = first[key]
+            out.append((key, numel(held.shape) * element_size(dtype_from_torch_text(held.dtype)), found))
+    return {key: first[key]._replace(rule=rule) for key, rule in spread_writers(out).items()}
 
 
 def is_stored(chunk: LocalChunk) -> bool:
