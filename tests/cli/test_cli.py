@@ -1,9 +1,10 @@
 """The ``shardsafe`` command line: inspect, verify and the demo, run as a user runs them.
 
 Checkpoints are made in the test (one process, no process group; the demo makes a 2-rank FSDP2
-one). The main paths run in a subprocess (``python -m shardsafe.cli``), so exit codes, stdout and
-stderr and the absence of tracebacks are what a user sees; the rest call ``cli.main`` in process,
-because every extra interpreter pays for importing torch.
+one). The main paths run as ``python -m shardsafe.cli`` in processes of their own (forked in one
+batch from an interpreter that imported torch once: test_cli_runner.py), so exit codes, stdout
+and stderr and the absence of tracebacks are what a user sees; the rest call ``cli.main`` in
+process, because every extra interpreter pays for importing torch.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_cli_runner import run_forked
 from torch import nn
 
 import shardsafe
@@ -26,12 +27,6 @@ from shardsafe.manager.lease import LEASE_DIR
 from shardsafe.protocol.commit import open_checkpoint
 
 SHARD = "shard-00000.safetensors"
-
-
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardsafe.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def assert_clean_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -68,8 +63,34 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_inspect_json_matches_the_manifest(checkpoint: Path) -> None:
-    result = run_cli("inspect", str(checkpoint), "--json")
+@pytest.fixture(scope="module")
+def runs(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The runs of ``python -m shardsafe.cli`` the tests below look at, made in one batch: each in
+    its own process, forked from one interpreter that imported torch once (test_cli_runner.py
+    holds those runs equal to fresh interpreters, byte for byte)."""
+    import shutil
+
+    scratch = tmp_path_factory.mktemp("cli-runs")
+    damaged = scratch / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    data = bytearray((damaged / SHARD).read_bytes())
+    data[-3] ^= 0xFF  # inside the last tensor's bytes: the header still parses, a block hash must not match
+    (damaged / SHARD).write_bytes(bytes(data))
+    argvs: dict[str, list[str | bytes]] = {
+        "inspect --json": ["inspect", str(checkpoint), "--json"],
+        "verify": ["verify", str(checkpoint)],
+        "verify damaged": ["verify", str(damaged)],
+        "verify missing": ["verify", str(scratch / "nowhere")],
+    }
+    done = run_forked(list(argvs.values()), scratch)
+    return {
+        name: subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
+        for name, r in zip(argvs, done)
+    }
+
+
+def test_inspect_json_matches_the_manifest(checkpoint: Path, runs: dict[str, Any]) -> None:
+    result = runs["inspect --json"]
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     manifest, tree = open_checkpoint(checkpoint)
@@ -137,31 +158,24 @@ def test_inspect_human_output(checkpoint: Path, capsys: pytest.CaptureFixture[st
     assert "last_epoch=0" in out
 
 
-def test_verify_sound_checkpoint(checkpoint: Path) -> None:
-    result = run_cli("verify", str(checkpoint))
+def test_verify_sound_checkpoint(checkpoint: Path, runs: dict[str, Any]) -> None:
+    result = runs["verify"]
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"ok: {checkpoint}: ")
     assert len(result.stdout.splitlines()) == 1
     assert result.stderr == ""
 
 
-def test_verify_corrupted_checkpoint_names_the_file(checkpoint: Path, tmp_path: Path) -> None:
-    import shutil
-
-    damaged = tmp_path / "damaged"
-    shutil.copytree(checkpoint, damaged)
-    shard = damaged / SHARD
-    data = bytearray(shard.read_bytes())
-    data[-3] ^= 0xFF  # inside the last tensor's bytes: the header still parses, a block hash must not match
-    shard.write_bytes(bytes(data))
-
-    result = run_cli("verify", str(damaged))
-    assert_clean_error(result, str(shard), "hash mismatch")
+def test_verify_corrupted_checkpoint_names_the_file(runs: dict[str, Any]) -> None:
+    damaged = Path(runs["verify damaged"].args[1])
+    assert_clean_error(runs["verify damaged"], str(damaged / SHARD), "hash mismatch")
 
 
-def test_missing_path_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_path_is_a_clean_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], runs: dict[str, Any]
+) -> None:
+    assert_clean_error(runs["verify missing"], runs["verify missing"].args[1])
     missing = tmp_path / "nowhere"
-    assert_clean_error(run_cli("verify", str(missing)), str(missing))
     assert cli.main(["inspect", str(missing)]) == 1
     captured = capsys.readouterr()
     assert captured.err.startswith("error: ") and str(missing) in captured.err and not captured.out
