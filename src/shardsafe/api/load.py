@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from shardsafe.core.values import check_state_tree
 from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.block_io import BlockRead
 from shardsafe.protocol.commit import open_checkpoint
-from shardsafe.protocol.shared_read import plan_shared
+from shardsafe.protocol.shared_read import SharedPlan, plan_shared
 from shardsafe.protocol.transfer import ChunkReader, ReadRequest
 from shardsafe.state.base import LoadStep, SavedLayout
 from shardsafe.state.registry import (
@@ -260,13 +261,33 @@ def load_from(
     """:func:`load`'s phases over any checkpoint that can be described as a manifest, a state tree and a
     :class:`ChunkReader` of its bytes: shardsafe's own, or a foreign format's reader (a DCP folder,
     read in place through its own reader), so every format gets the same checks, agreement and
-    atomicity."""
+    atomicity.
+
+    Each phase ends in an agreement of every rank (a rank that failed still runs the collectives of
+    the phase, sharing nothing), so all ranks stop at the same phase and undo the same steps."""
     comm = get_comm(process_group)
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
     fresh = fresh_optimizers(state)
+    manifest, binding = _open_and_bind(comm, state, opened, strict, fresh)
+    with open_reader(manifest) as reader:
+        reads = _plan_reads(comm, reader, manifest, binding, share_reads)
+        steps = _prepare(comm, reader, manifest, binding, reads, atomic, fresh)
+        if atomic:  # the blocks are verified; local re-reads go through the same open files (page cache)
+            reader.verify = verify and reader.remote
+        applied = _apply_undoable(comm, steps, fresh)
+        problem = _read_and_apply(comm, reader, reads, steps, atomic)
+    _agree(comm, problem, reset=fresh, undo=applied)  # a fresh optimizer ends stateless, as it began
+    return manifest.metadata
+
+
+def _open_and_bind(
+    comm: Comm, state: dict[str, Any], opened: OpenChecked, strict: bool, fresh: Sequence[torch.optim.Optimizer]
+) -> tuple[Manifest, LoadBinding]:
+    """Open the checkpoint and bind ``state`` to it, checked; every rank's problems are reported in one
+    error before anything is read or modified."""
     problem: Exception | None = None
-    checked: tuple[Manifest, dict[str, Any], LoadBinding] | None = None
+    checked: tuple[Manifest, LoadBinding] | None = None
     left: set[str] | None = None
     problems: list[str] = []
     try:
@@ -274,7 +295,7 @@ def load_from(
         binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest), strict)
         problems = check_binding(binding, manifest, tree, strict)
         left = unclaimed(binding, tree) if strict else set()
-        checked = (manifest, tree, binding)
+        checked = (manifest, binding)
     except Exception as exc:  # shared with every rank below, so none waits alone
         problem = exc
     problems += _nobody_loads(comm, left)  # every problem in one error, stored tensors no rank loads included
@@ -282,56 +303,100 @@ def load_from(
         problem = describe_mismatch(problems)
     _agree(comm, problem, reset=fresh)
     assert checked is not None
-    manifest, tree, binding = checked
-    steps: list[LoadStep] = []
+    return checked
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """This rank's reads after the ranks shared out the chunks several of them need, and the problem
+    planning them met (reported at the next agreement, after the collective sharing)."""
+
+    fresh: list[ReadRequest]  # into tensors the load created (a fresh optimizer's state, dropped if it fails)
+    existing: list[ReadRequest]  # into the other, live tensors
+    shared: SharedPlan
+    problem: Exception | None
+
+
+def _plan_reads(
+    comm: Comm, reader: ChunkReader, manifest: Manifest, binding: LoadBinding, share_reads: bool | None
+) -> _Reads:
+    """What this rank reads, and from whom it receives what another rank reads for it."""
+    problem: Exception | None = None
     fresh_reads: list[ReadRequest] = []
     existing_reads: list[ReadRequest] = []
-    with open_reader(manifest) as reader:
-        try:
-            fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
-        except Exception as exc:
-            problem = exc
-        # Collective, so run by a rank whose planning failed too (it shares nothing): chunks several
-        # ranks need are read by one of them and sent to the others (protocol/shared_read.py).
-        shared = plan_shared(
-            comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads, remote=reader.remote
-        )
-        fresh_reads, existing_reads = shared.local(fresh_reads), shared.local(existing_reads)
-        try:
-            if problem is not None:
-                raise problem
-            if atomic:  # check everything this rank will read in place, nothing written
-                _check_sources(reader, fresh_reads, existing_reads, shared.checks(reader))
-            steps = prepare_steps(binding, SharedLookup(reader, manifest))
-        except Exception as exc:
-            problem = exc
-        _agree(comm, problem, reset=fresh)
-        if atomic:  # the blocks are verified; local re-reads go through the same open files (page cache)
-            reader.verify = verify and reader.remote
-        applied: list[LoadStep] = []
-        try:
-            for step in (s for s in steps if s.undo is not None):
-                applied.append(step)  # a load_state_dict that raises midway is undone too
-                step.apply()
-        except Exception as exc:
-            problem = exc
-        _agree(comm, problem, reset=fresh, undo=applied, default=StateMismatchError)
-        try:
-            _read(reader, existing_reads if atomic else fresh_reads + existing_reads)
-        except Exception as exc:
-            problem = exc
-        with torch.no_grad():
-            exchanged = shared.exchange(reader, comm, failed=problem is not None)  # every rank runs its batches
-        problem = problem or exchanged
-        try:
-            if problem is not None:
-                raise problem
-            for step in (s for s in steps if s.undo is None):
-                step.apply()
-        except Exception as exc:
-            problem = exc
-    _agree(comm, problem, reset=fresh, undo=applied)  # a fresh optimizer ends stateless, as it began
-    return manifest.metadata
+    try:
+        fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
+    except Exception as exc:
+        problem = exc
+    # Collective, so run by a rank whose planning failed too (it shares nothing): chunks several
+    # ranks need are read by one of them and sent to the others (protocol/shared_read.py).
+    shared = plan_shared(
+        comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads, remote=reader.remote
+    )
+    return _Reads(shared.local(fresh_reads), shared.local(existing_reads), shared, problem)
+
+
+def _prepare(
+    comm: Comm,
+    reader: ChunkReader,
+    manifest: Manifest,
+    binding: LoadBinding,
+    reads: _Reads,
+    atomic: bool,
+    fresh: Sequence[torch.optim.Optimizer],
+) -> list[LoadStep]:
+    """The load's steps, prepared; with ``atomic``, first every block this rank will read checked in place,
+    so a damaged file fails the load before anything is modified."""
+    problem = reads.problem
+    steps: list[LoadStep] = []
+    try:
+        if problem is not None:
+            raise problem
+        if atomic:  # check everything this rank will read in place, nothing written
+            _check_sources(reader, reads.fresh, reads.existing, reads.shared.checks(reader))
+        steps = prepare_steps(binding, SharedLookup(reader, manifest))
+    except Exception as exc:
+        problem = exc
+    _agree(comm, problem, reset=fresh)
+    return steps
+
+
+def _apply_undoable(comm: Comm, steps: list[LoadStep], fresh: Sequence[torch.optim.Optimizer]) -> list[LoadStep]:
+    """Apply the steps that can be undone (``load_state_dict``...); returns them, so a later failure undoes
+    them on every rank."""
+    applied: list[LoadStep] = []
+    problem: Exception | None = None
+    try:
+        for step in (s for s in steps if s.undo is not None):
+            applied.append(step)  # a load_state_dict that raises midway is undone too
+            step.apply()
+    except Exception as exc:
+        problem = exc
+    _agree(comm, problem, reset=fresh, undo=applied, default=StateMismatchError)
+    return applied
+
+
+def _read_and_apply(
+    comm: Comm, reader: ChunkReader, reads: _Reads, steps: list[LoadStep], atomic: bool
+) -> Exception | None:
+    """Read the bytes (receiving the shared ones), then apply the steps that cannot be undone; returns the
+    problem met, for the final agreement."""
+    problem: Exception | None = None
+    try:
+        _read(reader, reads.existing if atomic else reads.fresh + reads.existing)
+    except Exception as exc:
+        problem = exc
+    with torch.no_grad():
+        exchanged = reads.shared.exchange(reader, comm, failed=problem is not None)  # every rank runs its batches
+    problem = problem or exchanged
+    try:
+        if problem is not None:
+            raise problem
+        for step in (s for s in steps if s.undo is None):
+            step.apply()
+    except Exception as exc:
+        problem = exc
+    return problem
 
 
 def _nobody_loads(comm: Comm, left: set[str] | None) -> list[str]:

@@ -209,8 +209,23 @@ def write_checkpoint(
         raise
     rules = spread_writers(layout.rules()) if plan.rule else {k: t.rule for k, t in (plan.stage or {}).items()}
     mine = _mine(comm, view, layout, plan, rules)
-    split_keys = set(rules)
-    result: Outcome[RankResult]
+    result = _write_own_file(final, target, comm, view, mine, set(rules), reuse)
+    build = _ManifestBuilder(comm, target, plan, layout, rules, metadata)
+    agree_and_publish(comm, target, result, build, before_publish)
+    return final
+
+
+def _write_own_file(
+    final: Path | RemoteDir,
+    target: CommitTarget,
+    comm: Comm,
+    view: SaveView,
+    mine: list[LocalChunk],
+    split_keys: set[str],
+    reuse: ReuseMap | None,
+) -> Outcome[RankResult]:
+    """Write this rank's file (and the index of its split parts); the outcome, a failure included, is what
+    the rank brings to the agreement, which every rank must reach."""
     try:
         file_record, index_record = None, None
         entries: list[tuple[str, ChunkEntry]] = []
@@ -225,33 +240,49 @@ def write_checkpoint(
                 index_record = IndexRef(target.write_index(comm.rank, data), len(data), hash_bytes(data))
             file_record = (written.name, written.size) if written.name is not None else None
         specs = {c.key: c.spec() for c in mine}
-        result = Outcome(
+        return Outcome(
             value=RankResult(
                 file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank
             )
         )
     except Exception as exc:  # every rank must still reach the agreement step
-        result = Outcome.failure(exc, comm.rank, SaveError)
+        return Outcome.failure(exc, comm.rank, SaveError)
 
-    def build(results: list[RankResult]) -> tuple[Manifest, bytes]:
+
+@dataclass(frozen=True)
+class _ManifestBuilder:
+    """The coordinator's step of the commit: the ranks' results made into ``state.json`` and the manifest."""
+
+    comm: Comm
+    target: CommitTarget
+    plan: SavePlan
+    layout: LocalLayout
+    rules: dict[str, LayoutRule]
+    metadata: dict[str, Any] | None
+
+    def __call__(self, results: list[RankResult]) -> tuple[Manifest, bytes]:
         """The files, checked with the parsers a load runs, before the commit (the last line behind
         the per-rank checks: it also sees what only the sum of the ranks makes, such as the size)."""
+        plan = self.plan
         assert plan.tree is not None
         tree = dict(plan.tree)
         for n in sorted({n for r in results for n in r.per_rank}):
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
-        tensors = tensor_entries(results, layout if plan.rule else None, rules, plan.stage)
+        tensors = tensor_entries(results, self.layout if plan.rule else None, self.rules, plan.stage)
         made = new_manifest(
-            comm.world_size, files, state_bytes, metadata, __version__, tensors=tensors, state_file=target.state_name()
+            self.comm.world_size,
+            files,
+            state_bytes,
+            self.metadata,
+            __version__,
+            tensors=tensors,
+            state_file=self.target.state_name(),
         )
         manifest = CheckedManifest.of(made)
         parse_manifest(manifest.to_bytes(), "the manifest about to be written")
         return manifest, state_bytes
-
-    agree_and_publish(comm, target, result, build, before_publish)
-    return final
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ METADATA_NAME = ".metadata"
 _DATA_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,200}\.distcp$")
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
+# a stored item: its flattened key, and its chunk's offsets (None for a non-tensor value)
+_ItemKey = tuple[str, tuple[int, ...] | None]
 
 
 class _StandIn:
@@ -266,52 +268,71 @@ def _int(value: Any, what: str, where: str) -> int:
     return value
 
 
-def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 - one check per field reads best
+def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:
+    """The unpickled stand-ins turned into a :class:`DcpMetadata`, refusing anything DCP's FileSystemWriter
+    would not have written: checked in one pass so every refusal names the file and the item."""
     if not isinstance(raw, MetadataStandIn):
         raise FormatError(f"{where}: holds a {type(raw).__name__}, not a DCP Metadata")
     meta = DcpMetadata(folder, version=raw.get("version") if isinstance(raw.get("version"), str) else None)
     sd_meta, storage = raw.get("state_dict_metadata"), raw.get("storage_data")
     if not isinstance(sd_meta, dict) or not isinstance(storage, dict):
         raise FormatError(f"{where}: no state_dict_metadata or storage_data (not written by DCP's FileSystemWriter)")
-    items: dict[tuple[str, tuple[int, ...] | None], DcpItem] = {}
+    items: dict[_ItemKey, DcpItem] = {}
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndexStandIn) or not isinstance(info, StorageInfoStandIn):
-            raise FormatError(f"{where}: a storage_data entry that is not a MetadataIndex -> _StorageInfo")
-        fqn, offset = index.get("fqn"), index.get("offset")
-        if not isinstance(fqn, str):
-            raise FormatError(f"{where}: a storage_data key without a name")
-        if info.get("transform_descriptors"):
-            raise FormatError(
-                f"{where}: {fqn[:120]!r} is stored through extensions (compression, ...); only plain items are read"
-            )
-        name = info.get("relative_path")
-        if not isinstance(name, str) or not _DATA_FILE.match(name) or name.startswith("."):
-            raise FormatError(
-                f"{where}: {fqn[:120]!r} is stored in {str(name)[:120]!r}, not a .distcp file of the folder"
-            )
-        if name not in meta.file_sizes:
-            child = folder / name
-            try:
-                st = child.lstat()
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(f"{child}: missing (named by {where})") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise FormatError(f"{child}: not a regular file (symbolic links are not followed)")
-            meta.file_sizes[name] = st.st_size
-        begin, length = (
-            _int(info.get("offset"), f"{fqn[:120]!r}'s offset", where),
-            _int(info.get("length"), f"{fqn[:120]!r}'s length", where),
-        )
-        if begin + length > meta.file_sizes[name]:
-            raise FormatError(
-                f"{where}: {fqn[:120]!r} lies at bytes {begin}..{begin + length} of {name}, which holds "
-                f"{meta.file_sizes[name]}"
-            )
-        key = (fqn, tuple(offset) if isinstance(offset, torch.Size) else None)
+        key, item = _storage_item(meta, where, index, info)
         if key in items:
-            raise FormatError(f"{where}: {fqn[:120]!r} is stored twice at the same offsets")
-        items[key] = DcpItem(name, begin, length)
+            raise FormatError(f"{where}: {key[0][:120]!r} is stored twice at the same offsets")
+        items[key] = item
     _check_disjoint(items, where)
+    _describe_entries(meta, where, sd_meta, items)
+    _set_paths(meta, sd_meta, raw.get("planner_data"))
+    return meta
+
+
+def _storage_item(meta: DcpMetadata, where: str, index: Any, info: Any) -> tuple[_ItemKey, DcpItem]:
+    """One ``storage_data`` entry checked: a plain item inside a ``.distcp`` file of the folder, so a load
+    reads only bytes that are there (the file's size is taken once, the first time a file is named)."""
+    if not isinstance(index, MetadataIndexStandIn) or not isinstance(info, StorageInfoStandIn):
+        raise FormatError(f"{where}: a storage_data entry that is not a MetadataIndex -> _StorageInfo")
+    fqn, offset = index.get("fqn"), index.get("offset")
+    if not isinstance(fqn, str):
+        raise FormatError(f"{where}: a storage_data key without a name")
+    if info.get("transform_descriptors"):
+        raise FormatError(
+            f"{where}: {fqn[:120]!r} is stored through extensions (compression, ...); only plain items are read"
+        )
+    name = info.get("relative_path")
+    if not isinstance(name, str) or not _DATA_FILE.match(name) or name.startswith("."):
+        raise FormatError(f"{where}: {fqn[:120]!r} is stored in {str(name)[:120]!r}, not a .distcp file of the folder")
+    if name not in meta.file_sizes:
+        meta.file_sizes[name] = _data_file_size(meta.folder / name, where)
+    begin, length = (
+        _int(info.get("offset"), f"{fqn[:120]!r}'s offset", where),
+        _int(info.get("length"), f"{fqn[:120]!r}'s length", where),
+    )
+    if begin + length > meta.file_sizes[name]:
+        raise FormatError(
+            f"{where}: {fqn[:120]!r} lies at bytes {begin}..{begin + length} of {name}, which holds "
+            f"{meta.file_sizes[name]}"
+        )
+    return (fqn, tuple(offset) if isinstance(offset, torch.Size) else None), DcpItem(name, begin, length)
+
+
+def _data_file_size(child: Path, where: str) -> int:
+    """The size of a ``.distcp`` file the metadata names; missing or not a regular file is refused
+    (a symbolic link could point a load outside the folder)."""
+    try:
+        st = child.lstat()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{child}: missing (named by {where})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{child}: not a regular file (symbolic links are not followed)")
+    return st.st_size
+
+
+def _describe_entries(meta: DcpMetadata, where: str, sd_meta: dict[Any, Any], items: dict[_ItemKey, DcpItem]) -> None:
+    """Each ``state_dict_metadata`` entry matched to its stored items: a value to its one item, a tensor
+    to its chunks, so nothing is declared that the files do not hold."""
     for fqn, entry in sd_meta.items():
         if not isinstance(fqn, str):
             raise FormatError(f"{where}: a state_dict_metadata key that is not a string")
@@ -323,7 +344,11 @@ def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 -
             meta.tensors[fqn] = _tensor(fqn, entry, items, where)
         else:
             raise FormatError(f"{where}: {fqn[:120]!r} is described by a {type(entry).__name__}")
-    planner = raw.get("planner_data")
+
+
+def _set_paths(meta: DcpMetadata, sd_meta: dict[Any, Any], planner: Any) -> None:
+    """Each entry's path in the nested state: the planner's when it is a plain one, else the name itself
+    (the planner data is only a hint, so a malformed one is ignored rather than refused)."""
     if isinstance(planner, dict):
         for fqn, path in planner.items():
             if (
@@ -335,7 +360,6 @@ def _checked(folder: Path, where: str, raw: Any) -> DcpMetadata:  # noqa: C901 -
                 meta.paths[fqn] = path
     for fqn in sd_meta:
         meta.paths.setdefault(fqn, (fqn,))
-    return meta
 
 
 def _check_disjoint(items: dict[tuple[str, tuple[int, ...] | None], DcpItem], where: str) -> None:

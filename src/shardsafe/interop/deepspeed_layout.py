@@ -21,7 +21,7 @@ from shardsafe.core.format import numel
 from shardsafe.errors import FormatError
 from shardsafe.interop.deepspeed_values import shapes_of, short, small_int
 
-__all__ = ["Param", "zero12_layout", "zero3_layout"]
+__all__ = ["Layout", "Param", "zero12_layout", "zero3_layout"]
 
 
 @dataclass(frozen=True)

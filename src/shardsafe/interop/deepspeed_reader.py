@@ -40,7 +40,7 @@ from shardsafe.api.source import CheckpointSource, TensorInfo, find_config_files
 from shardsafe.core.format import numel
 from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.interop.deepspeed_files import DeepSpeedFiles, find_deepspeed_checkpoint, is_deepspeed_checkpoint
-from shardsafe.interop.deepspeed_layout import Param, zero3_layout, zero12_layout
+from shardsafe.interop.deepspeed_layout import Layout, Param, zero3_layout, zero12_layout
 from shardsafe.interop.deepspeed_values import (
     flat_tensor,
     get_entry,
@@ -89,17 +89,49 @@ class DeepSpeedCheckpoint:
         self._files = DeepSpeedFiles(self.folder)
         self.world_size = self._files.world_size
         first = self._optim_state(0)
-        stage = get_entry(first, "zero_stage", int, self._where(0))
-        if stage not in (1, 2, 3):
-            raise FormatError(f"{self._where(0)}: unknown ZeRO stage {short(stage)}")
-        self.stage = int(stage)
-        if self.stage == 3 and "ds_zero_partition_groups" in first:
-            raise FormatError(f"{self._where(0)}: ZeRO-3 expert-partitioned (AutoEP) checkpoints are not supported")
+        self.stage = self._zero_stage(first)
         self._files.stage = self.stage
         model = self._model_state(0)
         where = str(self._files.model_path(0))
+        self.ds_version = self._check_model(model, where)
+        self._module: dict[str, Any] = get_entry(model, "module", dict, where)
+        buffer_names = get_entry(model, "buffer_names", list, where)
+        self._buffer_names = [b for b in buffer_names if isinstance(b, str) and b in self._module]
+        param_shapes = get_entry(model, "param_shapes", list, where)
+        self._frozen = shapes_of(model.get("frozen_param_shapes") or {}, f"{where}: frozen_param_shapes")
+        shared = model.get("shared_params") or {}
+        if not isinstance(shared, dict):
+            raise FormatError(f"{where}: shared_params is a {type(shared).__name__}")
+        layout = self._layout(param_shapes, first, where)
+        self._params: dict[str, Param] = layout.params
+        self._owner = layout.owner  # flat group -> param group
+        # ZeRO-1/2: per group, per rank, (start, length) in the group's concatenation
+        self._partitions = layout.partitions
+        known = set(self._params) | set(self._frozen) | set(self._buffer_names)
+        self.aliases: dict[str, str] = {
+            a: s
+            for a, s in shared.items()
+            if isinstance(a, str) and isinstance(s, str) and s in known and a not in known
+        }
+        self._whole: set[str] = self._stored_whole(known, where)
+        known |= self._whole
+        self._order = self._ordered_names(known)
+
+    def _zero_stage(self, first: dict[str, Any]) -> int:
+        """The ZeRO stage rank 0's optimizer file records: 1, 2 or 3 (not expert-partitioned), which decides
+        how the parameters are laid out in the files."""
+        stage = get_entry(first, "zero_stage", int, self._where(0))
+        if stage not in (1, 2, 3):
+            raise FormatError(f"{self._where(0)}: unknown ZeRO stage {short(stage)}")
+        if stage == 3 and "ds_zero_partition_groups" in first:
+            raise FormatError(f"{self._where(0)}: ZeRO-3 expert-partitioned (AutoEP) checkpoints are not supported")
+        return int(stage)
+
+    def _check_model(self, model: dict[str, Any], where: str) -> str:
+        """Refuse what this reader cannot lay out (tensor or expert parallelism, a file missing or of another
+        save) before any tensor is read; returns the DeepSpeed version the checkpoint records."""
         version = model.get("ds_version")
-        self.ds_version = version[:64] if isinstance(version, str) else "?"
+        ds_version = version[:64] if isinstance(version, str) else "?"
         if model.get("mp_world_size", 1) != 1:
             raise FormatError(
                 f"{where}: tensor-parallel checkpoints (mp_world_size={short(model.get('mp_world_size'))}) are not "
@@ -115,37 +147,26 @@ class DeepSpeedCheckpoint:
         self._files.check_model_files(self.stage)
         if model.get("ds_autoep_layers", model.get("autoep_layers")):
             raise FormatError(f"{where}: AutoEP expert-parallel checkpoints are not supported")
-        self._module: dict[str, Any] = get_entry(model, "module", dict, where)
-        buffer_names = get_entry(model, "buffer_names", list, where)
-        self._buffer_names = [b for b in buffer_names if isinstance(b, str) and b in self._module]
-        param_shapes = get_entry(model, "param_shapes", list, where)
-        self._frozen = shapes_of(model.get("frozen_param_shapes") or {}, f"{where}: frozen_param_shapes")
-        shared = model.get("shared_params") or {}
-        if not isinstance(shared, dict):
-            raise FormatError(f"{where}: shared_params is a {type(shared).__name__}")
+        return ds_version
+
+    def _layout(self, param_shapes: list[Any], first: dict[str, Any], where: str) -> Layout:
+        """Where each trained parameter lies in the ranks' flat groups, from the flats' lengths and the stage's
+        rules."""
         lengths = [[f.numel() for f in self._flats(r)] for r in range(self.world_size)]
         if self.stage == 3:
-            layout = zero3_layout(param_shapes, lengths, self._inner(0).get("param_groups"), where, self._where)
-        else:
-            layout = zero12_layout(param_shapes, lengths, first, where, self._where)
-        self._params: dict[str, Param] = layout.params
-        self._owner = layout.owner  # flat group -> param group
-        # ZeRO-1/2: per group, per rank, (start, length) in the group's concatenation
-        self._partitions = layout.partitions
-        known = set(self._params) | set(self._frozen) | set(self._buffer_names)
-        self.aliases: dict[str, str] = {
-            a: s
-            for a, s in shared.items()
-            if isinstance(a, str) and isinstance(s, str) and s in known and a not in known
-        }
+            return zero3_layout(param_shapes, lengths, self._inner(0).get("param_groups"), where, self._where)
+        return zero12_layout(param_shapes, lengths, first, where, self._where)
+
+    def _stored_whole(self, known: set[str], where: str) -> set[str]:
+        """The model-file entries taken whole: the parameters not optimized, frozen, buffers or tied."""
         # ZeRO-1/2 keep whole parameters in the model file; with bf16 on, DeepSpeed records no frozen_param_shapes (and
         # zero_to_fp32 drops frozen parameters): take those from the model file, in its dtype.
-        self._whole: set[str] = set()
+        whole: set[str] = set()
         for name, value in self._module.items():
             if not isinstance(name, str) or name in known or name in self.aliases:
                 continue
             if self.stage < 3 and isinstance(value, torch.Tensor) and value.numel():
-                self._whole.add(name)
+                whole.add(name)
             else:
                 log.warning(
                     "%s: state-dict entry %s is neither optimized, frozen, a buffer nor tied, and not stored whole; "
@@ -153,8 +174,7 @@ class DeepSpeedCheckpoint:
                     where,
                     short(name),
                 )
-        known |= self._whole
-        self._order = self._ordered_names(known)
+        return whole
 
     # -- files
 

@@ -88,6 +88,10 @@ def fresh_engine_optimizers(values: Iterable[Any]) -> list[torch.optim.Optimizer
     return out
 
 
+# a parameter's saved metadata: its original shape, the dtype of its partition, its param group (None if frozen)
+_ParamMeta = tuple[tuple[int, ...], torch.dtype, int | None]
+
+
 def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalChunk]]:
     """This rank's chunks of the engine's state, and the JSON entry for ``state.json``.
 
@@ -100,15 +104,28 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
     z = Zero3Layout(engine, name)
     chunks: list[LocalChunk] = []
     state: dict[str, Any] = {section: {} for section in SECTIONS}
-
-    def add(key: str, view: torch.Tensor, p: ZeroParam) -> dict[str, str]:
-        # A rank whose share is all padding holds nothing of the tensor: its empty chunk is never
-        # written, only described (it is the empty part of the split rule, core/layout).
-        chunks.append(LocalChunk(key, view, (p.numel,), (p.start,)))
-        return {TENSOR_REF: key}
-
     sync_engine(z)
-    params_meta: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]] = {}
+    scalars_meta = _describe_optim(z, name, state, chunks)
+    groups = z.group_params()
+    params_meta = _describe_params(z, name, groups, state, chunks)
+    _describe_buffers(z, name, state, chunks)
+    meta = _engine_entry_meta(engine, z, name, groups, params_meta, scalars_meta)
+    return {"kind": KIND_DEEPSPEED_ENGINE, "state": state, "meta": meta}, chunks
+
+
+def _partition_chunk(chunks: list[LocalChunk], key: str, view: torch.Tensor, p: ZeroParam) -> dict[str, str]:
+    """This rank's partition of a parameter-shaped tensor as a chunk of its 1-D whole; returns the JSON reference."""
+    # A rank whose share is all padding holds nothing of the tensor: its empty chunk is never
+    # written, only described (it is the empty part of the split rule, core/layout).
+    chunks.append(LocalChunk(key, view, (p.numel,), (p.start,)))
+    return {TENSOR_REF: key}
+
+
+def _describe_optim(
+    z: Zero3Layout, name: str, state: dict[str, Any], chunks: list[LocalChunk]
+) -> list[tuple[list[str], dict[str, Any]]]:
+    """The per-element optimizer state as chunks, sub-group by sub-group (the order DeepSpeed keeps it in);
+    returns each sub-group's scalars (step counts...) with the parameters they belong to."""
     scalars_meta: list[tuple[list[str], dict[str, Any]]] = []
     by_sub: dict[int, list[ZeroParam]] = {}
     for p in z.trainable:
@@ -119,17 +136,31 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
         for p in members:
             for key, tensor in elementwise.items():
                 view = tensor.narrow(0, p.flat_offset, p.count)
-                state["optim"].setdefault(key, {})[p.name] = add(tensor_key(name, "optim", key, p.name), view, p)
+                ref = _partition_chunk(chunks, tensor_key(name, "optim", key, p.name), view, p)
+                state["optim"].setdefault(key, {})[p.name] = ref
         if scalars:
             scalars_meta.append(([p.name for p in members], scalars))
-    groups = z.group_params()
+    return scalars_meta
+
+
+def _describe_params(
+    z: Zero3Layout, name: str, groups: list[list[str]], state: dict[str, Any], chunks: list[LocalChunk]
+) -> dict[str, _ParamMeta]:
+    """The fp32 master weights of the trainable parameters and the frozen parameters as chunks; returns each
+    one's shape, dtype and param group, which a load checks against the live engine."""
+    params_meta: dict[str, _ParamMeta] = {}
     group_index = {n: g for g, members in enumerate(groups) for n in members}
     for p in z.trainable:
-        state["fp32"][p.name] = add(tensor_key(name, "fp32", p.name), z.fp32_view(p), p)
+        state["fp32"][p.name] = _partition_chunk(chunks, tensor_key(name, "fp32", p.name), z.fp32_view(p), p)
         params_meta[p.name] = (p.shape, p.param.ds_tensor.dtype, group_index[p.name])
     for p in z.frozen:
-        state["frozen"][p.name] = add(tensor_key(name, "frozen", p.name), z.frozen_view(p), p)
+        state["frozen"][p.name] = _partition_chunk(chunks, tensor_key(name, "frozen", p.name), z.frozen_view(p), p)
         params_meta[p.name] = (p.shape, p.param.ds_tensor.dtype, None)
+    return params_meta
+
+
+def _describe_buffers(z: Zero3Layout, name: str, state: dict[str, Any], chunks: list[LocalChunk]) -> None:
+    """The persistent buffers, whole and replicated (contiguous, so a writer can take their bytes as they are)."""
     for bname, buf in z.buffers.items():
         key = tensor_key(name, "buffers", bname)
         tensor = buf.detach()
@@ -140,10 +171,20 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
         )
         state["buffers"][bname] = {TENSOR_REF: key}
 
+
+def _engine_entry_meta(
+    engine: Any,
+    z: Zero3Layout,
+    name: str,
+    groups: list[list[str]],
+    params_meta: dict[str, _ParamMeta],
+    scalars_meta: list[tuple[list[str], dict[str, Any]]],
+) -> dict[str, Any]:
+    """The small JSON part of the entry: what a load needs beyond the tensors to rebuild the engine's state."""
     scaler = getattr(z.opt, "loss_scaler", None)
     import deepspeed
 
-    meta = engine_meta(
+    return engine_meta(
         name,
         world_size=z.world_size,
         deepspeed_version=str(getattr(deepspeed, "__version__", "unknown")),
@@ -159,7 +200,6 @@ def describe_engine(engine: Any, name: str) -> tuple[dict[str, Any], list[LocalC
         overflow=bool(getattr(z.opt, "overflow", False)),
         counters={c: int(getattr(engine, c)) for c in COUNTERS if hasattr(engine, c)},
     )
-    return {"kind": KIND_DEEPSPEED_ENGINE, "state": state, "meta": meta}, chunks
 
 
 def sync_engine(z: Zero3Layout) -> None:

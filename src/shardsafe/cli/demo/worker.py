@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -194,9 +195,8 @@ def _crash(step: int, manager: Any, log: EventLog) -> None:
 
 def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
     import torch.distributed as dist
-    from tqdm import tqdm
 
-    from shardsafe.cli.demo.model import evaluate, split_corpus
+    from shardsafe.cli.demo.model import split_corpus
 
     state = build_state(args.seed, args.steps, mesh)
     train, held_out = split_corpus()
@@ -204,53 +204,11 @@ def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
     pids: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
     with make_manager(args.out, args.save_every) as manager:
-        started = time.perf_counter()
-        restored = manager.restore(state)
-        if restored is None:
-            log.emit("fresh")
-        else:
-            log.emit(
-                "resume", step=restored, seconds=time.perf_counter() - started, skipped=[s for s, _ in manager.skipped]
-            )
-        start = restored or 0
-        bar = tqdm(
-            range(start + 1, args.steps + 1),
-            initial=start,
-            total=args.steps,
-            desc=f"run {args.attempt}",
-            unit="step",
-            file=sys.stdout,
-            disable=True if dist.get_rank() else None,  # rank 0 only, and only on a terminal
-            dynamic_ncols=True,
-        )
+        start = _restore(manager, state, log)
+        bar = _progress_bar(args, start)
+        loop = _Loop(args, state, manager, bar, log, train, held_out, seq_len, pids)
         for step in bar:
-            loss = train_step(state, train)
-            eval_loss = evaluate(state["model"], held_out, seq_len)  # every step: a preemption can make any step a save
-            bar.set_postfix(loss=f"{loss:.3f}", held_out=f"{eval_loss:.3f}")
-            if step == args.preempt_at and log.enabled:
-                _simulate_preemption(step, pids, log)
-            if step == args.crash_after:
-                log.emit("step", step=step, loss=loss, eval_loss=eval_loss)
-                bar.close()
-                _crash(step, manager, log)
-            state["step"] = step
-            clock = time.perf_counter()
-            saved = manager.save(
-                step, state, metrics={BEST_METRIC: eval_loss, "train_loss": loss}, force=step == args.steps
-            )
-            call = time.perf_counter() - clock
-            log.emit("step", step=step, loss=loss, eval_loss=eval_loss, saved=saved, call_seconds=call)
-            if saved:
-                log.emit(
-                    "save",
-                    step=step,
-                    seconds=call,
-                    mode="final" if manager.stop_requested else "async",
-                    eval_loss=eval_loss,
-                )
-            if manager.stop_requested:
-                bar.close()
-                log.emit("preempted", step=step)
+            if loop.run_step(step):
                 break
         bar.close()
         clock = time.perf_counter()
@@ -258,6 +216,104 @@ def _train(args: argparse.Namespace, mesh: Any, log: EventLog) -> None:
         log.emit("drained", seconds=time.perf_counter() - clock)
     if manager.stop_requested:
         return  # the manager restored the signal handlers; the process exits 0 like any finished job
+    _finish(args, state, held_out, seq_len, log)
+
+
+def _restore(manager: CheckpointManager, state: dict[str, Any], log: EventLog) -> int:
+    """Resume from the newest committed checkpoint if there is one; returns the step to continue after
+    (0 for a fresh start), and records how long the restore took."""
+    started = time.perf_counter()
+    restored = manager.restore(state)
+    if restored is None:
+        log.emit("fresh")
+    else:
+        seconds = time.perf_counter() - started
+        log.emit("resume", step=restored, seconds=seconds, skipped=[s for s, _ in manager.skipped])
+    return restored or 0
+
+
+def _progress_bar(args: argparse.Namespace, start: int) -> Any:
+    """The steps still to do, shown as a progress bar on rank 0 when it writes to a terminal."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    return tqdm(
+        range(start + 1, args.steps + 1),
+        initial=start,
+        total=args.steps,
+        desc=f"run {args.attempt}",
+        unit="step",
+        file=sys.stdout,
+        disable=True if dist.get_rank() else None,  # rank 0 only, and only on a terminal
+        dynamic_ncols=True,
+    )
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """What every step of the training loop uses: one place for the step's train, evaluate, save and the
+    simulated preemption and crash."""
+
+    args: argparse.Namespace
+    state: dict[str, Any]
+    manager: CheckpointManager
+    bar: Any
+    log: EventLog
+    train: torch.Tensor
+    held_out: torch.Tensor
+    seq_len: int
+    pids: list[Any]
+
+    def run_step(self, step: int) -> bool:
+        """Train, evaluate and offer ``step`` to the manager; True when the job was preempted (stop now)."""
+        from shardsafe.cli.demo.model import evaluate
+
+        args, log = self.args, self.log
+        loss = train_step(self.state, self.train)
+        eval_loss = evaluate(self.state["model"], self.held_out, self.seq_len)  # a preemption can make any step a save
+        self.bar.set_postfix(loss=f"{loss:.3f}", held_out=f"{eval_loss:.3f}")
+        if step == args.preempt_at and log.enabled:
+            _simulate_preemption(step, self.pids, log)
+        if step == args.crash_after:
+            log.emit("step", step=step, loss=loss, eval_loss=eval_loss)
+            self.bar.close()
+            _crash(step, self.manager, log)
+        self.state["step"] = step
+        self._save(step, loss, eval_loss)
+        if self.manager.stop_requested:
+            self.bar.close()
+            log.emit("preempted", step=step)
+            return True
+        return False
+
+    def _save(self, step: int, loss: float, eval_loss: float) -> None:
+        """``manager.save`` of the step, timed: how long it blocks the loop is what the summary reports."""
+        manager = self.manager
+        clock = time.perf_counter()
+        saved = manager.save(
+            step, self.state, metrics={BEST_METRIC: eval_loss, "train_loss": loss}, force=step == self.args.steps
+        )
+        call = time.perf_counter() - clock
+        self.log.emit("step", step=step, loss=loss, eval_loss=eval_loss, saved=saved, call_seconds=call)
+        if saved:
+            self.log.emit(
+                "save",
+                step=step,
+                seconds=call,
+                mode="final" if manager.stop_requested else "async",
+                eval_loss=eval_loss,
+            )
+
+
+def _finish(
+    args: argparse.Namespace, state: dict[str, Any], held_out: torch.Tensor, seq_len: int, log: EventLog
+) -> None:
+    """After the last step: the ranks' held-out loss and, when asked, one synchronous save of the same state
+    to compare the async saves' blocking time against."""
+    import torch.distributed as dist
+
+    from shardsafe.cli.demo.model import evaluate
+
     log.emit("eval", loss=evaluate(state["model"], held_out, seq_len))
     if args.sync_reference:
         reference = args.out / SYNC_REFERENCE
