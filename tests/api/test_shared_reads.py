@@ -140,3 +140,65 @@ def test_a_damaged_shared_chunk_fails_on_every_rank(tmp_path: Path) -> None:
             result.results
         )
         assert atomic_outcome.endswith("|True"), result.results  # verified before anything is written
+
+
+def _not_gloo_group(world_size: int) -> Any:
+    """A group whose backend is not called gloo (as NCCL's is not), with its ranks in reverse order
+    (group rank r is global rank world_size - 1 - r). Underneath it is gloo, so this CPU machine can
+    run it: a stand-in for a backend that does not send CPU tensors, known to shardsafe only by name."""
+    import torch.distributed as dist
+
+    if getattr(dist.Backend, "NOTGLOO", None) is None:
+        dist.Backend.register_backend(
+            "notgloo",
+            lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
+            devices=["cpu"],
+        )
+    return dist.new_group(ranks=list(range(world_size))[::-1], backend="notgloo", sort_ranks=False)
+
+
+def side_group_job(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """HSDP restore over a group that is not gloo: the shared bytes go over a gloo side group of the same
+    ranks, in the same (reversed) order, made once."""
+    import torch.distributed as dist
+
+    from shardsafe.core.comm import cpu_transport, get_comm, gloo_side
+
+    group = _not_gloo_group(world_size)
+    saved = _state(seed=1)
+    shardsafe.save(path, saved, process_group=group)
+    out: dict[str, Any] = {}
+    for attempt in range(2):
+        fresh = _state(seed=2)
+        counter = FileReads(path)
+        try:
+            shardsafe.load(path, fresh, atomic=attempt == 1, share_reads=True, process_group=group)
+        finally:
+            counter.close()
+        out[f"read {attempt}"] = counter.bytes
+        out[f"equal {attempt}"] = all(torch.equal(fresh[k].to_local(), saved[k].to_local()) for k in saved)
+    comm = get_comm(group)
+    side = cpu_transport(comm)
+    out["backend"] = str(dist.get_backend(group))
+    out["side backend"] = str(dist.get_backend(side.group))
+    out["same numbering"] = dist.get_rank(side.group) == comm.rank == world_size - 1 - rank
+    mixed = get_comm(dist.new_group(backend="cpu:gloo"))  # CPU tensors on gloo (as "cpu:gloo,cuda:nccl"): used as is
+    out["made once"] = side is gloo_side(comm) and cpu_transport(get_comm()) == get_comm()  # the world: gloo itself
+    out["mixed as is"] = str(dist.get_backend(mixed.group)) == "cpu:gloo" and cpu_transport(mixed) is mixed
+    return out
+
+
+def test_shared_reads_over_a_group_that_does_not_send_cpu_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    results = run_ranks(side_group_job, 4, str(path), work_dir=tmp_path)
+    shard_bytes = sum(
+        shard.stat().st_size - 8 - int.from_bytes(shard.open("rb").read(8), "little")
+        for shard in path.glob("shard-*.safetensors")
+    )
+    for r in results:
+        assert (r["backend"], r["side backend"], r["same numbering"]) == ("notgloo", "gloo", True)
+        assert r["made once"] and r["mixed as is"], r
+    # atomic=False: each byte read once per job; atomic: once to check, once into place (per replica: 2x and 4x)
+    for attempt, expected in ((0, 1.0), (1, 2.0)):
+        assert all(r[f"equal {attempt}"] for r in results), results
+        assert sum(r[f"read {attempt}"] for r in results) / shard_bytes == expected, (attempt, results)

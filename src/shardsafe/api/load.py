@@ -94,10 +94,11 @@ def load(
     and re-verified. ``atomic=False`` reads once, straight into the destinations: faster, but a
     hash mismatch found midway leaves the tensors read before it overwritten.
 
-    ``share_reads`` (gloo process groups): a stored chunk that several ranks need (HSDP replicas,
-    tensor-parallel ranks holding the same norm) is read from storage by one of them, verified
-    there, and sent to the others over the process group, so each byte is read from storage once
-    per job (protocol/shared_read.py). ``None`` (default): shared when the ranks run on more than
+    ``share_reads``: a stored chunk that several ranks need (HSDP replicas, tensor-parallel ranks
+    holding the same norm) is read from storage by one of them, verified there, and sent to the
+    others as host bytes over gloo (the process group itself where it sends CPU tensors with gloo;
+    on NCCL a gloo group of the same ranks, made once per process), so each byte is read from
+    storage once per job (protocol/shared_read.py). ``None`` (default): shared when the ranks run on more than
     one node (host name, or ``SHARDSAFE_NODE``) or the checkpoint is in an object store; on one
     node with local files the other ranks read it from the shared page cache, which is faster.
     ``True``: always shared. ``False``: every rank reads what it needs.
@@ -387,7 +388,7 @@ def _read_and_apply(
     except Exception as exc:
         problem = exc
     with torch.no_grad():
-        exchanged = reads.shared.exchange(reader, comm, failed=problem is not None)  # every rank runs its batches
+        exchanged = reads.shared.exchange(reader, failed=problem is not None)  # every rank runs its batches
     problem = problem or exchanged
     try:
         if problem is not None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shardsafe import errors
 from shardsafe.errors import ShardsafeError
 
-__all__ = ["Comm", "Outcome", "get_comm"]
+__all__ = ["Comm", "Outcome", "cpu_transport", "get_comm", "gloo_side"]
 
 T = TypeVar("T")
 
@@ -170,3 +170,41 @@ def get_comm(process_group: Any = None) -> Comm:
         return Comm(None, 0, 1)
     group = process_group if process_group is not None else dist.GroupMember.WORLD
     return Comm(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _serves_cpu_with_gloo(backend: str) -> bool:
+    """Whether a group's backend string (``gloo``, ``cpu:gloo,cuda:nccl``, ``nccl``...) sends CPU tensors over gloo."""
+    return backend == "gloo" or "cpu:gloo" in backend.replace(" ", "").split(",")
+
+
+_GLOO_SIDES: dict[Any, Comm] = {}  # the job's group object -> its gloo side group (the process's lifetime)
+
+
+def gloo_side(comm: Comm) -> Comm:
+    """A gloo group over ``comm``'s ranks, numbered as in ``comm`` (so group rank r is the same
+    process in both), made on first use and kept for the life of the process.
+
+    Collective among ``comm``'s ranks on the first call only (``use_local_synchronization``: ranks
+    outside ``comm`` take no part, so a subgroup's load does not involve the rest of the job); every
+    rank of ``comm`` must make its first call at the same point of the same collective sequence, as
+    for any collective. The key is the group object itself, so a process group destroyed and made
+    anew never finds the old side group."""
+    found = _GLOO_SIDES.get(comm.group)
+    if found is None:
+        ranks = (
+            list(range(comm.world_size))
+            if comm.group is dist.GroupMember.WORLD
+            else [dist.get_global_rank(comm.group, r) for r in range(comm.world_size)]
+        )
+        side = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, sort_ranks=False)
+        found = _GLOO_SIDES[comm.group] = Comm(side, comm.rank, comm.world_size)
+    return found
+
+
+def cpu_transport(comm: Comm) -> Comm:
+    """Where CPU tensors travel between ``comm``'s ranks: ``comm`` itself when its group sends CPU
+    tensors over gloo (``gloo``, ``cpu:gloo,...``), else (NCCL, which takes only GPU tensors)
+    :func:`gloo_side`. Collective on a first call that makes the side group."""
+    if not comm.distributed or _serves_cpu_with_gloo(str(dist.get_backend(comm.group))):
+        return comm
+    return gloo_side(comm)

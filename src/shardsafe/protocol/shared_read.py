@@ -26,22 +26,24 @@ When to share (``plan_shared``'s ``enabled``): ``True`` always, ``False`` never,
 one node (:mod:`shardsafe.core.nodes`) or the checkpoint is in an object store. Ranks of one node
 reading local files share one page cache, so there the second reader of a chunk gets it from
 memory, which is cheaper than sending it over the process group (BENCHMARKS.md, "N-D save and
-load": 3.29 s shared against 1.63 s not, on one node). The node ids travel in step 1's
+load": 1.52 s shared against 0.69 s not, on one node). The node ids travel in step 1's
 ``all_gather``, so deciding costs no extra collective.
 
-Works on gloo (CPU tensors); on other backends the reads are not shared (each rank reads what it
-needs, as with ``share_reads=False``).
+The bytes travel as CPU tensors over gloo: over the job's own group when it sends CPU tensors with
+gloo (``gloo``, ``cpu:gloo,cuda:nccl``), else (NCCL) over a gloo side group with the same ranks,
+made once per process when a load first shares (:func:`~shardsafe.core.comm.cpu_transport`); a
+receiver copies its boxes from the host bytes into its tensors, on the GPU or not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from shardsafe.core.comm import Comm
+from shardsafe.core.comm import Comm, cpu_transport
 from shardsafe.core.dtypes import element_size
 from shardsafe.core.fields import numel
 from shardsafe.core.format import ChunkEntry
@@ -93,6 +95,7 @@ class SharedPlan:
     """This rank's part in the exchange (see the module doc for the call order)."""
 
     rank: int
+    transport: Comm | None = None  # where the batches travel (CPU tensors over gloo); None: nothing shared
     batches: list[Batch] = field(default_factory=list)  # every batch this rank takes part in, in the global order
     shared: set[ChunkId] = field(default_factory=set)  # chunks served by the exchange
     requests: dict[ChunkId, list[ReadRequest]] = field(default_factory=dict)  # this rank's requests of those chunks
@@ -113,12 +116,14 @@ class SharedPlan:
             for c in reader.whole_chunk_checks(*self.entries[cid])
         ]
 
-    def exchange(self, reader: ChunkReader, comm: Comm, failed: bool = False) -> Exception | None:
+    def exchange(self, reader: ChunkReader, failed: bool = False) -> Exception | None:
         """Run every batch this rank is in (``failed``: this rank failed before; it sends failure
         flags and drops what it receives). Returns the first problem rather than raising: every
         rank runs every batch it is in."""
         problem: Exception | None = None
+        comm = self.transport
         for batch in self.batches:
+            assert comm is not None  # batches exist only where plan_shared chose a transport
             buffer = torch.zeros(batch.positions()[1] + 1, dtype=torch.uint8)
             if batch.reader == self.rank:
                 # read for others even after a failed receive
@@ -173,8 +178,8 @@ def _global(comm: Comm, rank: int) -> int:
 
 
 def can_share(comm: Comm) -> bool:
-    """Whether this job's reads can be shared: several ranks on a gloo group (CPU tensors)."""
-    return comm.distributed and dist.get_backend(comm.group) == "gloo"
+    """Whether this job's reads can be shared: several ranks (on any backend: see the module doc)."""
+    return comm.distributed
 
 
 def plan_shared(
@@ -200,6 +205,8 @@ def plan_shared(
     gathered = comm.all_gather((node_id(), sorted((cid, lo, hi) for cid, (lo, hi) in spans.items() if cid[3] > cid[2])))
     if enabled is None and not remote and len({node for node, _ in gathered}) == 1:
         return plan  # one node, local files: a second reader gets the bytes from the shared page cache
+    transport = cpu_transport(comm)  # the same decision on every rank: collective where it makes a side group
+    plan = replace(plan, transport=transport)
     everyone = [items for _, items in gathered]
     needers: dict[ChunkId, list[tuple[int, int, int]]] = {}
     for rank, items in enumerate(everyone):
