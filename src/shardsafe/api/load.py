@@ -109,8 +109,8 @@ def load(
         state: the objects to load into, keyed as they were saved (tensors and DTensors in any
             layout, modules, optimizers, schedulers, stateful objects, values).
         process_group: the ranks that load together (default: the default group, or this process).
-        strict: refuse keys the state asks for that the checkpoint lacks, and checkpoint tensors no
-            rank loads; with False both are skipped.
+        strict: refuse keys the state asks for that the checkpoint lacks, checkpoint tensors no
+            rank loads, and dtype mismatches; with False the keys are skipped and dtypes are cast.
         verify: check the block hash of every byte read.
         atomic: a failed load leaves the tensors untouched (see above).
         share_reads: read a chunk several ranks need once and send it to the others (see above).

@@ -18,8 +18,8 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``convert SRC OUT [--tag T] [--dtype D] [--for-engine] [--overwrite] [--no-progress]`` to a ``shardsafe``
-    parser."""
+    """Add ``convert SRC OUT [--tag T] [--dtype D] [--for-engine] [--to shardsafe|dcp] [--overwrite] [--no-progress]``
+    to a ``shardsafe`` parser."""
     p = subparsers.add_parser(
         "convert",
         help="turn a DeepSpeed ZeRO or torch DCP checkpoint into a shardsafe checkpoint (model + optimizer, any world "

@@ -1,4 +1,4 @@
-"""``shardsafe export SRC OUT``: a checkpoint (shardsafe or DeepSpeed ZeRO) into a Hugging Face model folder."""
+"""``shardsafe export SRC OUT``: a checkpoint (shardsafe, DeepSpeed ZeRO or DCP) into a Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def _size_arg(text: str) -> int:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``export SRC OUT [--dtype D] [--max-shard-size S] [--key K]`` to a ``shardsafe`` parser."""
+    """Add ``export SRC OUT [--dtype D] [--max-shard-size S] [--key K] [--config PATH] [--overwrite] [--no-progress]
+    [--no-fsync]`` to a ``shardsafe`` parser."""
     p = subparsers.add_parser(
         "export",
         help="consolidate a sharded checkpoint into a Hugging Face model folder (safetensors)",
@@ -41,7 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "src",
         type=Path,
         metavar="SRC",
-        help="checkpoint folder (holding manifest.json) or a save_pretrained(gather_16bit=False) folder",
+        help="checkpoint folder (holding manifest.json), a save_pretrained(gather_16bit=False) folder, or a "
+        "DeepSpeed ZeRO or torch DCP checkpoint folder",
     )
     p.add_argument("out", type=Path, metavar="OUT", help="model folder to create")
     p.add_argument(

@@ -12,7 +12,8 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``shardsafe push SRC DEST [--revision R] [--private] [--message M]`` to an argparse subparsers object."""
+    """Add ``shardsafe push SRC DEST [--revision R] [--private] [--message M] [--no-progress]`` to an argparse
+    subparsers object."""
     p = subparsers.add_parser(
         "push",
         help="upload a model folder or checkpoint to the Hugging Face Hub or an object store",

@@ -1,11 +1,12 @@
-"""The framework seams: every private or patched name of transformers, Accelerate and huggingface_hub shardsafe touches,
-one module per framework.
+"""The framework seams: every private or patched name of transformers, Accelerate, huggingface_hub and DeepSpeed
+shardsafe touches, one module per framework.
 
 Each module imports only its framework (and :mod:`shardsafe.errors`), lists in its docstring what
 it touches and the versions that was checked against, and raises :class:`CompatError` naming the
 installed version and the checked range when a touched name is missing. Callers use these
-modules only, never the private names themselves. DeepSpeed's ZeRO-3 internals are read by
-``state/zero3.py`` and ``state/deepspeed_engine.py``, whose docstrings list them (checked against
+modules only, never the private names themselves. DeepSpeed's underscore ZeRO-3 names are in
+``compat/deepspeed.py`` (which never imports DeepSpeed); the public ZeRO-3 optimizer attributes the
+engine adapter reads are listed, and checked on use, in ``state/zero3.py`` (checked against
 DeepSpeed 0.19.8).
 """
 

@@ -6,8 +6,12 @@ A checkpoint is a folder holding
 * ``state.json`` - the non-tensor part of the saved state (JSON, tensors replaced by references);
 * ``shard-RRRRR.safetensors`` - one per rank that had data to write, in the safetensors layout
   (8-byte little-endian header length, JSON header, raw little-endian tensor bytes);
-* ``shard-RRRRR.index.json`` (version 2) - where the parts of rule-described tensors lie in that
+* ``shard-RRRRR.index.json`` (versions 2 to 4) - where the parts of rule-described tensors lie in that
   shard (byte ranges, block hashes); its size and hash are in the manifest (core/index.py).
+
+On an object store every name but the manifest's carries the save's id (``shard-RRRRR-<id>.safetensors``,
+``shard-RRRRR-<id>.index.json``, ``state-<id>.json``); a reader takes every name from the manifest, the state
+file's being any ``state*.json``.
 
 Version 2 describes one regular layout by a rule (``split``: dim 0 over the world); version 3 any
 DTensor layout on a row-major mesh (``layout``: mesh + placements, core/rule.py); version 4 adds
@@ -180,7 +184,7 @@ def version_needed(tensors: dict[str, TensorEntry]) -> int:
 
 @dataclass(frozen=True)
 class IndexRef:
-    """The per-rank index of a shard file (version 2): its name, exact size and xxh3 hash."""
+    """The per-rank index of a shard file (versions 2 to 4): its name, exact size and xxh3 hash."""
 
     file: str
     size: int

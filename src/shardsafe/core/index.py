@@ -1,4 +1,4 @@
-"""The per-rank index of format versions 2 and 3: where the parts of rule-described tensors lie in a shard.
+"""The per-rank index of format versions 2 to 4: where the parts of rule-described tensors lie in a shard.
 
 ``shard-RRRRR.index.json`` is written by rank R right after its shard file (the safetensors header
 is written first, before the block hashes are known, and a trailer would make the file unreadable
@@ -8,7 +8,7 @@ by safetensors readers)::
      "chunks": {"model/w": {"offsets": [21, 0], "shape": [7, 16], "begin": 1192, "end": 1640,
                             "hashes": ["81791884979b2347"]}}}
 
-A tensor whose part is several boxes (a ``_StridedShard`` layout, format version 3) has a list of
+A tensor whose part is several boxes (a ``_StridedShard`` layout, format version 3 or later) has a list of
 such objects, one per box. The manifest records the index's exact size and xxh3 hash (integrity
 chain: manifest -> index -> blocks). :func:`parse_index` trusts nothing: the bytes must match the
 manifest's record, the rank must be the writer of the part it holds under the tensor's rule,

@@ -356,9 +356,9 @@ def export_hf(
     """Consolidate a sharded checkpoint into a Hugging Face model folder at ``out``, in this process.
 
     ``src`` is a shardsafe checkpoint, a model folder written by ``save_pretrained(...,
-    gather_16bit=False)``, or any :class:`TensorSource`. Tensors under ``key`` are written under
-    their names without the ``key/`` prefix, one at a time (each read with verified positional
-    reads of just its chunks, then cast), into ``model.safetensors`` or
+    gather_16bit=False)``, a DCP or DeepSpeed ZeRO folder, or any :class:`TensorSource`. Tensors
+    under ``key`` are written under their names without the ``key/`` prefix, one at a time (each
+    read with verified positional reads of just its chunks, then cast), into ``model.safetensors`` or
     ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json`` by ``max_shard_size``.
     ``dtype`` casts floating-point tensors (default: what save_pretrained recorded, else the
     stored dtypes). ``config.json`` / ``generation_config.json`` are copied from the source folder,
@@ -370,15 +370,17 @@ def export_hf(
         src: a shardsafe checkpoint, a ``save_pretrained(gather_16bit=False)`` folder, a DCP or
             DeepSpeed ZeRO folder, or a :class:`TensorSource`.
         out: the model folder to create.
-        dtype: the floating-point dtype of the weights (a torch dtype or a name like ``"bf16"``).
-        max_shard_size: split into files of at most this size (``"5GB"`` or bytes).
-        key: the state key holding the model's tensors.
+        dtype: the floating-point dtype of the weights (a torch dtype or a manifest dtype name such as
+            ``"bfloat16"``; default None: what save_pretrained recorded, else as stored).
+        max_shard_size: split into files of at most this size (``"5GB"`` or bytes; default ``"5GB"``).
+        key: the state key holding the model's tensors (default ``"model"``; without a ``model`` entry,
+            a checkpoint's one DeepSpeed engine entry).
         config: a transformers config, dict or path written as ``config.json`` (default: the
             source folder's).
-        progress: a bytes progress bar.
-        overwrite: replace a non-empty ``out``.
-        verify: check the block hash of every byte read.
-        fsync: make the folder durable before it is renamed into place.
+        progress: a bytes progress bar (default True).
+        overwrite: replace a non-empty ``out`` (default False).
+        verify: check the block hash of every byte read (default True).
+        fsync: make the folder durable before it is renamed into place (default True).
 
     Returns:
         ``out`` as an absolute :class:`~pathlib.Path`.

@@ -87,14 +87,15 @@ def save_pretrained(
         model: the model (plain, DDP-wrapped or FSDP2-sharded) every rank holds its part of.
         out_dir: the model folder to create.
         gather_16bit: write the whole model's weights (above); False writes a sharded checkpoint.
-        dtype: the floating-point dtype of the weights file (None: as the parameters are).
-        max_shard_size: split the weights into files of at most this size (``"5GB"`` or bytes).
+        dtype: the floating-point dtype of the weights file (default ``torch.bfloat16``; None: as the
+            parameters are); with ``gather_16bit=False``, the dtype ``export_hf`` writes by default.
+        max_shard_size: split the weights into files of at most this size (``"5GB"`` or bytes; default ``"5GB"``).
         push_to, revision, private, commit_message: upload the folder after publishing (see
             :func:`shardsafe.push`).
-        process_group: the ranks that hold the model (default: the default group).
-        overwrite: replace a non-empty ``out_dir``.
-        fsync: make the folder durable before it is renamed into place.
-        progress: a bytes progress bar on the coordinator.
+        process_group: the ranks that hold the model (default: the default group, or this process alone).
+        overwrite: replace a non-empty ``out_dir`` (default False).
+        fsync: make the folder durable before it is renamed into place (default True).
+        progress: a bytes progress bar on the coordinator (default False).
 
     Returns:
         ``out_dir`` as an absolute :class:`~pathlib.Path`.

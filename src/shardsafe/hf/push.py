@@ -79,12 +79,13 @@ def push(
 
     Args:
         src: a model folder or a shardsafe checkpoint folder.
-        dest: ``hf://owner/name`` (a Hub repo) or an object-store URL (``s3://bucket/prefix``).
-        revision: the Hub branch to commit to (created if missing).
-        private: create the Hub repo private (only when it is created).
-        message: the Hub commit summary.
+        dest: ``hf://owner/name`` or ``owner/name`` (a Hub model repo), or an fsspec URL
+            (``s3://bucket/prefix``, ``file:///path``).
+        revision: the Hub branch to commit to (created if missing; default None: ``main``).
+        private: create the Hub repo private (only when it is created; default False).
+        message: the Hub commit summary (default None: ``"Upload model with shardsafe"``).
         process_group: the ranks calling (default: the default group, or this process alone).
-        progress: a bytes progress bar on the coordinator.
+        progress: a bytes progress bar on the coordinator (default True).
 
     Returns:
         The Hub commit URL, or the object-store URL of ``dest``.

@@ -114,17 +114,22 @@ class CheckpointManager:
     ``apply_retention`` raise :class:`~shardsafe.errors.ReadOnlyError`.
 
     Args:
-        root: the folder (or object-store URL) holding one ``step_<n>`` checkpoint per saved step.
-        keep_last: how many of the newest checkpoints retention keeps (None: all).
-        keep_best: how many of the best checkpoints by ``best_metric`` it also keeps (None: all).
-        best_metric: the ``metrics`` key that ranks checkpoints; ``best_mode``: "min" or "max".
-        save_every: save only steps that are multiples of it (None: every call).
-        async_save: False, True or "overlap" (above).
-        process_group: the ranks that save together (default: the default group).
+        root: the folder (or object-store URL) holding one ``step-<n>`` checkpoint per saved step
+            (``step-0000000100``: ten digits).
+        keep_last: how many of the newest checkpoints retention keeps (default None: all).
+        keep_best: how many of the best checkpoints by ``best_metric`` it also keeps (default None: all).
+        best_metric: the ``metrics`` key that ranks checkpoints (needed by ``keep_best``).
+        best_mode: "min" (default) or "max": whether a smaller or a larger ``best_metric`` is better.
+        save_every: save only steps that are multiples of it (default None: every call).
+        async_save: False (default), True or "overlap" (above).
+        process_group: the ranks that save together (default: the default group, or this process alone).
         handle_preemption: on one of ``preemption_signals``, save at the next :meth:`save` call
-            and set :attr:`stop_requested`.
-        fsync: make every checkpoint durable before it is published.
-        dedup, lease_timeout, read_only, local_every, local_dir, replicas: see :meth:`__init__`.
+            and set :attr:`stop_requested` (default False).
+        preemption_signals: the signals ``handle_preemption`` catches (default SIGTERM and SIGUSR1).
+        fsync: make every checkpoint durable before it is published (default True).
+        dedup, lease_timeout, read_only, local_every, local_dir, replicas: see :meth:`__init__`
+            (defaults: False, 60 s (:data:`.lease.DEFAULT_LEASE_TIMEOUT`), False, None,
+            ``/dev/shm/shardsafe-{node}``, 0).
 
     Raises:
         ValueError: contradictory or out-of-range options (named in the message).
@@ -278,7 +283,7 @@ class CheckpointManager:
         retention it triggered has finished, on every rank.
 
         Args:
-            step: the training step; the checkpoint folder is ``step_<step>`` under the root.
+            step: the training step; the checkpoint folder is ``step-<step>`` (ten digits) under the root.
             state: what :func:`shardsafe.save` takes (modules, optimizers, schedulers, values).
             metrics: JSON-able numbers recorded with the step (``best_metric`` ranks by one).
             force: save even when ``save_every`` says not to.
