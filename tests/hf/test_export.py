@@ -465,3 +465,16 @@ def test_export_refuses_names_safetensors_cannot_store(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match=f"save_pretrained {tmp_path / 'bad'}: a tensor is named '__metadata__'"):
         shardsafe.save_pretrained(module, tmp_path / "bad")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ok"], "nothing written, no temporary left"
+
+
+def test_export_names_a_dtype_argument_it_does_not_know(tmp_path: Path) -> None:
+    """``dtype="bf16"`` is the caller's own argument: the error names it and the names to use, and
+    writes nothing; a manifest dtype name beyond the CLI's three still casts."""
+    shardsafe.save(tmp_path / "ck", {"model": torch.nn.Linear(4, 3)})
+    with pytest.raises(shardsafe.ShardsafeError, match=r"export_hf\(dtype='bf16'\): not a dtype name; use one of"):
+        shardsafe.export_hf(tmp_path / "ck", tmp_path / "bad", dtype="bf16")
+    assert not (tmp_path / "bad").exists()
+    shardsafe.export_hf(tmp_path / "ck", tmp_path / "f64", dtype="float64")
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(tmp_path / "f64" / SINGLE_FILE).values()} == {torch.float64}

@@ -340,6 +340,17 @@ def stream_weights(
             writer.abort()
 
 
+def _dtype_argument(name: str) -> torch.dtype:
+    """A manifest dtype name given as ``export_hf(dtype=...)``: the caller's own argument, so the error names it."""
+    try:
+        return dtype_from_name(name, "dtype")
+    except FormatError:
+        raise ShardsafeError(
+            f"export_hf(dtype={name!r:.40}): not a dtype name; use one of {', '.join(DTYPE_CHOICES)} "
+            "(or another manifest dtype name such as float64), or a torch.dtype"
+        ) from None
+
+
 def export_hf(
     src: str | os.PathLike[str] | TensorSource,
     out: str | os.PathLike[str],
@@ -392,7 +403,7 @@ def export_hf(
     """
     final = Path(out).absolute()
     if isinstance(dtype, str):
-        dtype = DTYPE_CHOICES.get(dtype) or dtype_from_name(dtype, "dtype")
+        dtype = DTYPE_CHOICES.get(dtype) or _dtype_argument(dtype)
     own = not isinstance(src, TensorSource)
     source: Any = src
     if own:
