@@ -21,7 +21,9 @@ holding the same manifest (equal bytes: the same save) has every file that manif
 With ``replicas=R`` each node's files are then also sent (over the tier's own gloo group, point to
 point) to the next ``R`` nodes (in the order of their lowest ranks, a ring) and written into their
 step folders next to their own files, so a node whose folder is lost can be restored from its
-peers' copies.
+peers' copies. The i-th rank of one node sends to (and receives from) the i-th rank of another
+(any rank of a node reads and writes its node's folder), so the transfers between two nodes run
+as one stream per pair of ranks, not one between their leaders.
 
 Restore (:meth:`LocalTier.restore`): every leader reports the steps its folder holds and which of
 their files are present (whole: received files are renamed into place, and a file a restore sent
@@ -334,14 +336,16 @@ class LocalTier:
         return bytes(shared[2])
 
     def _replicate(self, step: int, manifest_bytes: bytes) -> None:
-        """Collective: each rank's files to the leaders of the next ``replicas`` nodes."""
+        """Collective: each rank's files to the next ``replicas`` nodes (the i-th rank's to their i-th ranks:
+        :meth:`_partner`)."""
         manifest = parse_manifest(manifest_bytes, "the local step's manifest")
         sizes = _needed(manifest, manifest_bytes)
         moves = []
         for node, ranks in self.nodes.ranks_of.items():
             for peer in self._replica_targets(node):
-                for r in ranks:
-                    moves += [Move(name, sizes[name], r, self.nodes.leader(peer)) for name in _written_by(manifest, r)]
+                for i, r in enumerate(ranks):
+                    to = self._partner(peer, i)
+                    moves += [Move(name, sizes[name], r, to) for name in _written_by(manifest, r)]
         folder = self.step_folder(step)
         problem = self._transfer(moves, lambda name: folder / name, lambda name: folder / name)
         _raise_if_any(self.comm, problem, f"local tier: replicas of step {step}")
@@ -368,6 +372,15 @@ class LocalTier:
 
     def _global(self, rank: int) -> int:
         return rank if self.comm.group is dist.GroupMember.WORLD else dist.get_global_rank(self.comm.group, rank)
+
+    def _partner(self, node: str, index: int) -> int:
+        """The rank of ``node`` that sends or receives a node's ``index``-th file: its ranks in turn.
+
+        Any rank of a node reads and writes that node's folder, so the files between two nodes go
+        as parallel streams, one per pair of ranks (the i-th rank of one node with the i-th of the
+        other), instead of one stream between the leaders that every other transfer waits behind."""
+        ranks = self.nodes.ranks_of[node]
+        return ranks[index % len(ranks)]
 
     def _transfer(
         self, moves: list[Move], source: Callable[[str], Path], dest: Callable[[str], Path]
@@ -585,7 +598,7 @@ class LocalTier:
         mine = held[self.nodes.node]
         temp: TemporaryPath | None = None
         problem: BaseException | None = None
-        if self.nodes.is_leader and mine is None and any(m.dst == self.comm.rank for m in moves):
+        if self.nodes.is_leader and mine is None and any(self.nodes.node_of[m.dst] == self.nodes.node for m in moves):
             try:  # no copy of this save here (none, or another save of the step): a new folder, published whole
                 temp = TemporaryPath.create(self.step_folder(step), fsync=self.fsync)
             except Exception as exc:
@@ -621,12 +634,14 @@ class LocalTier:
                     ", ".join(f"{n}: {b} bytes" for n, b in self.received.items()),
                 )
             problem = self._transfer(more, lambda name: here / name, lambda name: into / name)
-            if temp is not None and problem is None:
+            # every rank's receives are done (any rank of a node writes into its leader's folder) before it is published
+            _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
+            if temp is not None:
                 try:
                     temp.publish()
                 except Exception as exc:
                     problem = exc
-            _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
+            _raise_if_any(self.comm, problem, f"local tier: publishing step {step}")
         finally:
             if temp is not None:
                 temp.remove()
@@ -673,9 +688,8 @@ class LocalTier:
             for j, name in enumerate(lacking):
                 holders = [n for n, hn in held.items() if hn is not None and name in hn.present]
                 source = holders[(i + j) % len(holders)]
-                here.append(
-                    Move(name, needed[name], self.nodes.leader(source), self.nodes.leader(node), wanted[node][name])
-                )
+                src, dst = self._partner(source, j), self._partner(node, j)
+                here.append(Move(name, needed[name], src, dst, wanted[node][name]))
             if here and sum(m.sent for m in here) + before.get(node, 0) + MARGIN_BYTES > free[node]:
                 short.append(f"node {node}: {free[node]} bytes free")
             moves += here
