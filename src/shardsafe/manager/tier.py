@@ -611,15 +611,7 @@ class LocalTier:
             into = Path(leader_temp) if leader_temp is not None else here
             problem = self._transfer(moves, lambda name: here / name, lambda name: into / name)
             _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
-            reads: dict[str, list[tuple[int, int]]] | None = None
-            if plan is not None:
-                try:
-                    reads = plan(into)
-                except Exception as exc:  # cannot tell: this node gets every shard file whole
-                    log.debug("shardsafe: local tier: planning the load of step %d: %s", step, exc)
-            asked = self.comm.all_gather(
-                None if reads is None else {name: spans for name, spans in reads.items() if name in shards}
-            )
+            asked = self._asked(step, plan, into, shards)
             wanted = {
                 node: self._wanted([asked[r] for r in ranks], needed, shards)
                 for node, ranks in self.nodes.ranks_of.items()
@@ -645,6 +637,21 @@ class LocalTier:
         finally:
             if temp is not None:
                 temp.remove()
+
+    def _asked(
+        self, step: int, plan: ReadPlan | None, into: Path, shards: frozenset[str]
+    ) -> list[dict[str, list[tuple[int, int]]] | None]:
+        """Collective: every rank's byte ranges of each shard file its load of ``step`` reads from its node's
+        folder ``into`` (None: all of every file, where it cannot tell)."""
+        reads: dict[str, list[tuple[int, int]]] | None = None
+        if plan is not None:
+            try:
+                reads = plan(into)
+            except Exception as exc:  # cannot tell: this node gets every shard file whole
+                log.debug("shardsafe: local tier: planning the load of step %d: %s", step, exc)
+        return self.comm.all_gather(
+            None if reads is None else {name: spans for name, spans in reads.items() if name in shards}
+        )
 
     @staticmethod
     def _wanted(
