@@ -3,7 +3,9 @@ and hashed, on a few threads, one sequential stream per file region.
 
 Reads use positional reads straight into the destination tensor's memory; to verify a partial
 read they also read the rest of the first and last hash block into the reading thread's scratch
-buffer, so no read needs more than one block of extra memory per thread. A block verified once is
+buffer, so no read needs more than one block of extra memory per thread. A local block is read
+and hashed :data:`PIECE_BYTES` at a time, so each piece is hashed while still in the CPU's cache
+(a check's pieces all pass through the same scratch bytes). A block verified once is
 not hashed again by the same executor (an atomic load's second pass), and on an object store the
 first :data:`REMOTE_CACHE_BYTES` of checked blocks are kept so a small state is not downloaded
 twice. The files come from :class:`~shardsafe.protocol.shard_files.ShardFiles`; which reads to do,
