@@ -26,7 +26,7 @@ When to share (``plan_shared``'s ``enabled``): ``True`` always, ``False`` never,
 one node (:mod:`shardsafe.core.nodes`) or the checkpoint is in an object store. Ranks of one node
 reading local files share one page cache, so there the second reader of a chunk gets it from
 memory, which is cheaper than sending it over the process group (BENCHMARKS.md, "N-D save and
-load": 1.52 s shared against 0.69 s not, on one node). The node ids travel in step 1's
+load": 1.99 s shared against 0.86 s not, on one node). The node ids travel in step 1's
 ``all_gather``, so deciding costs no extra collective.
 
 The bytes travel as CPU tensors over gloo: over the job's own group when it sends CPU tensors with
@@ -205,8 +205,6 @@ def plan_shared(
     gathered = comm.all_gather((node_id(), sorted((cid, lo, hi) for cid, (lo, hi) in spans.items() if cid[3] > cid[2])))
     if enabled is None and not remote and len({node for node, _ in gathered}) == 1:
         return plan  # one node, local files: a second reader gets the bytes from the shared page cache
-    transport = cpu_transport(comm)  # the same decision on every rank: collective where it makes a side group
-    plan = replace(plan, transport=transport)
     everyone = [items for _, items in gathered]
     needers: dict[ChunkId, list[tuple[int, int, int]]] = {}
     for rank, items in enumerate(everyone):
@@ -228,6 +226,10 @@ def plan_shared(
             current = open_batches[key] = []
             batches.append((reader, receivers, current))
         current.append(cid)
+    if not batches:
+        return plan  # nothing to share (disjoint parts): no transport, no side group made
+    # the same decision on every rank (from the gathered spans): collective where it makes a side group
+    plan = replace(plan, transport=cpu_transport(comm))
     for reader, receivers, chunks in batches:
         if comm.rank == reader or comm.rank in receivers:
             plan.batches.append(Batch(reader, receivers, tuple(chunks)))
