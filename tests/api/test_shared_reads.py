@@ -158,11 +158,11 @@ def _not_gloo_group(world_size: int) -> Any:
 
 
 def side_group_job(rank: int, world_size: int, path: str) -> dict[str, Any]:
-    """HSDP restore over a group that is not gloo: the shared bytes go over a gloo side group of the same
-    ranks, in the same (reversed) order, made once."""
+    """HSDP restore over a group that is not gloo (its ranks reversed): the shared bytes go over a gloo side
+    group of the same processes, made once, addressed by global rank."""
     import torch.distributed as dist
 
-    from shardsafe.core.comm import cpu_transport, get_comm, gloo_side
+    from shardsafe.core.comm import cpu_transport, get_comm, global_ranks, gloo_side
 
     group = _not_gloo_group(world_size)
     saved = _state(seed=1)
@@ -180,11 +180,16 @@ def side_group_job(rank: int, world_size: int, path: str) -> dict[str, Any]:
     comm = get_comm(group)
     side = cpu_transport(comm)
     out["backend"] = str(dist.get_backend(group))
-    out["side backend"] = str(dist.get_backend(side.group))
-    out["same numbering"] = dist.get_rank(side.group) == comm.rank == world_size - 1 - rank
+    out["side backend"] = str(dist.get_backend(side))
+    # the same processes (the side group numbers them by global rank; the exchange addresses them so)
+    out["same numbering"] = (
+        sorted(dist.get_process_group_ranks(side)) == sorted(global_ranks(comm)) == list(range(world_size))
+        and global_ranks(comm) == list(range(world_size))[::-1]
+        and comm.rank == world_size - 1 - rank
+    )
     mixed = get_comm(dist.new_group(backend="cpu:gloo"))  # CPU tensors on gloo (as "cpu:gloo,cuda:nccl"): used as is
-    out["made once"] = side is gloo_side(comm) and cpu_transport(get_comm()) == get_comm()  # the world: gloo itself
-    out["mixed as is"] = str(dist.get_backend(mixed.group)) == "cpu:gloo" and cpu_transport(mixed) is mixed
+    out["made once"] = side is gloo_side(comm) and cpu_transport(get_comm()) is get_comm().group  # the world: gloo
+    out["mixed as is"] = str(dist.get_backend(mixed.group)) == "cpu:gloo" and cpu_transport(mixed) is mixed.group
     return out
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shardsafe import errors
 from shardsafe.errors import ShardsafeError
 
-__all__ = ["Comm", "Outcome", "cpu_transport", "get_comm", "gloo_side"]
+__all__ = ["Comm", "Outcome", "cpu_transport", "get_comm", "global_ranks", "gloo_side"]
 
 T = TypeVar("T")
 
@@ -177,12 +177,20 @@ def _serves_cpu_with_gloo(backend: str) -> bool:
     return backend == "gloo" or "cpu:gloo" in backend.replace(" ", "").split(",")
 
 
-_GLOO_SIDES: dict[Any, Comm] = {}  # the job's group object -> its gloo side group (the process's lifetime)
+_GLOO_SIDES: dict[Any, Any] = {}  # the job's group object -> its gloo side group (the process's lifetime)
 
 
-def gloo_side(comm: Comm) -> Comm:
-    """A gloo group over ``comm``'s ranks, numbered as in ``comm`` (so group rank r is the same
-    process in both), made on first use and kept for the life of the process.
+def global_ranks(comm: Comm) -> list[int]:
+    """The global rank of each of ``comm``'s group ranks, in group rank order."""
+    if comm.group is dist.GroupMember.WORLD:
+        return list(range(comm.world_size))
+    return [dist.get_global_rank(comm.group, r) for r in range(comm.world_size)]
+
+
+def gloo_side(comm: Comm) -> Any:
+    """A gloo process group over the same processes as ``comm``, made on first use and kept for the
+    life of the process. Its own numbering follows the global ranks (``new_group`` sorts them), which
+    may differ from ``comm``'s: address its members by global rank (:func:`global_ranks`).
 
     Collective among ``comm``'s ranks on the first call only (``use_local_synchronization``: ranks
     outside ``comm`` take no part, so a subgroup's load does not involve the rest of the job); every
@@ -191,20 +199,15 @@ def gloo_side(comm: Comm) -> Comm:
     anew never finds the old side group."""
     found = _GLOO_SIDES.get(comm.group)
     if found is None:
-        ranks = (
-            list(range(comm.world_size))
-            if comm.group is dist.GroupMember.WORLD
-            else [dist.get_global_rank(comm.group, r) for r in range(comm.world_size)]
-        )
-        side = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, sort_ranks=False)
-        found = _GLOO_SIDES[comm.group] = Comm(side, comm.rank, comm.world_size)
+        found = dist.new_group(ranks=sorted(global_ranks(comm)), backend="gloo", use_local_synchronization=True)
+        _GLOO_SIDES[comm.group] = found
     return found
 
 
-def cpu_transport(comm: Comm) -> Comm:
-    """Where CPU tensors travel between ``comm``'s ranks: ``comm`` itself when its group sends CPU
-    tensors over gloo (``gloo``, ``cpu:gloo,...``), else (NCCL, which takes only GPU tensors)
-    :func:`gloo_side`. Collective on a first call that makes the side group."""
+def cpu_transport(comm: Comm) -> Any:
+    """The process group CPU tensors travel on between ``comm``'s ranks (address them by global rank):
+    ``comm``'s own group when it sends CPU tensors over gloo (``gloo``, ``cpu:gloo,...``), else (NCCL,
+    which takes only GPU tensors) :func:`gloo_side`. Collective on a first call that makes the side group."""
     if not comm.distributed or _serves_cpu_with_gloo(str(dist.get_backend(comm.group))):
-        return comm
+        return comm.group
     return gloo_side(comm)

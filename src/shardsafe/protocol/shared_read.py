@@ -39,11 +39,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardsafe.core.comm import Comm, cpu_transport
+from shardsafe.core.comm import Comm, cpu_transport, global_ranks
 from shardsafe.core.dtypes import element_size
 from shardsafe.core.fields import numel
 from shardsafe.core.format import ChunkEntry
@@ -95,7 +96,8 @@ class SharedPlan:
     """This rank's part in the exchange (see the module doc for the call order)."""
 
     rank: int
-    transport: Comm | None = None  # where the batches travel (CPU tensors over gloo); None: nothing shared
+    transport: Any = None  # the process group the batches travel on (CPU tensors over gloo); None: nothing shared
+    global_ranks: tuple[int, ...] = ()  # the global rank of each group rank (how the transport addresses them)
     batches: list[Batch] = field(default_factory=list)  # every batch this rank takes part in, in the global order
     shared: set[ChunkId] = field(default_factory=set)  # chunks served by the exchange
     requests: dict[ChunkId, list[ReadRequest]] = field(default_factory=dict)  # this rank's requests of those chunks
@@ -121,9 +123,7 @@ class SharedPlan:
         flags and drops what it receives). Returns the first problem rather than raising: every
         rank runs every batch it is in."""
         problem: Exception | None = None
-        comm = self.transport
         for batch in self.batches:
-            assert comm is not None  # batches exist only where plan_shared chose a transport
             buffer = torch.zeros(batch.positions()[1] + 1, dtype=torch.uint8)
             if batch.reader == self.rank:
                 # read for others even after a failed receive
@@ -131,9 +131,9 @@ class SharedPlan:
                 problem = problem or read_problem
                 buffer[-1] = int(not failed and read_problem is None)
                 for receiver in batch.receivers:  # each is at this batch too (the same global order everywhere)
-                    dist.send(buffer, _global(comm, receiver), group=comm.group)
+                    dist.send(buffer, self.global_ranks[receiver], group=self.transport)
             else:
-                dist.recv(buffer, _global(comm, batch.reader), group=comm.group)
+                dist.recv(buffer, self.global_ranks[batch.reader], group=self.transport)
                 if not buffer[-1]:
                     problem = problem or PeerFailedError(
                         f"rank {batch.reader} could not read chunks it reads for rank {self.rank} (see its error)"
@@ -171,10 +171,6 @@ def _copy_box(request: ReadRequest, data: torch.Tensor) -> None:
         source = source.narrow(d, op.offsets[d] - chunk.offsets[d], op.shape[d])
         target = target.narrow(d, op.offsets[d] - request.dest_offsets[d], op.shape[d])
     target.copy_(source)
-
-
-def _global(comm: Comm, rank: int) -> int:
-    return rank if comm.group is dist.GroupMember.WORLD else dist.get_global_rank(comm.group, rank)
 
 
 def can_share(comm: Comm) -> bool:
@@ -229,7 +225,7 @@ def plan_shared(
     if not batches:
         return plan  # nothing to share (disjoint parts): no transport, no side group made
     # the same decision on every rank (from the gathered spans): collective where it makes a side group
-    plan = replace(plan, transport=cpu_transport(comm))
+    plan = replace(plan, transport=cpu_transport(comm), global_ranks=tuple(global_ranks(comm)))
     for reader, receivers, chunks in batches:
         if comm.rank == reader or comm.rank in receivers:
             plan.batches.append(Batch(reader, receivers, tuple(chunks)))
