@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, ranges_read, write_checkpoint
-from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.comm import Comm, get_comm, global_ranks
 from shardsafe.core.faults import crash_point
 from shardsafe.errors import (
     CheckpointNotFoundError,
@@ -694,13 +694,8 @@ class CheckpointManager:
     def _make_background_comm(self) -> Comm:
         if not self.comm.distributed:
             return self.comm
-        group = dist.new_group(ranks=self._group_ranks(), backend="gloo")
+        group = dist.new_group(ranks=global_ranks(self.comm), backend="gloo")
         return Comm(group, self.comm.rank, self.comm.world_size)
-
-    def _group_ranks(self) -> list[int]:
-        if self.comm.group is dist.GroupMember.WORLD:
-            return list(range(self.comm.world_size))
-        return [dist.get_global_rank(self.comm.group, r) for r in range(self.comm.world_size)]
 
     def close(self) -> None:
         """Finish the save in flight, restore signal handlers, raise any background error."""

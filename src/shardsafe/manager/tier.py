@@ -370,9 +370,6 @@ class LocalTier:
 
     # ------------------------------------------------------------------ transfer
 
-    def _global(self, rank: int) -> int:
-        return rank if self.comm.group is dist.GroupMember.WORLD else dist.get_global_rank(self.comm.group, rank)
-
     def _partner(self, node: str, index: int) -> int:
         """The rank of ``node`` that sends or receives a node's ``index``-th file: its ranks in turn.
 
