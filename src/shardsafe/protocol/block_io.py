@@ -217,9 +217,8 @@ class BlockExecutor:
             scratch = self._thread_scratch(min(PIECE_BYTES, last - first))
             pieces = ([scratch[: min(PIECE_BYTES, last - pos)]] for pos in range(first, last, PIECE_BYTES))
         else:
-            head, tail = read.lo - first, last - read.hi
-            scratch = self._thread_scratch(head + tail)
-            pieces = _in_pieces([scratch[:head], read.dest, scratch[head : head + tail]], PIECE_BYTES)
+            views, _ = self._views(read, self._thread_scratch(self._scratch_bytes(read)))
+            pieces = _in_pieces(views, PIECE_BYTES)
         for piece in pieces:
             self.read_raw(read.chunk, piece, offset, where)
             for view in piece:
