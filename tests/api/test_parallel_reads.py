@@ -53,7 +53,7 @@ from dist_utils import (
     shard,
 )
 from shardsafe.core.parallel import TaskRunner
-from shardsafe.errors import IntegrityError, ShardsafeError
+from shardsafe.errors import FormatError, IntegrityError, ShardsafeError
 from stored_chunks import stored_chunks, use_small_blocks
 
 BLOCK = 4096
@@ -532,3 +532,31 @@ def test_blocks_read_in_pieces_smaller_than_a_block(saved: Path, monkeypatch: py
         with pytest.raises(IntegrityError, match="hash mismatch in block 12"):
             shardsafe.load(saved, state, atomic=atomic)
         assert not atomic or _bits(state["t"]) == before
+
+
+def test_a_mapped_file_reads_and_writes_pages_and_refuses_what_it_must_not_map(tmp_path: Path) -> None:
+    from shardsafe.storage.local import MappedFile
+
+    path = tmp_path / "f"
+    written = MappedFile.for_writing(path, 10_000, [(0, 100), (9_000, 10_000)])
+    written.populate(0, 10_000)
+    written.bytes[:100] = 7
+    written.bytes[9_000:] = 9
+    written.sync()
+    written.close()
+    data = path.read_bytes()
+    assert data == bytes([7] * 100) + bytes(8_900) + bytes([9] * 1_000)
+    with pytest.raises(FileExistsError):  # never over a file that is there
+        MappedFile.for_writing(path, 10, [(0, 10)])
+    read = MappedFile.for_reading(path, 10_000)
+    read.populate(0, 10_000)
+    assert bytes(read.bytes[95:105].tolist()) == bytes([7] * 5 + [0] * 5)
+    read.close()
+    with pytest.raises(IntegrityError, match="10000 bytes, the manifest says 10001"):
+        MappedFile.for_reading(path, 10_001)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(FormatError, match="not a regular file"):  # nothing that could hang or change under the map
+        MappedFile.for_reading(tmp_path / "fifo", 0)
+    empty = MappedFile.for_writing(tmp_path / "empty", 0, [])
+    assert empty.bytes.numel() == 0
+    empty.close()

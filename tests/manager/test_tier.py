@@ -440,3 +440,44 @@ def test_a_node_killed_before_its_copy_leaves_the_older_complete_step(tmp_path: 
     assert any("passed over step 6: no node holds shard-00002.index.json" in m for m in second[0]["log"]), second[0][
         "log"
     ]
+
+
+def _transfer_job(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """Rank 0 sends three files to rank 1 over the tier's group: one whole, the byte ranges of one,
+    and one whose size is not the one the move names (the sender cannot read it as asked)."""
+    from shardsafe.manager import tier as tier_module
+    from shardsafe.manager.tier import LocalTier, Move
+
+    tier_module.PIECE_BYTES = 256 << 10  # several messages per file
+    os.environ[NODE_ENV] = "a" if rank == 0 else "b"
+    tier = LocalTier(str(Path(folder) / "root"), get_comm(), 1, str(Path(folder) / "{node}"))
+    src, dst = Path(folder) / "src", Path(folder) / "dst"
+    data = bytes(range(256)) * 4096 + b"tail"  # 1 MiB and 4 bytes: more than one piece below
+    if rank == 0:
+        src.mkdir()
+        (src / "whole").write_bytes(data)
+        (src / "ranges").write_bytes(data)
+        (src / "short").write_bytes(data[:-1])
+    torch.distributed.barrier()
+    moves = [
+        Move("whole", len(data), 0, 1),
+        Move("ranges", len(data), 0, 1, ((10, 5000), (600_000, len(data)))),
+        Move("short", len(data), 0, 1),
+    ]
+    problem = tier._transfer(moves, lambda name: src / name, lambda name: dst / name)
+    return {"problem": None if problem is None else f"{type(problem).__name__}: {problem}", "data": data}
+
+
+def test_a_transfer_maps_files_whole_or_ranges_and_a_short_source_leaves_nothing(tmp_path: Path) -> None:
+    sent, received = run_ranks(_transfer_job, 2, str(tmp_path), work_dir=tmp_path)
+    data, dst = received["data"], tmp_path / "dst"
+    assert sent["problem"] is not None and "short" in sent["problem"] and "the manifest says" in sent["problem"]
+    assert received["problem"] == "SaveError: rank 0 could not read short to send it"
+    assert (dst / "whole").read_bytes() == data
+    got = (dst / "ranges").read_bytes()
+    expected = bytearray(len(data))
+    for begin, end in ((10, 5000), (600_000, len(data))):
+        expected[begin:end] = data[begin:end]
+    assert got == bytes(expected)  # the ranges, holes elsewhere: marked partial, never offered whole
+    assert (dst / ("ranges" + PARTIAL_MARK)).exists() and not (dst / ("whole" + PARTIAL_MARK)).exists()
+    assert sorted(p.name for p in dst.iterdir()) == sorted(["whole", "ranges", "ranges" + PARTIAL_MARK])

@@ -23,7 +23,9 @@ point) to the next ``R`` nodes (in the order of their lowest ranks, a ring) and 
 step folders next to their own files, so a node whose folder is lost can be restored from its
 peers' copies. The i-th rank of one node sends to (and receives from) the i-th rank of another
 (any rank of a node reads and writes its node's folder), so the transfers between two nodes run
-as one stream per pair of ranks, not one between their leaders.
+as one stream per pair of ranks, not one between their leaders. A file travels as its mapped pages
+(:class:`~shardsafe.storage.local.MappedFile`): the group reads the sender's file pages and writes
+the receiver's new file's pages (reserved first), with no copy through a buffer on either side.
 
 Restore (:meth:`LocalTier.restore`): every leader reports the steps its folder holds and which of
 their files are present (whole: received files are renamed into place, and a file a restore sent
@@ -67,7 +69,7 @@ from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NodeMap, gather_nodes, no
 from shardsafe.protocol.commit import LocalCommit
 from shardsafe.protocol.temppath import TemporaryPath, hidden_sibling, is_hidden_temp, retire_folder
 from shardsafe.state.registry import SaveView
-from shardsafe.storage.local import fsync_dir, read_small_file, remove_tree, tensor_bytes, write_small_file
+from shardsafe.storage.local import MappedFile, fsync_dir, read_small_file, remove_tree, write_small_file
 
 __all__ = ["DEFAULT_LOCAL_DIR", "LocalTier", "NodeCommit", "tier_folder_name"]
 
@@ -398,65 +400,59 @@ class LocalTier:
         return problem
 
     def _send(self, move: Move, path: Path) -> BaseException | None:
+        """Source of ``move``: its byte ranges straight from the file's pages (mapped), then the flag."""
         problem: BaseException | None = None
-        fd = None
+        source: MappedFile | None = None
         try:
-            fd = os.open(path, os.O_RDONLY)
-            if os.fstat(fd).st_size != move.size:
-                raise IntegrityError(f"{path}: {os.fstat(fd).st_size} bytes, the manifest says {move.size}")
+            source = MappedFile.for_reading(path, move.size)
         except Exception as exc:
             problem = exc
         try:
-            for offset, piece in _pieces(move.spans()):
-                if problem is None and fd is not None:
-                    try:
-                        _read_exactly(fd, tensor_bytes(piece), offset, path)
-                    except Exception as exc:
-                        problem = exc
-                if problem is not None:
-                    piece.zero_()  # a failed read sends zeros (and the flag says so), never stale bytes
-                dist.send(piece, group=self.comm.group, group_dst=move.dst)
-            dist.send(
-                torch.tensor([0 if problem is None else 1], dtype=torch.uint8),
-                group=self.comm.group,
-                group_dst=move.dst,
-            )
+            # a file that cannot be read sends zeros (and the flag says so), never stale bytes
+            pieces = source.bytes if source is not None else _scratch(move.spans())
+            for begin, end in _pieces(move.spans()):
+                if source is not None:
+                    source.populate(begin, end)
+                dist.send(_piece(pieces, begin, end, source is None), group=self.comm.group, group_dst=move.dst)
+            flag = torch.tensor([0 if problem is None else 1], dtype=torch.uint8)
+            dist.send(flag, group=self.comm.group, group_dst=move.dst)
         finally:
-            if fd is not None:
-                os.close(fd)
+            if source is not None:
+                source.close()
         return problem
 
     def _receive(self, move: Move, path: Path) -> BaseException | None:
+        """Destination of ``move``: its byte ranges straight into a new file's pages (mapped, the
+        ranges reserved first) under a hidden name, renamed into place when whole and its sender
+        read it without error."""
         problem: BaseException | None = None
         tmp = hidden_sibling(path)
-        fd = None
+        target: MappedFile | None = None
         marker = path.parent / (path.name + PARTIAL_MARK)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            if move.ranges is not None:  # holes between the ranges; marked before it takes its name
-                os.ftruncate(fd, move.size)
-                if not marker.exists():  # (a partial copy an earlier restore sent keeps its mark)
-                    write_small_file(marker, b"", self.fsync)
+            target = MappedFile.for_writing(tmp, move.size, move.spans())
+            # holes between the ranges; marked before it takes its name (a partial copy an earlier
+            # restore sent keeps its mark)
+            if move.ranges is not None and not marker.exists():
+                write_small_file(marker, b"", self.fsync)
         except Exception as exc:
             problem = exc
         try:
-            for offset, piece in _pieces(move.spans()):
-                dist.recv(piece, group=self.comm.group, group_src=move.src)
-                if problem is None and fd is not None:
-                    try:
-                        _write_all(fd, tensor_bytes(piece), offset)
-                    except Exception as exc:
-                        problem = exc
+            pieces = target.bytes if target is not None else _scratch(move.spans())
+            for begin, end in _pieces(move.spans()):
+                if target is not None:
+                    target.populate(begin, end)
+                dist.recv(_piece(pieces, begin, end, target is None), group=self.comm.group, group_src=move.src)
             flag = torch.zeros(1, dtype=torch.uint8)
             dist.recv(flag, group=self.comm.group, group_src=move.src)
             if flag.item() and problem is None:
                 problem = SaveError(f"rank {move.src} could not read {move.name} to send it")
-            if fd is not None:
+            if target is not None:
                 if problem is None and self.fsync:
-                    os.fsync(fd)
-                os.close(fd)
-                fd = None
+                    target.sync()
+                target.close()
+                target = None
             if problem is None:
                 os.replace(tmp, path)
                 if move.ranges is None:  # whole now (a partial copy of an earlier restore was there)
@@ -466,8 +462,8 @@ class LocalTier:
         except Exception as exc:
             problem = problem or exc
         finally:
-            if fd is not None:
-                os.close(fd)
+            if target is not None:
+                target.close()
             if problem is not None:
                 tmp.unlink(missing_ok=True)
         return problem
@@ -730,15 +726,23 @@ def _bytes_to(nodes: NodeMap, moves: list[Move]) -> dict[str, int]:
     return out
 
 
-def _pieces(spans: Iterable[tuple[int, int]]) -> Iterator[tuple[int, torch.Tensor]]:
-    """(offset, bytes) of each point-to-point message of the byte ranges ``spans`` of a file, in
-    order: views of one buffer of at most :data:`PIECE_BYTES`, allocated once per file (each piece
-    is sent or written before the next one is asked for)."""
-    spans = list(spans)
-    buffer = torch.zeros(min(PIECE_BYTES, max((e - b for b, e in spans), default=0)), dtype=torch.uint8)
+def _pieces(spans: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The [begin, end) byte ranges of each point-to-point message of the byte ranges ``spans`` of a
+    file, in order: at most :data:`PIECE_BYTES` each."""
     for begin, end in spans:
         for offset in range(begin, end, PIECE_BYTES):
-            yield offset, buffer[: min(PIECE_BYTES, end - offset)]
+            yield offset, min(end, offset + PIECE_BYTES)
+
+
+def _scratch(spans: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """Zeros for the pieces of a move whose file could not be opened: sent as they are, or received
+    and dropped (every piece is still exchanged, so the peer never waits forever)."""
+    return torch.zeros(min(PIECE_BYTES, max((e - b for b, e in spans), default=0)), dtype=torch.uint8)
+
+
+def _piece(pieces: torch.Tensor, begin: int, end: int, scratch: bool) -> torch.Tensor:
+    """The message for bytes [begin, end): that range of the mapped file, or the front of the scratch buffer."""
+    return pieces[: end - begin] if scratch else pieces[begin:end]
 
 
 def _size_of(path: Path) -> int | None:
@@ -746,18 +750,3 @@ def _size_of(path: Path) -> int | None:
         return os.stat(path).st_size
     except OSError:
         return None
-
-
-def _read_exactly(fd: int, view: memoryview, offset: int, where: Path) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise IntegrityError(f"{where}: shorter than the manifest says")
-        done += n
-
-
-def _write_all(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n

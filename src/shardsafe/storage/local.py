@@ -15,7 +15,8 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ from shardsafe.storage.device_copy import device_pieces
 __all__ = [
     "FileStamp",
     "FileWindow",
+    "MappedFile",
     "MADV_DONTNEED",
     "PAGE",
     "WRITE_BEHIND_WINDOW",
@@ -354,6 +356,7 @@ def remove_tree(path: Path) -> None:
 
 
 MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22  # Linux 5.14+: map pages in (readable) without a fault each
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
 PAGE = mmap.PAGESIZE
 
@@ -394,3 +397,72 @@ def prefault_writable(tensors: list[torch.Tensor]) -> None:
         start = tensor.data_ptr()
         if not madvise_pages(start, start + tensor.numel() * tensor.element_size(), _MADV_POPULATE_WRITE):
             return  # unsupported here (EINVAL on a kernel before 5.14): do not try the others
+
+
+class MappedFile:
+    """A regular file mapped shared into memory, as a uint8 tensor (:attr:`bytes`): what the local
+    tier's transfers send from and receive into, so that the process group reads a file's pages and
+    writes a new file's pages directly (no read or write copy through a buffer).
+
+    :meth:`for_reading` maps an existing file read-only, after checking it has ``size`` bytes;
+    :meth:`for_writing` creates one of ``size`` bytes (``O_EXCL``) and *reserves* the byte ranges
+    that will be written (``posix_fallocate``), so that a full file system is an error here rather
+    than a SIGBUS at the first store into a page it cannot back. A mapped file that shrinks under
+    the mapping still raises SIGBUS: only files this process's job owns (its tier folder) are mapped."""
+
+    def __init__(self, fd: int, size: int, writable: bool) -> None:
+        self.fd, self.writable = fd, writable
+        self._map: mmap.mmap | None = None
+        if size:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        if self._map is not None:
+            with warnings.catch_warnings():  # a reader's mapping is read-only, and only ever read
+                warnings.filterwarnings("ignore", "The given buffer is not writable")
+                self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @classmethod
+    def for_reading(cls, path: Path, size: int) -> MappedFile:
+        fd = open_regular(path)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise IntegrityError(f"{path}: {actual} bytes, the manifest says {size}")
+            return cls(fd, size, writable=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def for_writing(cls, path: Path, size: int, ranges: Iterable[tuple[int, int]]) -> MappedFile:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            for begin, end in ranges:
+                if end > begin:
+                    os.posix_fallocate(fd, begin, end - begin)
+            return cls(fd, size, writable=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def populate(self, begin: int, end: int) -> None:
+        """Map in the pages of bytes [begin, end) in one call (``MADV_POPULATE_READ``/``_WRITE``),
+        instead of a page fault per 4 KiB page inside the transfer. Advice only."""
+        if self._map is not None and end > begin:
+            start = self.bytes.data_ptr()
+            madvise_pages(start + begin, start + end, _MADV_POPULATE_WRITE if self.writable else _MADV_POPULATE_READ)
+
+    def sync(self) -> None:
+        """The written pages to stable storage (``msync``, then ``fsync``)."""
+        if self._map is not None:
+            self._map.flush()
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        self.bytes = torch.empty(0, dtype=torch.uint8)  # the view must go before the mapping can close
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        os.close(self.fd)
