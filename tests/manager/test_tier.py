@@ -236,6 +236,20 @@ def test_a_step_due_in_both_tiers_is_copied_once_and_both_hold_it(tmp_path: Path
         _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
 
 
+def test_overlap_mode_copies_a_local_step_in_the_background_and_saves_the_state_at_the_call(tmp_path: Path) -> None:
+    # async_save="overlap": the local save returns before its copy; step 7 trains while the tier's thread
+    # copies step 6, its optimizer step waiting for that copy: the tier holds step 6 as it was at the call
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    options = {"save_every": 100, "local_every": 2, "async_save": "overlap"}
+    first = run_ranks(_train_job, 2, str(root), str(local / "{node}"), 7, options, [6], None, work_dir=tmp_path)
+    assert committed_steps(root) == [] and _files(_tier_folder(local, "a")) == [step_name(6)]
+    assert [(r["errors"], r["saved"]) for r in first] == [([], 6)] * 2
+    second = run_ranks(_restore_job, 2, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
+    for rank, got in enumerate(second):
+        assert (got["step"], got["from"]) == (6, "local")
+        _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
+
+
 def test_root_newer_than_every_local_step_is_restored_from_the_root(tmp_path: Path) -> None:
     root, local = tmp_path / "ckpt", tmp_path / "shm"
     options = {"save_every": 3, "local_every": 4}

@@ -224,6 +224,8 @@ class CheckpointManager:
         self._at_exit = False
         self._copied = threading.Event()
         self._copied.set()
+        self._tier_copied = threading.Event()  # the local tier's copy (overlap mode), as _copied is the root's
+        self._tier_copied.set()
         self._error: BaseException | None = None
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
@@ -340,23 +342,31 @@ class CheckpointManager:
 
     def _save_local(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None) -> None:
         """The local tier's save of ``step``: the caller blocks for one agreement on the state and a
-        copy of it into the tier's own staging buffers; the tier's thread writes it (every node's
-        folder, then the replicas) over the tier's group. The previous local save is finished
-        first (with a step time above its write time, it is already)."""
+        copy of it into the tier's own staging buffers (with ``async_save="overlap"``, not even the
+        copy: the tier's thread makes it while the next forward/backward runs, and the optimizers
+        wait for it before their ``step()``); the tier's thread writes it (every node's folder, then
+        the replicas) over the tier's group. The previous local save is finished first (with a step
+        time above its write time, it is already)."""
         assert self._tier is not None
         self._tier_worker.join()
         self.lease.ensure()
         view = describe_collectively(state, self.comm, default=SaveError, cache=self._describe_cache)
         staged = self._tier_staging.prepare(view)
-        copy_all(staged)
+        if self.async_save == "overlap":
+            self._tier_copied.clear()
+            self._hook_optimizers(state)
+        else:
+            copy_all(staged)
         self._submit_local(step, staged, self._metadata(step, metrics))
 
     def _submit_local(self, step: int, staged: Staged, metadata: dict[str, Any]) -> None:
-        """Hand the local tier's write of ``step`` from ``staged`` (filled) to the tier's thread."""
+        """Hand the local tier's write of ``step`` from ``staged`` (filled, or filled first by the
+        tier's thread in overlap mode) to the tier's thread."""
         tier = self._tier
         assert tier is not None
 
         def write() -> None:
+            _copy_if_pending(staged, self._tier_copied)
             tier.save(step, staged.view, metadata)
 
         self._tier_worker.submit(write)
@@ -434,11 +444,7 @@ class CheckpointManager:
 
     def _background(self, step: int, metadata: dict[str, Any], staged: Staged) -> None:
         try:
-            if not self._copied.is_set():
-                try:
-                    copy_all(staged)
-                finally:
-                    self._copied.set()
+            _copy_if_pending(staged, self._copied)
             crash_point("async:before-write", self.comm.rank)
             self._write(step, staged.view, metadata, self._background_comm)
         except BaseException as exc:  # surfaced by the next call
@@ -532,6 +538,7 @@ class CheckpointManager:
 
     def _wait_for_copy(self, *args: Any, **kwargs: Any) -> None:
         self._copied.wait()
+        self._tier_copied.wait()
 
     # ------------------------------------------------------------------ restore
 
@@ -735,3 +742,13 @@ class CheckpointManager:
 
 
 __all__ = ["CheckpointManager"]
+
+
+def _copy_if_pending(staged: Staged, copied: threading.Event) -> None:
+    """Overlap mode, on a background thread: fill ``staged`` if the save call left its copy to this
+    thread (``copied`` not set), then release the optimizers waiting in their step pre-hook."""
+    if not copied.is_set():
+        try:
+            copy_all(staged)
+        finally:
+            copied.set()
