@@ -425,6 +425,7 @@ def test_fewer_ranks_restore_from_the_tier_with_resharding(tmp_path: Path) -> No
     for rank, got in enumerate(second):
         assert (got["step"], got["from"]) == (6, "local")
         _assert_same_state(got["state"], first[0]["recorded"][6], f"rank {rank}")
+        assert got["received"] == {"a": 0}  # node a holds the whole step (b's files as its replica): nothing sent
 
 
 def test_a_node_killed_before_its_copy_leaves_the_older_complete_step(tmp_path: Path) -> None:

@@ -585,6 +585,9 @@ class LocalTier:
                 free[self.nodes.node_of[r]] = rep[1]
         first = next(h for h in held.values() if h is not None)
         needed, shards = first.needed, first.shards
+        self.received = dict.fromkeys(self.nodes.nodes, 0)
+        if all(h is not None and h.present >= needed.keys() for h in held.values()):
+            return  # every node holds the whole step (its own files and replicas): no planning, nothing to send
         # the manifest last: it commits a new folder
         small = sorted((n for n in needed if n not in shards), key=lambda name: (name == MANIFEST_NAME, name))
         moves = self._moves(step, {node: dict.fromkeys(small) for node in self.nodes.nodes}, held, free, needed, {})
