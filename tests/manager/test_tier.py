@@ -237,13 +237,15 @@ def test_a_step_due_in_both_tiers_is_copied_once_and_both_hold_it(tmp_path: Path
 
 
 def test_overlap_mode_copies_a_local_step_in_the_background_and_saves_the_state_at_the_call(tmp_path: Path) -> None:
-    # async_save="overlap": the local save returns before its copy; step 7 trains while the tier's thread
-    # copies step 6, its optimizer step waiting for that copy: the tier holds step 6 as it was at the call
+    # async_save="overlap": the local save returns at once; step 7 trains while the tier's thread writes
+    # step 6 from the live tensors, its optimizer step waiting for those files: the tier holds step 6 as it
+    # was at the call
     root, local = tmp_path / "ckpt", tmp_path / "shm"
     options = {"save_every": 100, "local_every": 2, "async_save": "overlap"}
     first = run_ranks(_train_job, 2, str(root), str(local / "{node}"), 7, options, [6], None, work_dir=tmp_path)
     assert committed_steps(root) == [] and _files(_tier_folder(local, "a")) == [step_name(6)]
     assert [(r["errors"], r["saved"]) for r in first] == [([], 6)] * 2
+    assert all(r["tier_buffers"] == 0 for r in first)  # a host state is written from the live tensors, not staged
     second = run_ranks(_restore_job, 2, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
     for rank, got in enumerate(second):
         assert (got["step"], got["from"]) == (6, "local")

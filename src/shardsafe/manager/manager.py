@@ -330,7 +330,7 @@ class CheckpointManager:
             else:
                 copy_all(staged)
             if shared_copy:
-                self._submit_local(step, staged, metadata)
+                self._submit_local(step, staged.view, metadata)
             self._worker.submit(partial(self._background, step, metadata, staged))
             if not self._at_exit:
                 atexit.register(self._finish_at_exit)
@@ -342,32 +342,51 @@ class CheckpointManager:
 
     def _save_local(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None) -> None:
         """The local tier's save of ``step``: the caller blocks for one agreement on the state and a
-        copy of it into the tier's own staging buffers (with ``async_save="overlap"``, not even the
-        copy: the tier's thread makes it while the next forward/backward runs, and the optimizers
-        wait for it before their ``step()``); the tier's thread writes it (every node's folder, then
-        the replicas) over the tier's group. The previous local save is finished first (with a step
-        time above its write time, it is already)."""
+        copy of it into the tier's own staging buffers; the tier's thread writes it (every node's
+        folder, then the replicas) over the tier's group. The previous local save is finished first
+        (with a step time above its write time, it is already).
+
+        With ``async_save="overlap"`` the call does not wait for the copy either: the optimizers
+        wait for it in their step pre-hook, and the tier's thread makes it while the next
+        forward/backward runs. A state wholly in host memory is not copied at all there: the tier's
+        thread writes the node's files straight from the live tensors (no staging buffers, so no
+        second copy of the state in memory), and the optimizers wait until those files are written."""
         assert self._tier is not None
         self._tier_worker.join()
         self.lease.ensure()
         view = describe_collectively(state, self.comm, default=SaveError, cache=self._describe_cache)
-        staged = self._tier_staging.prepare(view)
-        if self.async_save == "overlap":
-            self._tier_copied.clear()
-            self._hook_optimizers(state)
-        else:
+        metadata = self._metadata(step, metrics)
+        if self.async_save != "overlap":
+            staged = self._tier_staging.prepare(view)
             copy_all(staged)
-        self._submit_local(step, staged, self._metadata(step, metrics))
+            self._submit_local(step, staged.view, metadata)
+            return
+        self._tier_copied.clear()
+        self._hook_optimizers(state)
+        if all(chunk.tensor.device.type == "cpu" for chunk in view.chunks):
+            self._tier_staging.buffers.clear()
+            self._submit_local(step, view, metadata, direct=True)
+        else:
+            staged = self._tier_staging.prepare(view)
+            self._submit_local(step, staged.view, metadata, pending=staged)
 
-    def _submit_local(self, step: int, staged: Staged, metadata: dict[str, Any]) -> None:
-        """Hand the local tier's write of ``step`` from ``staged`` (filled, or filled first by the
-        tier's thread in overlap mode) to the tier's thread."""
+    def _submit_local(
+        self, step: int, view: SaveView, metadata: dict[str, Any], pending: Staged | None = None, direct: bool = False
+    ) -> None:
+        """Hand the local tier's write of ``step`` from ``view`` to the tier's thread. Overlap mode:
+        ``pending``, the staged copy the thread makes first; ``direct``, ``view`` is the live state,
+        released (``_tier_copied``) once the node's files are written."""
         tier = self._tier
         assert tier is not None
 
         def write() -> None:
-            _copy_if_pending(staged, self._tier_copied)
-            tier.save(step, staged.view, metadata)
+            if pending is not None:
+                _copy_if_pending(pending, self._tier_copied)
+            try:
+                tier.save(step, view, metadata, written=self._tier_copied.set if direct else None)
+            finally:
+                if direct:  # also when the save failed or was skipped: the optimizers never wait forever
+                    self._tier_copied.set()
 
         self._tier_worker.submit(write)
 

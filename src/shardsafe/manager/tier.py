@@ -209,11 +209,15 @@ class LocalTier:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, view: SaveView, metadata: dict[str, Any]) -> bool:
+    def save(
+        self, step: int, view: SaveView, metadata: dict[str, Any], written: Callable[[], None] | None = None
+    ) -> bool:
         """Collective: the described (and, from the manager, staged) ``view`` as ``step`` in every
         node's folder (and its replicas); the manager's tier thread runs it, every collective on the
-        tier's own group. Returns True when the step is complete in the tier. A failure to write
-        (or too little space) is logged and kept in :attr:`errors`, not raised."""
+        tier's own group. ``written`` is called once every node's folder is committed, before the
+        replicas are sent: from then on ``view``'s tensors are no longer read. Returns True when the
+        step is complete in the tier. A failure to write (or too little space) is logged and kept in
+        :attr:`errors`, not raised."""
         if not self._room_for(step, view):
             return False
         try:
@@ -232,6 +236,8 @@ class LocalTier:
             except BaseException:
                 target.abort()
                 raise
+            if written is not None:
+                written()
             if self.replicas:
                 self._replicate(step, manifest_bytes)
             self._prune(keep=step)
