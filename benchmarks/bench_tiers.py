@@ -382,7 +382,7 @@ def main() -> None:
         f"| local tier (`local_every=1, replicas=1`) | {med['tier'] * 1e3:.0f} ms | {med['tier'] / med['memcpy']:.2f}x "
         "| <= 1.5x: "
         f"{'met' if med['tier'] <= 1.5 * med['memcpy'] else 'MISSED'} |",
-        f'| local tier, `async_save="overlap"` (the call; the tier\'s thread then copies) | '
+        f'| local tier, `async_save="overlap"` (the call; the tier\'s thread then writes from the live tensors) | '
         f"{med['tier overlap'] * 1e3:.0f} ms | {med['tier overlap'] / med['memcpy']:.2f}x | |",
         f"| async persistent save (`async_save=True`) | {med['async root'] * 1e3:.0f} ms | "
         f"{med['async root'] / med['memcpy']:.2f}x | |",
@@ -433,7 +433,8 @@ def main() -> None:
         + f" The modeled GPU step sleeps {args.device_share * args.step_time:.1f} s (the host waiting for the "
         "device's forward/backward, its cores idle) and then runs the real AdamW step on the rank's shards "
         'with fixed random gradients (the state changes every step); with `async_save="overlap"` the tier\'s '
-        "copy runs during that wait and the optimizer step waits for it.",
+        "thread writes the node's files from the live tensors during that wait (no copy of a host state) and the "
+        "optimizer step waits for them.",
         "",
         "Raw: `" + json.dumps({"blocked": {k: [round(v, 4) for v in blocked[k]] for k in BLOCKED}}) + "`",
         "`" + json.dumps({"restore": rmed, "loop": loop}) + "`",
