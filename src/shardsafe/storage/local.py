@@ -443,8 +443,9 @@ class MappedFile:
                 if end > begin:
                     os.posix_fallocate(fd, begin, end - begin)
             return cls(fd, size, writable=True)
-        except BaseException:
+        except BaseException:  # a full file system (ENOSPC here, not a SIGBUS later): nothing left behind
             os.close(fd)
+            path.unlink(missing_ok=True)
             raise
 
     def populate(self, begin: int, end: int) -> None:
