@@ -365,17 +365,16 @@ class CheckpointManager:
         self._hook_optimizers(state)
         if all(chunk.tensor.device.type == "cpu" for chunk in view.chunks):
             self._tier_staging.buffers.clear()
-            self._submit_local(step, view, metadata, direct=True)
+            self._submit_local(step, view, metadata)
         else:
             staged = self._tier_staging.prepare(view)
             self._submit_local(step, staged.view, metadata, pending=staged)
 
-    def _submit_local(
-        self, step: int, view: SaveView, metadata: dict[str, Any], pending: Staged | None = None, direct: bool = False
-    ) -> None:
+    def _submit_local(self, step: int, view: SaveView, metadata: dict[str, Any], pending: Staged | None = None) -> None:
         """Hand the local tier's write of ``step`` from ``view`` to the tier's thread. Overlap mode:
-        ``pending``, the staged copy the thread makes first; ``direct``, ``view`` is the live state,
-        released (``_tier_copied``) once the node's files are written."""
+        ``pending``, the staged copy the thread makes first; without it, ``view`` may be the live
+        state, and the optimizers are released (``_tier_copied``, already set in every other case)
+        once the node's files are written."""
         tier = self._tier
         assert tier is not None
 
@@ -383,10 +382,9 @@ class CheckpointManager:
             if pending is not None:
                 _copy_if_pending(pending, self._tier_copied)
             try:
-                tier.save(step, view, metadata, written=self._tier_copied.set if direct else None)
-            finally:
-                if direct:  # also when the save failed or was skipped: the optimizers never wait forever
-                    self._tier_copied.set()
+                tier.save(step, view, metadata, written=self._tier_copied.set)
+            finally:  # also when the save failed or was skipped: the optimizers never wait forever
+                self._tier_copied.set()
 
         self._tier_worker.submit(write)
 

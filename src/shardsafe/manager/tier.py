@@ -415,11 +415,8 @@ class LocalTier:
             problem = exc
         try:
             # a file that cannot be read sends zeros (and the flag says so), never stale bytes
-            pieces = source.bytes if source is not None else _scratch(move.spans())
-            for begin, end in _pieces(move.spans()):
-                if source is not None:
-                    source.populate(begin, end)
-                dist.send(_piece(pieces, begin, end, source is None), group=self.comm.group, group_dst=move.dst)
+            for piece in _messages(source, move.spans()):
+                dist.send(piece, group=self.comm.group, group_dst=move.dst)
             flag = torch.tensor([0 if problem is None else 1], dtype=torch.uint8)
             dist.send(flag, group=self.comm.group, group_dst=move.dst)
         finally:
@@ -445,11 +442,8 @@ class LocalTier:
         except Exception as exc:
             problem = exc
         try:
-            pieces = target.bytes if target is not None else _scratch(move.spans())
-            for begin, end in _pieces(move.spans()):
-                if target is not None:
-                    target.populate(begin, end)
-                dist.recv(_piece(pieces, begin, end, target is None), group=self.comm.group, group_src=move.src)
+            for piece in _messages(target, move.spans()):
+                dist.recv(piece, group=self.comm.group, group_src=move.src)
             flag = torch.zeros(1, dtype=torch.uint8)
             dist.recv(flag, group=self.comm.group, group_src=move.src)
             if flag.item() and problem is None:
@@ -735,23 +729,23 @@ def _bytes_to(nodes: NodeMap, moves: list[Move]) -> dict[str, int]:
     return out
 
 
-def _pieces(spans: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    """The [begin, end) byte ranges of each point-to-point message of the byte ranges ``spans`` of a
-    file, in order: at most :data:`PIECE_BYTES` each."""
+def _messages(mapped: MappedFile | None, spans: Iterable[tuple[int, int]]) -> Iterator[torch.Tensor]:
+    """The point-to-point messages of the byte ranges ``spans`` of a file, in order, at most
+    :data:`PIECE_BYTES` each: views of the ``mapped`` file (its pages mapped in just before each is
+    sent or received), or, where the file could not be opened, the front of one zeroed scratch
+    buffer (sent as it is, or received and dropped: every message is still exchanged, so the peer
+    never waits forever)."""
+    spans = list(spans)
+    longest = max((end - begin for begin, end in spans), default=0)
+    scratch = torch.zeros(min(PIECE_BYTES, longest) if mapped is None else 0, dtype=torch.uint8)
     for begin, end in spans:
         for offset in range(begin, end, PIECE_BYTES):
-            yield offset, min(end, offset + PIECE_BYTES)
-
-
-def _scratch(spans: Iterable[tuple[int, int]]) -> torch.Tensor:
-    """Zeros for the pieces of a move whose file could not be opened: sent as they are, or received
-    and dropped (every piece is still exchanged, so the peer never waits forever)."""
-    return torch.zeros(min(PIECE_BYTES, max((e - b for b, e in spans), default=0)), dtype=torch.uint8)
-
-
-def _piece(pieces: torch.Tensor, begin: int, end: int, scratch: bool) -> torch.Tensor:
-    """The message for bytes [begin, end): that range of the mapped file, or the front of the scratch buffer."""
-    return pieces[: end - begin] if scratch else pieces[begin:end]
+            stop = min(end, offset + PIECE_BYTES)
+            if mapped is None:
+                yield scratch[: stop - offset]
+            else:
+                mapped.populate(offset, stop)
+                yield mapped.bytes[offset:stop]
 
 
 def _size_of(path: Path) -> int | None:
