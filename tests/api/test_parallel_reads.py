@@ -554,6 +554,9 @@ def test_a_mapped_file_reads_and_writes_pages_and_refuses_what_it_must_not_map(t
     read.close()
     with pytest.raises(IntegrityError, match="10000 bytes, the manifest says 10001"):
         MappedFile.for_reading(path, 10_001)
+    (tmp_path / "link").symlink_to(path)  # a symlink in the folder is not followed out of it
+    with pytest.raises(OSError):
+        MappedFile.for_reading(tmp_path / "link", 10_000)
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(FormatError, match="not a regular file"):  # nothing that could hang or change under the map
         MappedFile.for_reading(tmp_path / "fifo", 0)

@@ -404,7 +404,8 @@ class MappedFile:
     tier's transfers send from and receive into, so that the process group reads a file's pages and
     writes a new file's pages directly (no read or write copy through a buffer).
 
-    :meth:`for_reading` maps an existing file read-only, after checking it has ``size`` bytes;
+    :meth:`for_reading` maps an existing regular file (not through a symlink) read-only, after
+    checking it has ``size`` bytes;
     :meth:`for_writing` creates one of ``size`` bytes (``O_EXCL``) and *reserves* the byte ranges
     that will be written (``posix_fallocate``), so that a full file system is an error here rather
     than a SIGBUS at the first store into a page it cannot back. A mapped file that shrinks under
@@ -424,7 +425,7 @@ class MappedFile:
 
     @classmethod
     def for_reading(cls, path: Path, size: int) -> MappedFile:
-        fd = open_regular(path)
+        fd = open_regular(path, follow=False)  # a symlink planted in the folder could point anywhere
         try:
             actual = os.fstat(fd).st_size
             if actual != size:
