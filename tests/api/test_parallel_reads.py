@@ -563,3 +563,47 @@ def test_a_mapped_file_reads_and_writes_pages_and_refuses_what_it_must_not_map(t
     empty = MappedFile.for_writing(tmp_path / "empty", 0, [])
     assert empty.bytes.numel() == 0
     empty.close()
+
+
+def test_a_recycled_file_is_written_over_in_place_and_anything_but_a_regular_file_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    # the local tier's spare: a retired step's file, moved to the new name and written over (its pages kept)
+    from shardsafe.core.safetensors_header import HeaderEntry, build_safetensors_header
+    from shardsafe.storage.local import MappedFile, create_or_recycle
+    from shardsafe.storage.safetensors import write_tensor_file
+
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    (spare / "old").write_bytes(b"x" * 5_000)
+    inode = (spare / "old").stat().st_ino
+    mapped = MappedFile.for_writing(tmp_path / "new", 3_000, [(0, 3_000)], recycled=spare / "old")
+    mapped.bytes[:] = 5
+    mapped.close()
+    assert (tmp_path / "new").stat().st_ino == inode and not (spare / "old").exists()
+    assert (tmp_path / "new").read_bytes() == bytes([5] * 3_000)  # sized to the new file: no old tail
+    # a streamed shard file over a longer recycled one: truncated to what was written
+    tensor = torch.arange(10, dtype=torch.float32)
+    prefix, _ = build_safetensors_header([HeaderEntry("t", torch.float32, (10,))])
+    fresh = tmp_path / "fresh.safetensors"
+    size, digests = write_tensor_file(fresh, prefix, [tensor], 64)
+    (spare / "long").write_bytes(b"y" * 10 * size)
+    inode = (spare / "long").stat().st_ino
+    over = tmp_path / "over.safetensors"
+    assert write_tensor_file(over, prefix, [tensor], 64, recycled=spare / "long") == (size, digests)
+    assert over.stat().st_ino == inode and over.read_bytes() == fresh.read_bytes()
+    # no spare file (a new one is made), and never through a symlink or over a folder
+    fd, recycled = create_or_recycle(tmp_path / "a", spare / "missing")
+    os.close(fd)
+    assert not recycled
+    (tmp_path / "target").write_bytes(b"keep")
+    (spare / "link").symlink_to(tmp_path / "target")
+    (spare / "dir").mkdir()
+    for name in ("link", "dir"):
+        fd, recycled = create_or_recycle(tmp_path / f"from-{name}", spare / name)
+        os.write(fd, b"new")
+        os.close(fd)
+        assert not recycled and (tmp_path / f"from-{name}").read_bytes() == b"new"
+    assert (tmp_path / "target").read_bytes() == b"keep" and (spare / "link").is_symlink() and (spare / "dir").is_dir()
+    with pytest.raises(FileExistsError):  # the new name is never an existing file
+        create_or_recycle(tmp_path / "target", None)

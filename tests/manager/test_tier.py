@@ -35,7 +35,7 @@ from shardsafe.core.comm import get_comm
 from shardsafe.manager.catalog import committed_steps
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NODE_ENV, NodeMap, gather_nodes, node_dir, node_id
-from shardsafe.manager.tier import PARTIAL_MARK
+from shardsafe.manager.tier import PARTIAL_MARK, SPARE_NAME
 
 
 def _node_of(rank: int) -> str:
@@ -119,11 +119,13 @@ def _train_job(
     record: list[int],
     short_on: str | None,
     crash: tuple[int, str] | None = None,
+    inodes: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` steps under a manager with a local tier, then stop without close() (a crash:
     the tier is left as it was). Returns the state at each step of ``record`` (also written to
     ``rank<r>-step<s>.pt`` next to ``root``, for a job that is killed). ``crash``: (step, point):
-    arm ``SHARDSAFE_CRASH_AT`` before saving that step."""
+    arm ``SHARDSAFE_CRASH_AT`` before saving that step. ``inodes``: after each save, wait for the
+    tier and record the inode of every shard file of this node's folder of that step."""
     os.environ[NODE_ENV] = _node_of(rank)
     if short_on == _node_of(rank):  # this node's local folder reports (almost) no free space
         shardsafe.manager.tier.shutil.disk_usage = lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000)  # type: ignore[attr-defined]
@@ -133,12 +135,18 @@ def _train_job(
     torch.manual_seed(100 + rank)
     manager = shardsafe.CheckpointManager(root, local_dir=local, **options)
     recorded = {}
+    seen: dict[int, dict[str, int]] = {}
     for step in range(1, steps + 1):
         train_step(model, optimizer, *rank_batch(rank, step))
         state["step"] = step
         if crash is not None and crash[0] == step:
             os.environ["SHARDSAFE_CRASH_AT"] = crash[1]
         manager.save(step, state)
+        if inodes:
+            manager._tier_worker.join()
+            if manager._tier is not None and manager._tier.saved == step:
+                folder = manager._tier.step_folder(step)
+                seen[step] = {p.name: p.stat().st_ino for p in folder.glob("*.safetensors")}
         if step in record:
             recorded[step] = _snapshot(model, optimizer, state)
             torch.save(recorded[step], Path(root).parent / f"rank{rank}-step{step}.pt")
@@ -149,6 +157,7 @@ def _train_job(
         "errors": list(manager._tier.errors),
         "saved": manager._tier.saved,
         "tier_buffers": len(manager._tier_staging.buffers),
+        "inodes": seen,
         "rng": torch.rand(3),
     }
 
@@ -210,7 +219,7 @@ def test_local_steps_are_written_per_node_and_restored_after_a_crash(tmp_path: P
     assert all(r["errors"] == [] and r["saved"] == 6 for r in first)
     for node in ("a", "b"):  # the newest step only; each node its own ranks' shards and its copy of the shared files
         folder = _tier_folder(local, node)
-        assert _files(folder) == [step_name(6)]
+        assert _files(folder) == [SPARE_NAME, step_name(6)]  # and step 5, retired, as the next save's spare
         assert _files(folder / step_name(6)) == sorted(SHARDS[node] + SHARED)
     manifest_a = (_tier_folder(local, "a") / step_name(6) / "manifest.json").read_bytes()
     assert manifest_a == (_tier_folder(local, "b") / step_name(6) / "manifest.json").read_bytes()
@@ -226,7 +235,7 @@ def test_a_step_due_in_both_tiers_is_copied_once_and_both_hold_it(tmp_path: Path
     root, local = tmp_path / "ckpt", tmp_path / "shm"
     options = {"save_every": 2, "local_every": 2, "async_save": True}
     first = run_ranks(_train_job, 2, str(root), str(local / "{node}"), 4, options, [4], None, work_dir=tmp_path)
-    assert committed_steps(root) == [2, 4] and _files(_tier_folder(local, "a")) == [step_name(4)]
+    assert committed_steps(root) == [2, 4] and _files(_tier_folder(local, "a")) == [SPARE_NAME, step_name(4)]
     assert [(r["errors"], r["saved"]) for r in first] == [([], 4)] * 2  # the newest local step
     assert all(r["tier_buffers"] == 0 for r in first)  # the tier wrote from the root's staged copy
     shutil.rmtree(root / step_name(4))  # now only the local tier holds step 4
@@ -243,7 +252,7 @@ def test_overlap_mode_copies_a_local_step_in_the_background_and_saves_the_state_
     root, local = tmp_path / "ckpt", tmp_path / "shm"
     options = {"save_every": 100, "local_every": 2, "async_save": "overlap"}
     first = run_ranks(_train_job, 2, str(root), str(local / "{node}"), 7, options, [6], None, work_dir=tmp_path)
-    assert committed_steps(root) == [] and _files(_tier_folder(local, "a")) == [step_name(6)]
+    assert committed_steps(root) == [] and _files(_tier_folder(local, "a")) == [SPARE_NAME, step_name(6)]
     assert [(r["errors"], r["saved"]) for r in first] == [([], 6)] * 2
     assert all(r["tier_buffers"] == 0 for r in first)  # a host state is written from the live tensors, not staged
     second = run_ranks(_restore_job, 2, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
@@ -325,9 +334,19 @@ def test_a_node_short_of_space_skips_the_local_save_on_every_rank(tmp_path: Path
 def test_replicas_restore_a_wiped_node_from_its_peer(tmp_path: Path) -> None:
     root, local = tmp_path / "ckpt", tmp_path / "shm"
     options = {"save_every": 4, "local_every": 1, "replicas": 1}
-    first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, work_dir=tmp_path)
+    first = run_ranks(
+        _train_job, 4, str(root), str(local / "{node}"), 6, options, [6], None, None, True, work_dir=tmp_path
+    )
     for node in ("a", "b"):  # its own files and its peer's: each node's folder holds the whole step
         assert _files(_tier_folder(local, node) / step_name(6)) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)
+        # step 5, retired when step 6 was complete, is the spare the next save writes over
+        assert _files(_tier_folder(local, node)) == [SPARE_NAME, step_name(6)]
+        assert _files(_tier_folder(local, node) / SPARE_NAME) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED)
+    for rank in (0, 2):  # each save wrote its shards and received its replicas over the files of two steps before
+        inodes = first[rank]["inodes"]
+        assert sorted(inodes) == [1, 2, 3, 4, 5, 6] and len(inodes[6]) == 4
+        assert [inodes[s] for s in (3, 4, 5, 6)] == [inodes[1], inodes[2], inodes[3], inodes[4]]
+        assert set(inodes[1].values()).isdisjoint(inodes[2].values())
     shutil.rmtree(local / "b")  # node b lost, its folder with it
     second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
     for rank, got in enumerate(second):
@@ -446,7 +465,7 @@ def test_a_node_killed_before_its_copy_leaves_the_older_complete_step(tmp_path: 
         work_dir=tmp_path,
     )
     assert not crashed.ok and crashed.exitcodes[2] == -9  # node b's leader, before its copy of step 6
-    assert _files(_tier_folder(local, "a")) == [step_name(5), step_name(6)]  # a committed step 6; b did not
+    assert _files(_tier_folder(local, "a")) == [SPARE_NAME, step_name(5), step_name(6)]  # a committed step 6; b did not
     assert [p.name for p in _tier_folder(local, "b").iterdir() if not p.name.startswith(".")] == [step_name(5)]
     second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
     for rank, got in enumerate(second):

@@ -39,9 +39,16 @@ verifying block hashes as any load does. Damage found there (a missing file, a h
 means the persistent root is used instead.
 
 Retention: a node's folder holds the newest step saved everywhere and the one being written; the
-older ones are removed once a new step is complete (replicas included). Before each save the
-ranks check (``shutil.disk_usage``) that every node's folder has room for its share; if one has
-not, the local save is skipped with a warning. :meth:`LocalTier.close` removes the folders.
+older ones are removed once a new step is complete (replicas included), except that the newest of
+them becomes the folder's *spare* (:data:`SPARE_NAME`): the next save writes each shard file and
+receives each replica over its namesake there (:func:`~shardsafe.storage.local.create_or_recycle`)
+instead of into new pages. On a tmpfs a new file's pages are allocated and zeroed as they are
+first written and freed again when its step is removed, which cost more CPU than the copy itself
+(BENCHMARKS.md, "Local tier"); so a node's folder holds two steps' worth of memory between saves,
+the peak it reaches during every save anyway. Before each save the ranks check
+(``shutil.disk_usage``, the spare counted as free) that every node's folder has room for its
+share; if one has not, the local save is skipped with a warning. :meth:`LocalTier.close` removes
+the folders.
 """
 
 from __future__ import annotations
@@ -70,12 +77,15 @@ from shardsafe.protocol.commit import LocalCommit
 from shardsafe.protocol.temppath import TemporaryPath, hidden_sibling, is_hidden_temp, retire_folder
 from shardsafe.state.registry import SaveView
 from shardsafe.storage.local import MappedFile, fsync_dir, read_small_file, remove_tree, write_small_file
+from shardsafe.storage.safetensors import write_tensor_file
 
 __all__ = ["DEFAULT_LOCAL_DIR", "LocalTier", "NodeCommit", "tier_folder_name"]
 
 log = logging.getLogger("shardsafe")
 
 PIECE_BYTES = 64 << 20  # one point-to-point message of a file being sent
+# in a node's tier folder: the files of the step retired last, written over by the next save (see the module doc)
+SPARE_NAME = ".shardsafe-spare"
 # next to a file a restore received only parts of (the byte ranges its node's ranks read): never offered as whole
 PARTIAL_MARK = ".shardsafe-partial"
 MARGIN_BYTES = 16 << 20  # headroom a node's folder keeps beyond what a save or restore writes there
@@ -96,9 +106,21 @@ class NodeCommit(LocalCommit):
     """A :class:`LocalCommit` into this rank's own node's hidden step folder (its leader owns it).
 
     The coordinator commits its node's folder as any checkpoint and keeps the shared files' bytes
-    (:attr:`shared`); every other leader then commits its copy with :meth:`commit_copy`."""
+    (:attr:`shared`); every other leader then commits its copy with :meth:`commit_copy`. A shard
+    file is written over its namesake in the node's ``spare`` folder (:data:`SPARE_NAME`) when
+    there is one, not into new pages."""
 
     shared: tuple[str, bytes, bytes] | None = None  # (state file name, state bytes, manifest bytes), coordinator
+
+    def __init__(self, temp: TemporaryPath, spare: Path | None = None) -> None:
+        super().__init__(temp)
+        self.spare = spare
+
+    def write_shard(
+        self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int
+    ) -> tuple[int, list[list[str]]]:
+        recycled = None if self.spare is None else self.spare / name
+        return write_tensor_file(self.tmp / name, prefix, tensors, block_size, self.fsync, rank, recycled)
 
     def commit(self, state_bytes: bytes, manifest: Manifest, rank: int) -> None:
         data = manifest.to_bytes()
@@ -293,10 +315,16 @@ class LocalTier:
         return [order[(i + j) % n] for j in range(1, min(self.replicas, n - 1) + 1)]
 
     def _free_bytes(self) -> int:
+        """Leader: the room for a save in this node's folder: its file system's free bytes and the spare's."""
         probe = self.folder
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
-        return shutil.disk_usage(probe).free
+        spare = sum(_size_of(f) or 0 for f in self._spare.iterdir()) if self._spare.is_dir() else 0
+        return shutil.disk_usage(probe).free + spare
+
+    @property
+    def _spare(self) -> Path:
+        return self.folder / SPARE_NAME
 
     def _prepare(self, step: int) -> NodeCommit:
         """Collective: each leader creates its node's hidden step folder; every rank gets a handle on its node's."""
@@ -318,7 +346,8 @@ class LocalTier:
             raise
         mine = names[self.nodes.leader()]
         return NodeCommit(
-            temp if temp is not None else TemporaryPath.attach(Path(mine), final, owner=False, fsync=self.fsync)
+            temp if temp is not None else TemporaryPath.attach(Path(mine), final, owner=False, fsync=self.fsync),
+            self._spare,
         )
 
     def _remove_leftovers(self) -> None:
@@ -359,13 +388,18 @@ class LocalTier:
         _raise_if_any(self.comm, problem, f"local tier: replicas of step {step}")
 
     def _prune(self, keep: int) -> None:
-        """Collective: every leader removes its other steps (``keep`` is complete everywhere now)."""
+        """Collective: every leader removes its other steps (``keep`` is complete everywhere now); the
+        newest of them becomes the spare, what the last save left of the one before is removed."""
         problem = None
         if self.nodes.is_leader:
             try:
-                for step in self._steps():
-                    if step != keep:
-                        retire_folder(self.step_folder(step), self.fsync)
+                older = [step for step in self._steps() if step != keep]
+                if older and self._spare.exists():
+                    remove_tree(self._spare)
+                for step in older[:-1]:
+                    retire_folder(self.step_folder(step), self.fsync)
+                if older:
+                    os.rename(self.step_folder(older[-1]), self._spare)
             except Exception as exc:
                 problem = exc
         _raise_if_any(self.comm, problem, "local tier: removing older steps")
@@ -434,7 +468,9 @@ class LocalTier:
         marker = path.parent / (path.name + PARTIAL_MARK)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            target = MappedFile.for_writing(tmp, move.size, move.spans())
+            # a whole file is received over its namesake in the spare (a replica the step before sent here)
+            spare = self._spare / move.name if move.ranges is None else None
+            target = MappedFile.for_writing(tmp, move.size, move.spans(), recycled=spare)
             # holes between the ranges; marked before it takes its name (a partial copy an earlier
             # restore sent keeps its mark)
             if move.ranges is not None and not marker.exists():

@@ -33,6 +33,7 @@ __all__ = [
     "PAGE",
     "WRITE_BEHIND_WINDOW",
     "WriteBehind",
+    "create_or_recycle",
     "exchange_paths",
     "fsync_dir",
     "fsync_file",
@@ -399,6 +400,30 @@ def prefault_writable(tensors: list[torch.Tensor]) -> None:
             return  # unsupported here (EINVAL on a kernel before 5.14): do not try the others
 
 
+def create_or_recycle(path: Path, recycled: Path | None, mode: int = os.O_WRONLY) -> tuple[int, bool]:
+    """A new file at ``path``, opened with ``mode`` (``O_EXCL``: one writer per file); or, given
+    ``recycled`` (a regular file of a retired step, in the same file system), that file moved to
+    ``path`` and opened to be written over. Returns (fd, whether it was recycled).
+
+    Why: on a tmpfs every page of a new file is allocated and zeroed on first write (and in a virtual
+    machine whose freed memory went back to the host, faulted in there too); a recycled file's pages
+    are already there. The caller writes every byte it keeps and truncates to its size. Anything
+    other than a regular file under ``recycled`` (a symlink, a folder) is left alone and a new file
+    made."""
+    if recycled is not None:
+        try:
+            if stat.S_ISREG(os.lstat(recycled).st_mode):
+                os.rename(recycled, path)
+                fd = os.open(path, mode | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    return fd, True
+                os.close(fd)
+                path.unlink()
+        except OSError:  # gone, or not ours to write: a new file
+            pass
+    return os.open(path, mode | os.O_CREAT | os.O_EXCL, 0o644), False
+
+
 class MappedFile:
     """A regular file mapped shared into memory, as a uint8 tensor (:attr:`bytes`): what the local
     tier's transfers send from and receive into, so that the process group reads a file's pages and
@@ -406,9 +431,10 @@ class MappedFile:
 
     :meth:`for_reading` maps an existing regular file (not through a symlink) read-only, after
     checking it has ``size`` bytes;
-    :meth:`for_writing` creates one of ``size`` bytes (``O_EXCL``) and *reserves* the byte ranges
-    that will be written (``posix_fallocate``), so that a full file system is an error here rather
-    than a SIGBUS at the first store into a page it cannot back. A mapped file that shrinks under
+    :meth:`for_writing` creates one of ``size`` bytes (``O_EXCL``, or a ``recycled`` file sized to
+    it: :func:`create_or_recycle`) and *reserves* the byte ranges that will be written
+    (``posix_fallocate``), so that a full file system is an error here rather than a SIGBUS at the
+    first store into a page it cannot back. A mapped file that shrinks under
     the mapping still raises SIGBUS: only files this process's job owns (its tier folder) are mapped."""
 
     def __init__(self, fd: int, size: int, writable: bool) -> None:
@@ -436,8 +462,10 @@ class MappedFile:
             raise
 
     @classmethod
-    def for_writing(cls, path: Path, size: int, ranges: Iterable[tuple[int, int]]) -> MappedFile:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    def for_writing(
+        cls, path: Path, size: int, ranges: Iterable[tuple[int, int]], recycled: Path | None = None
+    ) -> MappedFile:
+        fd, _ = create_or_recycle(path, recycled, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
             for begin, end in ranges:

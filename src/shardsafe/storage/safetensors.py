@@ -20,7 +20,7 @@ import torch
 from shardsafe.core.faults import crash_point
 from shardsafe.core.integrity import BlockHasher
 from shardsafe.core.safetensors_header import header_sizes
-from shardsafe.storage.local import WRITE_BEHIND_WINDOW, WriteBehind, tensor_pieces
+from shardsafe.storage.local import WRITE_BEHIND_WINDOW, WriteBehind, create_or_recycle, tensor_pieces
 
 __all__ = ["LocalSink", "SafetensorsWriter", "write_tensor_file", "write_tensor_stream"]
 
@@ -36,11 +36,14 @@ class Sink(Protocol):
 
 
 class LocalSink:
-    """A new local file (``O_EXCL``: one writer per file by construction, so an existing file is a bug)."""
+    """A new local file (``O_EXCL``: one writer per file by construction, so an existing file is a
+    bug), or a ``recycled`` one written over and truncated to what was written
+    (:func:`~shardsafe.storage.local.create_or_recycle`)."""
 
-    def __init__(self, path: Path, write_behind: bool = True) -> None:
+    def __init__(self, path: Path, write_behind: bool = True, recycled: Path | None = None) -> None:
         self.path = path
-        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd, self.recycled = create_or_recycle(path, recycled)
+        self.fd: int | None = fd
         self.behind = WriteBehind(self.fd, write_behind)
         self.written = 0
 
@@ -58,6 +61,8 @@ class LocalSink:
         if self.fd is None:
             return
         try:
+            if self.recycled:  # an older, longer file's tail
+                os.ftruncate(self.fd, self.written)
             if fsync:
                 os.fsync(self.fd)
         finally:
@@ -146,17 +151,26 @@ class SafetensorsWriter:
 
 
 def write_tensor_file(
-    path: Path, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, fsync: bool = True, rank: int = 0
+    path: Path,
+    prefix: bytes,
+    tensors: Iterable[torch.Tensor],
+    block_size: int,
+    fsync: bool = True,
+    rank: int = 0,
+    recycled: Path | None = None,
 ) -> tuple[int, list[list[str]]]:
     """A rank's shard file: ``prefix`` then each tensor's bytes into a new local file, hashed while written.
 
     ``tensors`` is iterated once, in header order (a converter computes each only when it is
     reached); the sizes come from ``prefix``. Returns the file size and, per tensor, its block
     digests. With ``fsync`` the data is also pushed to the disk while writing (write-behind).
+    ``recycled``: a retired file to write over instead of a new one (:class:`LocalSink`).
     """
     sizes = header_sizes(prefix)
     try:
-        writer = SafetensorsWriter(LocalSink(path, fsync), prefix, sizes, block_size=block_size, where=str(path))
+        writer = SafetensorsWriter(
+            LocalSink(path, fsync, recycled), prefix, sizes, block_size=block_size, where=str(path)
+        )
         digests = []
         try:
             for tensor in tensors:
