@@ -605,5 +605,9 @@ def test_a_recycled_file_is_written_over_in_place_and_anything_but_a_regular_fil
         os.close(fd)
         assert not recycled and (tmp_path / f"from-{name}").read_bytes() == b"new"
     assert (tmp_path / "target").read_bytes() == b"keep" and (spare / "link").is_symlink() and (spare / "dir").is_dir()
+    os.link(tmp_path / "target", spare / "hardlink")  # a second name of a file elsewhere: never written through
+    fd, recycled = create_or_recycle(tmp_path / "from-hardlink", spare / "hardlink")
+    os.close(fd)
+    assert not recycled and (tmp_path / "target").read_bytes() == b"keep" and (spare / "hardlink").exists()
     with pytest.raises(FileExistsError):  # the new name is never an existing file
         create_or_recycle(tmp_path / "target", None)

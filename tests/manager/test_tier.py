@@ -517,3 +517,82 @@ def test_a_transfer_maps_files_whole_or_ranges_and_a_short_source_leaves_nothing
     assert got == bytes(expected)  # the ranges, holes elsewhere: marked partial, never offered whole
     assert (dst / ("ranges" + PARTIAL_MARK)).exists() and not (dst / ("whole" + PARTIAL_MARK)).exists()
     assert sorted(p.name for p in dst.iterdir()) == sorted(["whole", "ranges", "ranges" + PARTIAL_MARK])
+
+
+def _reversed_group_job(rank: int, world_size: int, root: str, local: str, restore: bool) -> dict[str, Any]:
+    """A manager over a group whose ranks run in reverse global order (``sort_ranks=False``), with async
+    root saves and a local tier: both background groups must number the processes as the group does.
+    Saves steps 1-3 and stops without close() (the tier stays), or (``restore``) restores a fresh state."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardsafe.core.comm import gloo_copy
+
+    os.environ[NODE_ENV] = _node_of(rank)
+    group = dist.new_group(ranks=list(range(world_size))[::-1], backend="gloo", sort_ranks=False)
+    comm = get_comm(group)
+    copy = gloo_copy(comm)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def state(seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        return {f"w{i}": distribute_tensor(torch.randn(8, 4), mesh, [Replicate(), Shard(0)]) for i in range(2)}
+
+    options = {"save_every": 2, "local_every": 1, "replicas": 1, "async_save": True}
+    manager = shardsafe.CheckpointManager(root, process_group=group, local_dir=local, **options)
+    out: dict[str, Any] = {"ranks": (copy.rank, comm.rank, copy.all_gather(comm.rank))}
+    if not restore:
+        for step in range(1, 4):
+            manager.save(step, state(step))
+        manager.wait()
+        manager._tier_worker.join()
+        return out | {"errors": list(manager._tier.errors) if manager._tier is not None else None}
+    fresh = state(100)
+    out["restored"] = (manager.restore(fresh), manager.restored_from)
+    out["equal"] = all(torch.equal(fresh[k].to_local(), state(3)[k].to_local()) for k in fresh)
+    manager.close()
+    return out
+
+
+def test_a_manager_over_a_group_in_reverse_rank_order_numbers_its_background_groups_alike(tmp_path: Path) -> None:
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    saved = run_ranks(_reversed_group_job, 4, str(root), str(local / "{node}"), False, work_dir=tmp_path)
+    restored = run_ranks(_reversed_group_job, 4, str(root), str(local / "{node}"), True, work_dir=tmp_path)
+    for rank in range(4):
+        # the copy's rank r is the group's rank r (global rank 3 - r), and its results are in that order
+        assert saved[rank]["ranks"] == restored[rank]["ranks"] == (3 - rank, 3 - rank, [0, 1, 2, 3])
+        assert saved[rank]["errors"] == [], saved[rank]
+        assert restored[rank]["restored"] == (3, "local") and restored[rank]["equal"], restored[rank]
+    assert committed_steps(root) == [2]
+
+
+def test_a_spare_replaced_by_a_symlink_is_never_written_through(tmp_path: Path) -> None:
+    # one process, one node: after steps 1-2 the tier folder's spare is step 1; put a symlink to a
+    # folder outside in its place, holding a file named as the next save's shard
+    root, local, outside = tmp_path / "ckpt", tmp_path / "shm", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "shard-00000.safetensors").write_bytes(b"not the tier's")
+    model = make_model(0)
+    optimizer = make_optimizer(model)
+    manager = shardsafe.CheckpointManager(root, save_every=100, local_every=1, local_dir=local)
+    for step in (1, 2):
+        manager.save(step, {"model": model, "optim": optimizer})
+        manager._tier_worker.join()
+    assert manager._tier is not None
+    spare = manager._tier.folder / SPARE_NAME
+    assert (spare / "shard-00000.safetensors").is_file()
+    shutil.rmtree(spare)
+    spare.symlink_to(outside, target_is_directory=True)
+    manager.save(3, {"model": model, "optim": optimizer})
+    manager._tier_worker.join()
+    assert manager._tier.errors == [] and manager._tier.saved == 3
+    assert (outside / "shard-00000.safetensors").read_bytes() == b"not the tier's"
+    assert not spare.is_symlink() and (spare / "manifest.json").is_file()  # step 2 is the spare now
+    fresh_model = make_model(1)
+    fresh_optimizer = make_optimizer(fresh_model)
+    again = shardsafe.CheckpointManager(root, save_every=100, local_every=1, local_dir=local)
+    assert again.restore({"model": fresh_model, "optim": fresh_optimizer}) == 3 and again.restored_from == "local"
+    assert_tensors_equal(fresh_model.state_dict(), model.state_dict(), "model")
+    again.close()
+    manager.close()

@@ -19,6 +19,7 @@ original exception (``raise ... from exc``), so its traceback keeps the cause.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from shardsafe import errors
 from shardsafe.errors import ShardsafeError
 
-__all__ = ["Comm", "Outcome", "cpu_transport", "get_comm", "global_ranks", "gloo_side"]
+__all__ = ["Comm", "Outcome", "cpu_transport", "get_comm", "global_ranks", "gloo_copy", "gloo_side"]
 
 T = TypeVar("T")
 
@@ -202,6 +203,31 @@ def gloo_side(comm: Comm) -> Any:
         found = dist.new_group(ranks=sorted(global_ranks(comm)), backend="gloo", use_local_synchronization=True)
         _GLOO_SIDES[comm.group] = found
     return found
+
+
+def gloo_copy(comm: Comm) -> Comm:
+    """A new gloo group over ``comm``'s processes, numbered as ``comm`` (each process has the same
+    rank in both), for a background thread's collectives: they never queue behind the training's.
+    Collective over the whole job (``new_group``), once per call.
+
+    ``new_group`` sorts the ranks it is given, so for a group whose global ranks are not ascending
+    the copy is made with ``sort_ranks=False`` (torch 2.11+); the results of its collectives are
+    indexed by ``comm``'s ranks either way. Without that argument such a group is refused
+    (``ValueError``), never numbered differently."""
+    if not comm.distributed:
+        return comm
+    ranks = global_ranks(comm)
+    if ranks == sorted(ranks):
+        group = dist.new_group(ranks=ranks, backend="gloo")
+    elif "sort_ranks" in inspect.signature(dist.new_group).parameters:
+        group = dist.new_group(ranks=ranks, backend="gloo", sort_ranks=False)
+    else:
+        raise ValueError(
+            f"process_group: its ranks are global ranks {ranks}, not in ascending order; a background gloo group "
+            "numbered the same needs torch >= 2.11 (new_group(sort_ranks=False)): pass a group made by new_group "
+            "(ascending), or upgrade torch"
+        )
+    return Comm(group, comm.rank, comm.world_size)
 
 
 def cpu_transport(comm: Comm) -> Any:

@@ -42,10 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardsafe.api.checkpoint import describe_collectively, load, location, ranges_read, write_checkpoint
-from shardsafe.core.comm import Comm, get_comm, global_ranks
+from shardsafe.core.comm import Comm, get_comm, gloo_copy
 from shardsafe.core.faults import crash_point
 from shardsafe.errors import (
     CheckpointNotFoundError,
@@ -204,9 +203,9 @@ class CheckpointManager:
         self.dedup = dedup
         self.comm = get_comm(process_group)
         self.lease = RootLease(self.root, self.comm, timeout=lease_timeout)
-        self._background_comm = self._make_background_comm() if async_save and not read_only else self.comm
+        self._background_comm = gloo_copy(self.comm) if async_save and not read_only else self.comm
         self._tier = (
-            LocalTier(where(self.root), self._make_background_comm(), local_every, local_dir, replicas, fsync)
+            LocalTier(where(self.root), gloo_copy(self.comm), local_every, local_dir, replicas, fsync)
             if local_every
             else None
         )
@@ -714,12 +713,6 @@ class CheckpointManager:
         return any(self.comm.all_gather(self._preempt_signal is not None))
 
     # ------------------------------------------------------------------ lifecycle
-
-    def _make_background_comm(self) -> Comm:
-        if not self.comm.distributed:
-            return self.comm
-        group = dist.new_group(ranks=global_ranks(self.comm), backend="gloo")
-        return Comm(group, self.comm.rank, self.comm.world_size)
 
     def close(self) -> None:
         """Finish the save in flight, restore signal handlers, raise any background error."""

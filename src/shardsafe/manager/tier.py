@@ -57,6 +57,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,12 +320,21 @@ class LocalTier:
         probe = self.folder
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
-        spare = sum(_size_of(f) or 0 for f in self._spare.iterdir()) if self._spare.is_dir() else 0
+        folder = self._spare_folder()
+        spare = sum(_size_of(f) or 0 for f in folder.iterdir()) if folder is not None else 0
         return shutil.disk_usage(probe).free + spare
 
     @property
     def _spare(self) -> Path:
         return self.folder / SPARE_NAME
+
+    def _spare_folder(self) -> Path | None:
+        """The spare, if it is a folder (never through a symlink put in its place: its files are moved and
+        written over)."""
+        try:
+            return self._spare if stat.S_ISDIR(os.lstat(self._spare).st_mode) else None
+        except OSError:
+            return None
 
     def _prepare(self, step: int) -> NodeCommit:
         """Collective: each leader creates its node's hidden step folder; every rank gets a handle on its node's."""
@@ -347,7 +357,7 @@ class LocalTier:
         mine = names[self.nodes.leader()]
         return NodeCommit(
             temp if temp is not None else TemporaryPath.attach(Path(mine), final, owner=False, fsync=self.fsync),
-            self._spare,
+            self._spare_folder(),
         )
 
     def _remove_leftovers(self) -> None:
@@ -394,8 +404,10 @@ class LocalTier:
         if self.nodes.is_leader:
             try:
                 older = [step for step in self._steps() if step != keep]
-                if older and self._spare.exists():
+                if older and self._spare_folder() is not None:
                     remove_tree(self._spare)
+                elif older and (self._spare.is_symlink() or self._spare.exists()):
+                    self._spare.unlink()  # not ours: nothing is written through it
                 for step in older[:-1]:
                     retire_folder(self.step_folder(step), self.fsync)
                 if older:
@@ -469,7 +481,8 @@ class LocalTier:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # a whole file is received over its namesake in the spare (a replica the step before sent here)
-            spare = self._spare / move.name if move.ranges is None else None
+            folder = self._spare_folder()
+            spare = folder / move.name if folder is not None and move.ranges is None else None
             target = MappedFile.for_writing(tmp, move.size, move.spans(), recycled=spare)
             # holes between the ranges; marked before it takes its name (a partial copy an earlier
             # restore sent keeps its mark)

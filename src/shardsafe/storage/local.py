@@ -408,20 +408,24 @@ def create_or_recycle(path: Path, recycled: Path | None, mode: int = os.O_WRONLY
     Why: on a tmpfs every page of a new file is allocated and zeroed on first write (and in a virtual
     machine whose freed memory went back to the host, faulted in there too); a recycled file's pages
     are already there. The caller writes every byte it keeps and truncates to its size. Anything
-    other than a regular file under ``recycled`` (a symlink, a folder) is left alone and a new file
-    made."""
+    but a regular file with one link under ``recycled`` (a symlink, a folder, a hard link to a file
+    elsewhere, whose bytes writing over it would change) is left alone and a new file made."""
     if recycled is not None:
         try:
-            if stat.S_ISREG(os.lstat(recycled).st_mode):
+            if _sole_regular(os.lstat(recycled)):
                 os.rename(recycled, path)
                 fd = os.open(path, mode | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-                if stat.S_ISREG(os.fstat(fd).st_mode):
+                if _sole_regular(os.fstat(fd)):
                     return fd, True
                 os.close(fd)
                 path.unlink()
         except OSError:  # gone, or not ours to write: a new file
             pass
     return os.open(path, mode | os.O_CREAT | os.O_EXCL, 0o644), False
+
+
+def _sole_regular(info: os.stat_result) -> bool:
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1
 
 
 class MappedFile:
