@@ -591,8 +591,7 @@ def test_a_spare_replaced_by_a_symlink_is_never_written_through(tmp_path: Path) 
     assert not spare.is_symlink() and (spare / "manifest.json").is_file()  # step 2 is the spare now
     fresh_model = make_model(1)
     fresh_optimizer = make_optimizer(fresh_model)
-    again = shardsafe.CheckpointManager(root, save_every=100, local_every=1, local_dir=local)
-    assert again.restore({"model": fresh_model, "optim": fresh_optimizer}) == 3 and again.restored_from == "local"
+    # step 3 was written into new files, whole: it loads as any checkpoint
+    shardsafe.load(manager._tier.step_folder(3), {"model": fresh_model, "optim": fresh_optimizer})
     assert_tensors_equal(fresh_model.state_dict(), model.state_dict(), "model")
-    again.close()
     manager.close()
