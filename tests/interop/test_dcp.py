@@ -75,7 +75,9 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def test_fsdp2_dcp_checkpoint_converts_and_reshards_like_dcp_load(tmp_path: Path) -> None:
+def test_fsdp2_dcp_checkpoint_converts_and_reshards_like_dcp_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = tmp_path / "dcp"
     run_ranks(_save_dcp, 2, str(folder), work_dir=tmp_path)
     with pytest.raises(FormatError, match="DCP.*no hashes"):
@@ -87,7 +89,11 @@ def test_fsdp2_dcp_checkpoint_converts_and_reshards_like_dcp_load(tmp_path: Path
             assert _same(result["ref"], result["got"]), world_size
             assert _same(result["ref"], result["direct"]), world_size
     # and back: --to dcp, then dcp.load of it equals the shardsafe checkpoint
+    capsys.readouterr()
     assert cli_main(["convert", str(converted), str(tmp_path / "back"), "--to", "dcp"]) == 0
+    assert "read: 100%" in capsys.readouterr().err  # a progress bar over the bytes read, unless --no-progress
+    assert cli_main(["convert", str(converted), str(tmp_path / "quiet"), "--to", "dcp", "--no-progress"]) == 0
+    assert "read" not in capsys.readouterr().err
     back = DcpCheckpoint(tmp_path / "back", key="")
     source = DcpCheckpoint(folder, key="")
     assert set(back.meta.tensors) == set(source.meta.tensors)

@@ -121,7 +121,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
         raise ShardsafeError("--tag, --dtype and --for-engine apply to DeepSpeed checkpoints only")
     try:
         if args.to == "dcp":
-            out = export_dcp(args.src, args.out, overwrite=args.overwrite)
+            out = export_dcp(args.src, args.out, overwrite=args.overwrite, progress=not args.no_progress)
             print(f"wrote {args.src} as a torch.distributed.checkpoint folder {out} (dcp.load reads it)")
             return 0
         out = convert_dcp(args.src, args.out, overwrite=args.overwrite, progress=not args.no_progress)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from shardsafe.core.dtypes import element_size
+from shardsafe.core.fields import numel
 from shardsafe.core.values import decode_value, encode_value
 from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.interop.dcp_metadata import METADATA_NAME
@@ -126,13 +128,17 @@ def convert_dcp(
     return Path(final) if isinstance(final, Path) else Path(str(out))
 
 
-def export_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+def export_dcp(
+    src: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False, progress: bool = False
+) -> Path:
     """Write the shardsafe checkpoint ``src`` as a DCP checkpoint at ``out`` with ``dcp.save`` (one process, whole
     tensors).
 
     The folder is built hidden next to ``out`` and renamed into place, so a failure leaves no half DCP folder.
+    ``progress``: a bar over the bytes read (verified) from ``src``; ``dcp.save`` then writes them.
     """
     import torch.distributed.checkpoint as dcp
+    from tqdm.auto import tqdm
 
     from shardsafe.api.source import CheckpointSource
     from shardsafe.protocol.commit import open_checkpoint, prepare
@@ -143,14 +149,18 @@ def export_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], *, over
         if final in (source.folder, source.model_folder):
             raise ShardsafeError(f"{final}: the output folder must not be the source")
         manifest, tree = open_checkpoint(source.folder)
+        total = sum(numel(entry.shape) * element_size(entry.dtype) for entry in manifest.tensors.values())
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="read", disable=not progress) as bar:
 
-        def lookup(key: str) -> torch.Tensor:
-            return source.read(key)
+            def lookup(key: str) -> torch.Tensor:
+                tensor = source.read(key)
+                bar.update(tensor.numel() * tensor.element_size())
+                return tensor
 
-        state = {
-            name: decode_value(entry.get("state"), lookup, f"{source.folder}/{manifest.state_file}")
-            for name, entry in tree.items()
-        }
+            state = {
+                name: decode_value(entry.get("state"), lookup, f"{source.folder}/{manifest.state_file}")
+                for name, entry in tree.items()
+            }
     finally:
         source.close()
     from shardsafe.core.comm import Comm
