@@ -321,7 +321,7 @@ class LocalTier:
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         folder = self._spare_folder()
-        spare = sum(_size_of(f) or 0 for f in folder.iterdir()) if folder is not None else 0
+        spare = sum(f.lstat().st_size for f in folder.iterdir() if f.is_file() and not f.is_symlink()) if folder else 0
         return shutil.disk_usage(probe).free + spare
 
     @property

@@ -414,7 +414,11 @@ def create_or_recycle(path: Path, recycled: Path | None, mode: int = os.O_WRONLY
         try:
             if _sole_regular(os.lstat(recycled)):
                 os.rename(recycled, path)
-                fd = os.open(path, mode | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    fd = os.open(path, mode | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                except OSError:  # replaced under us between the rename and the open
+                    path.unlink(missing_ok=True)
+                    raise
                 if _sole_regular(os.fstat(fd)):
                     return fd, True
                 os.close(fd)
