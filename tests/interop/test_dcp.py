@@ -269,6 +269,9 @@ def test_damaged_item_bytes_fail_the_crc_before_anything_is_written(tmp_path: Pa
     with pytest.raises(shardsafe.IntegrityError, match=r"\.distcp.*model/w.*CRC-32"):
         shardsafe.load(folder, {"model": holder, "n": 0})
     assert torch.equal(holder.w.detach(), torch.full((3, 4), -1.0))
+    # atomic=False: the CRC-32 is carried over the bytes as they are read into place, and fails the same
+    with pytest.raises(shardsafe.IntegrityError, match=r"\.distcp.*model/w.*CRC-32"):
+        shardsafe.load(folder, {"model": holder, "n": 0}, atomic=False)
     state = {"model": holder, "n": 0}
     shardsafe.load(folder, state, verify=False)
     expected = torch.arange(12.0).reshape(3, 4)
@@ -277,3 +280,39 @@ def test_damaged_item_bytes_fail_the_crc_before_anything_is_written(tmp_path: Pa
         and torch.equal(holder.w.detach()[0, 2:], expected[0, 2:])
         and not torch.equal(holder.w.detach(), expected)
     )
+
+
+def test_a_dcp_tensor_read_whole_into_place_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its record's CRC-32 is computed over the bytes as they land (not read once to check, once into place): an
+    atomic=False load reads each tensor byte once; an atomic one reads the live parameters twice (checked first,
+    nothing written before every rank agrees) and a fresh optimizer's state once."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, optimizer = model_and_optimizer(0)
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    folder = tmp_path / "dcp"
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    read = [0]
+    real = os.preadv
+
+    def counted(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        got = real(fd, buffers, offset, *flags)
+        if os.path.realpath(f"/proc/self/fd/{fd}").endswith(".distcp"):
+            read[0] += got
+        return got
+
+    monkeypatch.setattr(os, "preadv", counted)
+    tensor_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters + 2 moments
+    for atomic, expected in ((False, 1.0), (True, 4 / 3)):
+        fresh, fresh_optimizer = model_and_optimizer(1)
+        read[0] = 0
+        shardsafe.load(folder, {"model": fresh, "optim": fresh_optimizer}, atomic=atomic)
+        assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+        assert expected <= read[0] / tensor_bytes < expected + 0.02, (atomic, read[0] / tensor_bytes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,36 +100,106 @@ class DcpFiles(ShardFiles):
         self._located[ident] = found
         return found
 
+    def crc_checked(self, chunk: ChunkEntry) -> bool:
+        return (chunk.file, chunk.begin) in self._crc_checked
+
     def check_crc(self, chunk: ChunkEntry, found: TensorAt) -> None:
         """The record holding ``chunk``'s tensor, read whole through a bounded scratch buffer, against its CRC-32 (once
         per reader)."""
-        ident = (chunk.file, chunk.begin)
-        if ident in self._crc_checked:
+        if self.crc_checked(chunk):
             return
         start, length, expected = found.record
+        self.expect_crc(chunk, self.crc_through_scratch(chunk, chunk.begin + start, length), expected)
+
+    def crc_through_scratch(self, chunk: ChunkEntry, offset: int, length: int, crc: int = 0) -> int:
+        """``crc`` carried over ``length`` bytes of ``chunk``'s file from ``offset``, read through a bounded scratch."""
         path = self.source.describe(None, chunk.file)
         scratch = memoryview(bytearray(min(length, CRC_PIECE)))
-        crc, done = 0, 0
+        done = 0
         while done < length:
             piece = scratch[: min(len(scratch), length - done)]
-            self.source.read_into(self.open(chunk), [piece], chunk.begin + start + done, path)
+            self.source.read_into(self.open(chunk), [piece], offset + done, path)
             crc = zlib.crc32(piece, crc)
             done += len(piece)
+        return crc
+
+    def expect_crc(self, chunk: ChunkEntry, crc: int, expected: int) -> None:
+        """``chunk``'s record is checked when ``crc`` (computed over all of it) is ``expected``; else IntegrityError."""
+        ident = (chunk.file, chunk.begin)
         if crc != expected:
             key = self._dtypes[ident][0]
             raise IntegrityError(
-                f"{path}: the item of tensor {key!r:.200} at {list(chunk.offsets)} (bytes {chunk.begin}..{chunk.end}) "
-                "fails its CRC-32 check: "
-                "the file is corrupted"
+                f"{self.source.describe(None, chunk.file)}: the item of tensor {key!r:.200} at {list(chunk.offsets)} "
+                f"(bytes {chunk.begin}..{chunk.end}) fails its CRC-32 check: the file is corrupted"
             )
         self._crc_checked.add(ident)
 
 
 class DcpBlocks(BlockExecutor):
     """Block reads over a DCP folder: no block hashes (DCP records none), so a read is one positional
-    read of its bytes inside the item, the record's CRC-32 checked first with ``verify``."""
+    read of its bytes inside the item, the record's CRC-32 checked first with ``verify``.
+
+    A tensor read whole into place with ``verify`` (an ``atomic=False`` load, a fresh optimizer's
+    state) is one pass instead: its record's CRC-32 is computed over the bytes as they land in the
+    destination (and the record's bytes around them, read through scratch), so its bytes are read
+    once, not once to check and once more into place. The load's agreement still comes after the
+    check: a mismatch raises, and the destination is one the load may overwrite before agreeing."""
 
     files: DcpFiles
+
+    def run(self, reads: list[BlockRead]) -> None:
+        whole, rest = self._whole_tensors(reads)
+        if whole:
+            self._runner.run([partial(self._read_whole, chunk_reads) for chunk_reads in whole])
+        if rest:
+            super().run(rest)
+
+    def _whole_tensors(self, reads: list[BlockRead]) -> tuple[list[list[BlockRead]], list[BlockRead]]:
+        """``reads`` split into those of tensors read whole into place (per chunk, in order) whose record is not
+        checked yet, and the rest."""
+        if not self.verify:
+            return [], reads
+        by_chunk: dict[tuple[str, int], list[BlockRead]] = {}
+        for read in reads:
+            by_chunk.setdefault((read.chunk.file, read.chunk.begin), []).append(read)
+        whole: list[list[BlockRead]] = []
+        rest: list[BlockRead] = []
+        for chunk_reads in by_chunk.values():
+            chunk_reads.sort(key=lambda r: r.lo)
+            chunk = chunk_reads[0].chunk
+            found = self.files.locate(chunk)
+            start, length, _ = found.record
+            covered = 0
+            for read in chunk_reads:
+                covered = read.hi if read.dest is not None and read.lo == covered else -1
+            if (
+                covered == found.nbytes
+                and not self.files.crc_checked(chunk)
+                and start <= found.start
+                and found.start + found.nbytes <= start + length
+            ):
+                whole.append(chunk_reads)
+            else:
+                rest += chunk_reads
+        return whole, rest
+
+    def _read_whole(self, reads: list[BlockRead]) -> None:
+        """One tensor's bytes into place, its record's CRC-32 carried over them and the record's bytes around them."""
+        chunk = reads[0].chunk
+        found = self.files.locate(chunk)
+        start, length, expected = found.record
+        crc = self.files.crc_through_scratch(chunk, chunk.begin + start, found.start - start)
+        where = (
+            f"{self.files.source.describe(None, chunk.file)} (tensor {reads[0].key!r:.200} at {list(chunk.offsets)})"
+        )
+        handle = self.files.open(chunk)
+        for read in reads:
+            assert read.dest is not None
+            self.files.source.read_into(handle, [read.dest], chunk.begin + found.start + read.lo, where)
+            crc = zlib.crc32(read.dest, crc)
+        end = found.start + found.nbytes
+        crc = self.files.crc_through_scratch(chunk, chunk.begin + end, start + length - end, crc)
+        self.files.expect_crc(chunk, crc, expected)
 
     def _do(self, read: BlockRead) -> None:
         if read.dest is None or read.hi <= read.lo:
