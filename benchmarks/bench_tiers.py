@@ -240,6 +240,7 @@ def _floor(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.fsdp  # noqa: F401  (the restore job's model imported it before its clock started)
     import xxhash
 
+    from shardsafe.manager.tier import PIECE_BYTES  # the tier's point-to-point message
     from shardsafe.storage.local import MappedFile, tensor_bytes
 
     folder, size = Path(job["files"]), job["bytes"]
@@ -258,13 +259,13 @@ def _floor(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
         if world == 4 and rank < 2:  # node a: b's share from the replica file's pages, then its own
             source = MappedFile.for_reading(folder / f"replica-{rank + 2}", size)
-            for at in range(0, size, PIECE):
-                source.populate(at, min(size, at + PIECE))
-                dist.send(source.bytes[at : at + PIECE], rank + 2)
+            for at in range(0, size, PIECE_BYTES):
+                source.populate(at, min(size, at + PIECE_BYTES))
+                dist.send(source.bytes[at : at + PIECE_BYTES], rank + 2)
             source.close()
         if world == 4 and rank >= 2:  # node b: straight into its tensors, then verified
-            for at in range(0, size, PIECE):
-                dist.recv(out[at : at + PIECE], rank - 2)
+            for at in range(0, size, PIECE_BYTES):
+                dist.recv(out[at : at + PIECE_BYTES], rank - 2)
             hashed(tensor_bytes(out))
             return
         view = tensor_bytes(out)
@@ -275,9 +276,6 @@ def _floor(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                     hashed(view[at : at + piece])
 
     return {"seconds": _timed(restore)}
-
-
-PIECE = 64 << 20  # the tier's point-to-point message
 
 
 JOBS = {

@@ -611,3 +611,7 @@ def test_a_recycled_file_is_written_over_in_place_and_anything_but_a_regular_fil
     assert not recycled and (tmp_path / "target").read_bytes() == b"keep" and (spare / "hardlink").exists()
     with pytest.raises(FileExistsError):  # the new name is never an existing file
         create_or_recycle(tmp_path / "target", None)
+    (spare / "again").write_bytes(b"spare")
+    with pytest.raises(FileExistsError):  # not even through a recycled file's rename, which would replace it
+        create_or_recycle(tmp_path / "target", spare / "again")
+    assert (tmp_path / "target").read_bytes() == b"keep" and (spare / "again").read_bytes() == b"spare"

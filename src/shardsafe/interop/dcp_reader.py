@@ -189,9 +189,7 @@ class DcpBlocks(BlockExecutor):
         found = self.files.locate(chunk)
         start, length, expected = found.record
         crc = self.files.crc_through_scratch(chunk, chunk.begin + start, found.start - start)
-        where = (
-            f"{self.files.source.describe(None, chunk.file)} (tensor {reads[0].key!r:.200} at {list(chunk.offsets)})"
-        )
+        where = self._where(reads[0])
         handle = self.files.open(chunk)
         for read in reads:
             assert read.dest is not None
@@ -208,8 +206,14 @@ class DcpBlocks(BlockExecutor):
         found = self.files.locate(chunk)
         if self.verify:
             self.files.check_crc(chunk, found)
-        where = f"{self.files.source.describe(None, chunk.file)} (tensor {read.key!r:.200} at {list(chunk.offsets)})"
-        self.files.source.read_into(self.files.open(chunk), [read.dest], chunk.begin + found.start + read.lo, where)
+        self.files.source.read_into(
+            self.files.open(chunk), [read.dest], chunk.begin + found.start + read.lo, self._where(read)
+        )
+
+    def _where(self, read: BlockRead) -> str:
+        """How an error of ``read`` names its place: the file, the tensor and the chunk's offsets."""
+        chunk = read.chunk
+        return f"{self.files.source.describe(None, chunk.file)} (tensor {read.key!r:.200} at {list(chunk.offsets)})"
 
 
 class DcpChunkReader(ChunkReader):

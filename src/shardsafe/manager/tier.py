@@ -406,7 +406,7 @@ class LocalTier:
                 older = [step for step in self._steps() if step != keep]
                 if older and self._spare_folder() is not None:
                     remove_tree(self._spare)
-                elif older and (self._spare.is_symlink() or self._spare.exists()):
+                elif older and os.path.lexists(self._spare):
                     self._spare.unlink()  # not ours: nothing is written through it
                 for step in older[:-1]:
                     retire_folder(self.step_folder(step), self.fsync)

@@ -409,8 +409,9 @@ def create_or_recycle(path: Path, recycled: Path | None, mode: int = os.O_WRONLY
     machine whose freed memory went back to the host, faulted in there too); a recycled file's pages
     are already there. The caller writes every byte it keeps and truncates to its size. Anything
     but a regular file with one link under ``recycled`` (a symlink, a folder, a hard link to a file
-    elsewhere, whose bytes writing over it would change) is left alone and a new file made."""
-    if recycled is not None:
+    elsewhere, whose bytes writing over it would change) is left alone and a new file made; so is any
+    recycled file when something is at ``path`` already (a rename would replace it: ``O_EXCL`` refuses)."""
+    if recycled is not None and not os.path.lexists(path):
         try:
             if _sole_regular(os.lstat(recycled)):
                 os.rename(recycled, path)
