@@ -35,7 +35,7 @@ from shardsafe.core.comm import get_comm
 from shardsafe.manager.catalog import committed_steps
 from shardsafe.manager.naming import step_name
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NODE_ENV, NodeMap, gather_nodes, node_dir, node_id
-from shardsafe.manager.tier import PARTIAL_MARK, SPARE_NAME
+from shardsafe.manager.tier import SPARE_NAME
 
 
 def _node_of(rank: int) -> str:
@@ -353,25 +353,23 @@ def test_replicas_restore_a_wiped_node_from_its_peer(tmp_path: Path) -> None:
         assert (got["step"], got["from"]) == (6, "local")
         _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank}")
         assert torch.equal(got["rng"], first[rank]["rng"]), f"rank {rank}: RNG not restored"
-    # sent back to b: its ranks' shards and the small files whole, of node a's shards only the bytes b's
-    # ranks read (headers, the replicated scalars saved there), marked partial
+    # b's folder got back only the small files; its ranks' tensors came straight from node a's replicas
+    # (the load's exchange), with the values decoded whole (the replicated scalars node a's shards hold)
     folder_b = _tier_folder(local, "b") / step_name(6)
     manifest = _manifest(_tier_folder(local, "a") / step_name(6))
-    partial = sorted(p.name.removesuffix(PARTIAL_MARK) for p in folder_b.glob("*" + PARTIAL_MARK))
-    assert partial and set(partial) <= {n for n in SHARDS["a"] if n.endswith(".safetensors")}
-    assert _files(folder_b) == sorted(SHARDS["a"] + SHARDS["b"] + SHARED + [n + PARTIAL_MARK for n in partial])
+    indexes = [n for n in SHARDS["a"] + SHARDS["b"] if n.endswith(".index.json")]
+    assert _files(folder_b) == sorted(indexes + SHARED)
     sent = second[0]["received"]["b"]
-    assert second[0]["received"]["a"] == 0
-    assert _share(manifest, (2, 3)) + _small(manifest, folder_b) - _small_of(manifest, (2, 3)) < sent
-    assert sent <= _share(manifest, (2, 3)) + _small(manifest, folder_b) + _share(manifest, (0, 1)) // 2
-    shard_bytes = sent - (_small(manifest, folder_b) - _small_of(manifest, (2, 3)))
-    assert shard_bytes < 0.75 * _share(manifest, (0, 1, 2, 3)), "node b was sent about every shard file"
-    # restored again: b's partial copies count as absent, so the parts are sent again (over the marks)
+    assert second[0]["received"]["a"] < 4096  # a scalar several ranks read, read once and shared (two nodes)
+    tensors_sent = sent - _small(manifest, folder_b)
+    payload_b = _payload(_tier_folder(local, "a") / step_name(6), (2, 3))  # b's shards' tensor bytes
+    assert payload_b <= tensors_sent <= payload_b + _payload(_tier_folder(local, "a") / step_name(6), (0, 1)) // 4
+    # restored again: b still lacks its shards (only its ranks' loads receive them), not the small files
     again = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
     for rank, got in enumerate(again):
         assert (got["step"], got["from"]) == (6, "local"), got["log"]
         _assert_same_state(got["state"], first[rank]["recorded"][6], f"rank {rank} again")
-    assert 0 < again[0]["received"]["b"] < sent and again[0]["received"]["a"] == 0
+    assert again[0]["received"]["b"] == tensors_sent and again[0]["received"]["a"] < 4096
     # b now holds a part of step 6: with node a lost as well, no node holds a's shards, so the step is
     # not offered as complete and the root's newest (step 4) is restored
     shutil.rmtree(local / "a")
@@ -390,6 +388,15 @@ def _manifest(folder: Path) -> Any:
 def _share(manifest: Any, ranks: tuple[int, ...]) -> int:
     """The bytes of the shard files the saving ranks ``ranks`` wrote."""
     return sum(entry.size for entry in manifest.files.values() if entry.rank in ranks)
+
+
+def _payload(folder: Path, ranks: tuple[int, ...]) -> int:
+    """The tensor bytes of the shard files the saving ranks ``ranks`` wrote (each file less its header)."""
+    total = 0
+    for rank in ranks:
+        data = (folder / f"shard-{rank:05d}.safetensors").read_bytes()
+        total += len(data) - 8 - int.from_bytes(data[:8], "little")
+    return total
 
 
 def _small(manifest: Any, folder: Path) -> int:
@@ -479,8 +486,8 @@ def test_a_node_killed_before_its_copy_leaves_the_older_complete_step(tmp_path: 
 
 
 def _transfer_job(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    """Rank 0 sends three files to rank 1 over the tier's group: one whole, the byte ranges of one,
-    and one whose size is not the one the move names (the sender cannot read it as asked)."""
+    """Rank 0 sends two files to rank 1 over the tier's group: one whole, and one whose size is not
+    the one the move names (the sender cannot read it as asked)."""
     from shardsafe.manager import tier as tier_module
     from shardsafe.manager.tier import LocalTier, Move
 
@@ -492,31 +499,20 @@ def _transfer_job(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     if rank == 0:
         src.mkdir()
         (src / "whole").write_bytes(data)
-        (src / "ranges").write_bytes(data)
         (src / "short").write_bytes(data[:-1])
     torch.distributed.barrier()
-    moves = [
-        Move("whole", len(data), 0, 1),
-        Move("ranges", len(data), 0, 1, ((10, 5000), (600_000, len(data)))),
-        Move("short", len(data), 0, 1),
-    ]
+    moves = [Move("whole", len(data), 0, 1), Move("short", len(data), 0, 1)]
     problem = tier._transfer(moves, lambda name: src / name, lambda name: dst / name)
     return {"problem": None if problem is None else f"{type(problem).__name__}: {problem}", "data": data}
 
 
-def test_a_transfer_maps_files_whole_or_ranges_and_a_short_source_leaves_nothing(tmp_path: Path) -> None:
+def test_a_transfer_maps_files_whole_and_a_short_source_leaves_nothing(tmp_path: Path) -> None:
     sent, received = run_ranks(_transfer_job, 2, str(tmp_path), work_dir=tmp_path)
     data, dst = received["data"], tmp_path / "dst"
     assert sent["problem"] is not None and "short" in sent["problem"] and "the manifest says" in sent["problem"]
     assert received["problem"] == "SaveError: rank 0 could not read short to send it"
     assert (dst / "whole").read_bytes() == data
-    got = (dst / "ranges").read_bytes()
-    expected = bytearray(len(data))
-    for begin, end in ((10, 5000), (600_000, len(data))):
-        expected[begin:end] = data[begin:end]
-    assert got == bytes(expected)  # the ranges, holes elsewhere: marked partial, never offered whole
-    assert (dst / ("ranges" + PARTIAL_MARK)).exists() and not (dst / ("whole" + PARTIAL_MARK)).exists()
-    assert sorted(p.name for p in dst.iterdir()) == sorted(["whole", "ranges", "ranges" + PARTIAL_MARK])
+    assert sorted(p.name for p in dst.iterdir()) == ["whole"]  # no temp file left of the short one
 
 
 def _reversed_group_job(rank: int, world_size: int, root: str, local: str, restore: bool) -> dict[str, Any]:

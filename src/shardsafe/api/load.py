@@ -22,7 +22,9 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ from shardsafe.storage.local import prefault_writable
 from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["load", "load_from", "merge_ranges", "open_checkpoint", "ranges_read"]
+__all__ = ["Loaded", "load", "load_from", "load_lacking", "merge_ranges", "open_checkpoint", "ranges_read"]
 
 log = logging.getLogger("shardsafe")
 
@@ -143,20 +145,59 @@ def _load(
     if foreign is not None and foreign.load is not None:
         return foreign.load(folder, state, process_group=process_group, strict=strict, verify=verify, atomic=atomic)
 
-    def opened() -> tuple[Manifest, dict[str, Any]]:
-        manifest, tree = open_checkpoint(folder)
-        check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
-        return manifest, tree
-
     return load_from(
         state,
-        opened,
+        partial(_opened, folder),
         lambda manifest: ChunkReader(folder, manifest, verify),
         process_group,
         strict,
         verify,
         atomic,
         share_reads,
+    )
+
+
+def _opened(folder: Path | RemoteDir) -> tuple[Manifest, dict[str, Any]]:
+    manifest, tree = open_checkpoint(folder)
+    check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
+    return manifest, tree
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_lacking` did: the checkpoint's user metadata, and the bytes other ranks read
+    for this one and sent to it over the process group."""
+
+    metadata: dict[str, Any]
+    received_bytes: int
+
+
+def load_lacking(
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    lacking: frozenset[str],
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+) -> Loaded:
+    """:func:`load` (verified, atomic) of a folder that may lack some of the checkpoint's shard
+    files, which the folders of other ranks of the load hold: a node's folder of the local tier,
+    holding its own ranks' files and its peers' replicas. Collective, with ``lacking`` (this rank's
+    missing files, maybe none) given on every rank: whatever this rank needs of a file it lacks
+    is read, verified, by a rank whose folder has it and sent over the process group
+    (:func:`~shardsafe.protocol.shared_read.plan_shared`), straight into the load; the values
+    decoded whole (optimizer steps, RNG states) first, the tensors in the load's last phase. A
+    file no rank holds fails the load as a missing file does."""
+    folder = location(path)
+    return _load_from(
+        state,
+        partial(_opened, folder),
+        lambda manifest: ChunkReader(folder, manifest, verify=True),
+        process_group,
+        strict,
+        verify=True,
+        atomic=True,
+        lacking=lacking,
     )
 
 
@@ -192,16 +233,7 @@ def ranges_read(
             with ChunkReader(folder, manifest, verify=False) as reader:
                 fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
                 chunks = [r.op.chunk for r in fresh_reads + existing_reads]
-                taken: dict[str, TensorEntry] = {}
-                stand_ins = _StandIns(manifest, taken)
-                for name, bound in binding.bound.items():
-                    try:
-                        bound.adapter.prepare(bound, binding.contexts[name], stand_ins)
-                    # An adapter decodes its entry (every lookup) before it checks what it decoded, which
-                    # stand-ins can fail (an RNG state's bytes): what it looked up is recorded by then.
-                    except Exception as exc:
-                        log.debug("shardsafe: planning %r over stand-ins: %s", name, exc)
-                for key, entry in taken.items():
+                for key, entry in _taken_whole(manifest, binding).items():
                     chunks += [op.chunk for op in reader.plan(key, entry, (0,) * len(entry.shape), entry.shape)]
                 if any(c.checkpoint is not None for c in chunks):
                     return None
@@ -266,20 +298,36 @@ def load_from(
 
     Each phase ends in an agreement of every rank (a rank that failed still runs the collectives of
     the phase, sharing nothing), so all ranks stop at the same phase and undo the same steps."""
+    return _load_from(state, opened, open_reader, process_group, strict, verify, atomic, share_reads).metadata
+
+
+def _load_from(
+    state: dict[str, Any],
+    opened: OpenChecked,
+    open_reader: OpenReader,
+    process_group: Any,
+    strict: bool,
+    verify: bool,
+    atomic: bool,
+    share_reads: bool | None = None,
+    lacking: frozenset[str] | None = None,
+) -> Loaded:
+    """:func:`load_from`, and what this rank received from others. ``lacking`` (None on every
+    rank, or a set on every rank): see :func:`load_lacking`."""
     comm = get_comm(process_group)
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
     fresh = fresh_optimizers(state)
     manifest, binding = _open_and_bind(comm, state, opened, strict, fresh)
     with open_reader(manifest) as reader:
-        reads = _plan_reads(comm, reader, manifest, binding, share_reads)
+        reads = _plan_reads(comm, reader, manifest, binding, share_reads, lacking)
         steps = _prepare(comm, reader, manifest, binding, reads, atomic, fresh)
         if atomic:  # the blocks are verified; local re-reads go through the same open files (page cache)
             reader.verify = verify and reader.remote
         applied = _apply_undoable(comm, steps, fresh)
         problem = _read_and_apply(comm, reader, reads, steps, atomic)
     _agree(comm, problem, reset=fresh, undo=applied)  # a fresh optimizer ends stateless, as it began
-    return manifest.metadata
+    return Loaded(manifest.metadata, reads.fetched_bytes + reads.shared.received_bytes())
 
 
 def _open_and_bind(
@@ -316,10 +364,18 @@ class _Reads:
     existing: list[ReadRequest]  # into the other, live tensors
     shared: SharedPlan
     problem: Exception | None
+    # stored tensors decoded whole that lie in files this rank lacks, by key: received from ranks holding them
+    fetched: dict[str, torch.Tensor] = field(default_factory=dict)
+    fetched_bytes: int = 0  # what receiving ``fetched`` took over the process group
 
 
 def _plan_reads(
-    comm: Comm, reader: ChunkReader, manifest: Manifest, binding: LoadBinding, share_reads: bool | None
+    comm: Comm,
+    reader: ChunkReader,
+    manifest: Manifest,
+    binding: LoadBinding,
+    share_reads: bool | None,
+    lacking: frozenset[str] | None = None,
 ) -> _Reads:
     """What this rank reads, and from whom it receives what another rank reads for it."""
     problem: Exception | None = None
@@ -329,12 +385,74 @@ def _plan_reads(
         fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
     except Exception as exc:
         problem = exc
+    fetched: dict[str, torch.Tensor] = {}
+    fetched_bytes = 0
+    if lacking is not None:  # every rank alike: the values decoded whole first, from files some rank lacks
+        fetched, fetched_bytes, fetch_problem = _fetch_whole(comm, reader, manifest, binding, lacking, problem)
+        problem = problem or fetch_problem
     # Collective, so run by a rank whose planning failed too (it shares nothing): chunks several
     # ranks need are read by one of them and sent to the others (protocol/shared_read.py).
     shared = plan_shared(
-        comm, [] if problem is not None else fresh_reads + existing_reads, enabled=share_reads, remote=reader.remote
+        comm,
+        [] if problem is not None else fresh_reads + existing_reads,
+        enabled=share_reads,
+        remote=reader.remote,
+        lacking=lacking,
     )
-    return _Reads(shared.local(fresh_reads), shared.local(existing_reads), shared, problem)
+    return _Reads(shared.local(fresh_reads), shared.local(existing_reads), shared, problem, fetched, fetched_bytes)
+
+
+def _fetch_whole(
+    comm: Comm,
+    reader: ChunkReader,
+    manifest: Manifest,
+    binding: LoadBinding,
+    lacking: frozenset[str],
+    failed: Exception | None,
+) -> tuple[dict[str, torch.Tensor], int, Exception | None]:
+    """Collective: the stored tensors this rank's values take whole (an optimizer's step, an RNG
+    state: found as :func:`ranges_read` finds them, over stand-ins) that lie in files it lacks,
+    read by ranks holding those files and received here, before the values are prepared. Returns
+    them by key, the bytes received, and the problem met (for the next agreement)."""
+    requests: list[ReadRequest] = []
+    fetched: dict[str, torch.Tensor] = {}
+    problem: Exception | None = None
+    if lacking and failed is None:
+        try:
+            for key, entry in _taken_whole(manifest, binding).items():
+                zeros = (0,) * len(entry.shape)
+                ops = reader.plan(key, entry, zeros, entry.shape)
+                if any(op.chunk.checkpoint is None and op.chunk.file in lacking for op in ops):
+                    # bounded by the bytes on disk: the manifest's chunks lie within its files' sizes, which
+                    # the ranks holding the files check as they open them
+                    fetched[key] = torch.empty(entry.shape, dtype=entry.dtype)
+                    requests += [ReadRequest(key, op, entry.dtype, fetched[key], zeros) for op in ops]
+        except Exception as exc:
+            problem, requests, fetched = exc, [], {}
+    plan = plan_shared(comm, requests, enabled=True, lacking=lacking)
+    try:
+        if problem is None:
+            _read(reader, plan.local(requests))
+    except Exception as exc:
+        problem = exc
+    with torch.no_grad():
+        exchanged = plan.exchange(reader, failed=problem is not None)  # every rank runs its batches
+    return fetched, plan.received_bytes(), problem or exchanged
+
+
+def _taken_whole(manifest: Manifest, binding: LoadBinding) -> dict[str, TensorEntry]:
+    """The stored tensors the bound values decode whole (each adapter's ``prepare`` run over
+    stand-ins of the stored shapes; nothing is applied or allocated)."""
+    taken: dict[str, TensorEntry] = {}
+    stand_ins = _StandIns(manifest, taken)
+    for name, bound in binding.bound.items():
+        try:
+            bound.adapter.prepare(bound, binding.contexts[name], stand_ins)
+        # An adapter decodes its entry (every lookup) before it checks what it decoded, which
+        # stand-ins can fail (an RNG state's bytes): what it looked up is recorded by then.
+        except Exception as exc:
+            log.debug("shardsafe: planning %r over stand-ins: %s", name, exc)
+    return taken
 
 
 def _prepare(
@@ -355,7 +473,7 @@ def _prepare(
             raise problem
         if atomic:  # check everything this rank will read in place, nothing written
             _check_sources(reader, reads.fresh, reads.existing, reads.shared.checks(reader))
-        steps = prepare_steps(binding, SharedLookup(reader, manifest))
+        steps = prepare_steps(binding, SharedLookup(reader, manifest, reads.fetched))
     except Exception as exc:
         problem = exc
     _agree(comm, problem, reset=fresh)
@@ -418,9 +536,9 @@ class SharedLookup:
     ``state.json`` share one tensor, so what is allocated is bounded by the bytes the files hold
     (the manifest parser refuses chunks that share bytes)."""
 
-    def __init__(self, reader: ChunkReader, manifest: Manifest) -> None:
+    def __init__(self, reader: ChunkReader, manifest: Manifest, fetched: dict[str, torch.Tensor] | None = None) -> None:
         self.reader, self.manifest = reader, manifest
-        self._read: dict[str, torch.Tensor] = {}
+        self._read: dict[str, torch.Tensor] = dict(fetched or {})  # ``fetched``: received from other ranks already
 
     def __call__(self, key: str) -> torch.Tensor:
         tensor = self._read.get(key)

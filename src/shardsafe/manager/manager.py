@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from shardsafe.api.checkpoint import describe_collectively, load, location, ranges_read, write_checkpoint
+from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
+from shardsafe.api.load import load_lacking
 from shardsafe.core.comm import Comm, get_comm, gloo_copy
 from shardsafe.core.faults import crash_point
 from shardsafe.errors import (
@@ -611,18 +612,14 @@ class CheckpointManager:
         if self._tier is None:
             return None
 
-        def load_step(folder: Path) -> None:
+        def load_step(folder: Path, lacking: frozenset[str]) -> int:
             step = STEP_NAMING.parse(folder.name)
             assert step is not None  # the tier names its folders with the same naming
             self._refuse_renamed(folder, step)
-            load(folder, state, process_group=self.comm.group, strict=strict)
+            # what this node's folder lacks comes from the ranks whose folders hold it, straight into the load
+            return load_lacking(folder, state, lacking, process_group=self.comm.group, strict=strict).received_bytes
 
-        return self._tier.restore(
-            self._newest_except({}),
-            load_step,
-            # only the bytes this rank's load will read are gathered onto its node
-            plan=lambda folder: ranges_read(folder, state, process_group=self.comm.group, strict=strict),
-        )
+        return self._tier.restore(self._newest_except({}), load_step)
 
     def _restore_newest(self, state: dict[str, Any], strict: bool) -> int | None:
         """The newest step that loads, listing again after each failure (a reader's root can change meanwhile)."""

@@ -28,15 +28,15 @@ as one stream per pair of ranks, not one between their leaders. A file travels a
 the receiver's new file's pages (reserved first), with no copy through a buffer on either side.
 
 Restore (:meth:`LocalTier.restore`): every leader reports the steps its folder holds and which of
-their files are present (whole: received files are renamed into place, and a file a restore sent
-only parts of is marked :data:`PARTIAL_MARK` and never counted), the ranks pick the newest step
-newer than the persistent root's newest whose files the nodes hold between them, and each node is
-sent what its ranks' loads will read, by nodes holding it: first the small files (state file,
-indexes, the manifest last), then, after every rank has planned its load over its node's folder
-(the manager's ``plan``: :func:`~shardsafe.api.load.ranges_read`), the shard files it lacks,
-whole or only the byte ranges its ranks read. Every rank then loads from its own node's folder,
-verifying block hashes as any load does. Damage found there (a missing file, a hash mismatch)
-means the persistent root is used instead.
+their files are present (received files are renamed into place whole), the ranks pick the newest
+step newer than the persistent root's newest whose files the nodes hold between them, and each
+node lacking them is sent the small files every load reads (state file, indexes, the manifest
+last) by a node holding them. Every rank then loads from its own node's folder
+(:func:`~shardsafe.api.load.load_lacking`), told which shard files that folder lacks: what it
+needs of those is read, verified, by a rank whose folder holds them and sent straight into the
+load over the process group, so a lost node's share goes from its peers' replica pages into its
+ranks' tensors, never through files of its own. Damage found (a missing file, a hash mismatch,
+wherever it is read) means the persistent root is used instead.
 
 Retention: a node's folder holds the newest step saved everywhere and the one being written; the
 older ones are removed once a new step is complete (replicas included), except that the newest of
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsafe.api.checkpoint import merge_ranges, write_checkpoint
+from shardsafe.api.checkpoint import write_checkpoint
 from shardsafe.core.comm import Comm
 from shardsafe.core.faults import crash_point
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, Manifest, parse_manifest
@@ -87,11 +87,9 @@ log = logging.getLogger("shardsafe")
 PIECE_BYTES = 64 << 20  # one point-to-point message of a file being sent
 # in a node's tier folder: the files of the step retired last, written over by the next save (see the module doc)
 SPARE_NAME = ".shardsafe-spare"
-# next to a file a restore received only parts of (the byte ranges its node's ranks read): never offered as whole
-PARTIAL_MARK = ".shardsafe-partial"
 MARGIN_BYTES = 16 << 20  # headroom a node's folder keeps beyond what a save or restore writes there
-# a rank's load of a folder -> the byte ranges of each shard file it reads (None: it cannot tell)
-ReadPlan = Callable[[Path], "dict[str, list[tuple[int, int]]] | None"]
+# a rank's load of its node's folder of a step, given the shard files that folder lacks -> the bytes other ranks sent it
+LoadLacking = Callable[[Path, frozenset[str]], int]
 _DAMAGE = (IntegrityError, FormatError, CheckpointNotFoundError)  # a tier step that does not load: use the root
 
 
@@ -137,23 +135,12 @@ class NodeCommit(LocalCommit):
 
 @dataclass(frozen=True)
 class Move:
-    """One file sent from one rank to another (group ranks of the tier's comm): whole, or only the
-    byte ``ranges`` a load there reads (the file then has its size, holes elsewhere, and is marked
-    partial: :data:`PARTIAL_MARK`)."""
+    """One file sent whole from one rank to another (group ranks of the tier's comm)."""
 
     name: str
     size: int
     src: int
     dst: int
-    ranges: tuple[tuple[int, int], ...] | None = None
-
-    def spans(self) -> tuple[tuple[int, int], ...]:
-        return ((0, self.size),) if self.ranges is None else self.ranges
-
-    @property
-    def sent(self) -> int:
-        """The bytes it sends."""
-        return sum(end - begin for begin, end in self.spans())
 
 
 @dataclass(frozen=True)
@@ -162,7 +149,7 @@ class Held:
 
     digest: str  # of the manifest's bytes: equal digests, same save
     needed: dict[str, int]  # every file the manifest names (with manifest.json), and its size
-    present: frozenset[str]  # those of them in the folder, whole (after a restore, maybe only what its ranks read)
+    present: frozenset[str]  # those of them in the folder (after a restore there, maybe only the small files)
     shards: frozenset[str] = frozenset()  # the shard files among ``needed`` (the rest: state file, indexes, manifest)
 
 
@@ -461,7 +448,7 @@ class LocalTier:
             problem = exc
         try:
             # a file that cannot be read sends zeros (and the flag says so), never stale bytes
-            for piece in _messages(source, move.spans()):
+            for piece in _messages(source, move.size):
                 dist.send(piece, group=self.comm.group, group_dst=move.dst)
             flag = torch.tensor([0 if problem is None else 1], dtype=torch.uint8)
             dist.send(flag, group=self.comm.group, group_dst=move.dst)
@@ -471,27 +458,22 @@ class LocalTier:
         return problem
 
     def _receive(self, move: Move, path: Path) -> BaseException | None:
-        """Destination of ``move``: its byte ranges straight into a new file's pages (mapped, the
-        ranges reserved first) under a hidden name, renamed into place when whole and its sender
-        read it without error."""
+        """Destination of ``move``: its bytes straight into a new file's pages (mapped, reserved
+        first) under a hidden name, renamed into place when whole and its sender read it without
+        error."""
         problem: BaseException | None = None
         tmp = hidden_sibling(path)
         target: MappedFile | None = None
-        marker = path.parent / (path.name + PARTIAL_MARK)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # a whole file is received over its namesake in the spare (a replica the step before sent here)
+            # received over its namesake in the spare (a replica the step before sent here)
             folder = self._spare_folder()
-            spare = folder / move.name if folder is not None and move.ranges is None else None
-            target = MappedFile.for_writing(tmp, move.size, move.spans(), recycled=spare)
-            # holes between the ranges; marked before it takes its name (a partial copy an earlier
-            # restore sent keeps its mark)
-            if move.ranges is not None and not marker.exists():
-                write_small_file(marker, b"", self.fsync)
+            spare = folder / move.name if folder is not None else None
+            target = MappedFile.for_writing(tmp, move.size, ((0, move.size),), recycled=spare)
         except Exception as exc:
             problem = exc
         try:
-            for piece in _messages(target, move.spans()):
+            for piece in _messages(target, move.size):
                 dist.recv(piece, group=self.comm.group, group_src=move.src)
             flag = torch.zeros(1, dtype=torch.uint8)
             dist.recv(flag, group=self.comm.group, group_src=move.src)
@@ -504,8 +486,6 @@ class LocalTier:
                 target = None
             if problem is None:
                 os.replace(tmp, path)
-                if move.ranges is None:  # whole now (a partial copy of an earlier restore was there)
-                    marker.unlink(missing_ok=True)
                 if self.fsync:
                     fsync_dir(path.parent)
         except Exception as exc:
@@ -530,11 +510,7 @@ class LocalTier:
             except (OSError, ShardsafeError):  # no manifest (not committed here) or a damaged one
                 continue
             needed = _needed(manifest, data)
-            present = frozenset(
-                name
-                for name, size in needed.items()
-                if _size_of(folder / name) == size and not (folder / (name + PARTIAL_MARK)).exists()
-            )
+            present = frozenset(name for name, size in needed.items() if _size_of(folder / name) == size)
             out[step] = Held(hash_bytes(data), needed, present, frozenset(manifest.files))
         return out
 
@@ -558,19 +534,13 @@ class LocalTier:
                 passed.append(f"step {step}: no node holds {', '.join(missing[:3])}{more}")
         return None, "", passed
 
-    def restore(
-        self,
-        newer_than: int | None,
-        load: Callable[[Path], object],
-        plan: ReadPlan | None = None,
-    ) -> int | None:
+    def restore(self, newer_than: int | None, load: LoadLacking) -> int | None:
         """Collective: load the newest complete step of the tier newer than ``newer_than`` (the
-        root's newest committed step) with ``load(folder)`` (this rank's node's folder of it).
-        ``plan(folder)``: the shard files that load will read (None: it cannot tell), so that each
-        node is sent only those of them it lacks; without it, every node gets the whole step.
-        None, with the reason logged, when there is none or it does not load: the caller then
-        restores from the root. What ``load`` raises for a state that does not fit the step (not
-        the tier's fault) is raised."""
+        root's newest committed step) with ``load(folder, lacking)`` (this rank's node's folder of
+        it, and the shard files that folder lacks, which the load receives from ranks holding them:
+        :func:`~shardsafe.api.load.load_lacking`). None, with the reason logged, when there is none
+        or it does not load: the caller then restores from the root. What ``load`` raises for a
+        state that does not fit the step (not the tier's fault) is raised."""
         report = None
         if self.nodes.is_leader:
             try:
@@ -589,7 +559,7 @@ class LocalTier:
                 log.info("shardsafe: local tier holds no complete step newer than %s; restoring from the root", root)
             return None
         try:
-            self._complete(step, digest, reports, plan)
+            lacking = self._complete(step, digest, reports)
         except SaveError as exc:
             if self.comm.is_coordinator:
                 log.warning(
@@ -600,31 +570,29 @@ class LocalTier:
                 )
             return None
         try:
-            load(self.step_folder(step))
+            received = load(self.step_folder(step), lacking)
         except _DAMAGE as exc:
             if self.comm.is_coordinator:
                 log.warning("shardsafe: local tier: step %d does not load (%s); restoring from the root", step, exc)
             return None
+        for rank, count in enumerate(self.comm.all_gather(received)):
+            self.received[self.nodes.node_of[rank]] += count
         if self.comm.is_coordinator:
-            log.info("shardsafe: restored step %d from the local tier (newer than %s)", step, root)
+            log.info(
+                "shardsafe: restored step %d from the local tier (newer than %s); sent to each node: %s",
+                step,
+                root,
+                ", ".join(f"{n}: {b} bytes" for n, b in self.received.items()),
+            )
         return step
 
-    def _complete(
-        self,
-        step: int,
-        digest: str,
-        reports: list[tuple[dict[int, Held], int] | None],
-        plan: ReadPlan | None,
-    ) -> None:
-        """Collective: every node's folder gets what its ranks' load of ``step`` will read, from
-        nodes holding it. First the small files every load reads (the state file, the indexes, the
-        manifest last), which every node gets; then each rank plans its load over its node's folder
-        (``plan``: the byte ranges of each shard file it will read, None for all) and each node gets
-        the shard files its ranks named that it lacks: whole, or, when its ranks read only parts of
-        one, those byte ranges (the file then has holes and is marked partial). A node that held no
-        copy of this save gets a new folder, published when both rounds are done; it then holds a
-        part of the step (what its ranks read), which :meth:`_held` reports file by file (a partial
-        file as absent), never as the whole step."""
+    def _complete(self, step: int, digest: str, reports: list[tuple[dict[int, Held], int] | None]) -> frozenset[str]:
+        """Collective: every node's folder gets the small files every load of ``step`` reads (the
+        state file, the indexes, the manifest last), from a node holding them; returns the shard
+        files this rank's node's folder lacks (its ranks' load receives what it reads of them from
+        ranks holding them). A node that held no copy of this save gets a new folder, published
+        when they are in; it then holds a part of the step, which :meth:`_held` reports file by
+        file, never as the whole step."""
         held: dict[str, Held | None] = {}
         free: dict[str, int] = {}
         for r, rep in enumerate(reports):
@@ -634,13 +602,14 @@ class LocalTier:
                 free[self.nodes.node_of[r]] = rep[1]
         first = next(h for h in held.values() if h is not None)
         needed, shards = first.needed, first.shards
+        mine = held[self.nodes.node]
+        lacking = shards - mine.present if mine is not None else shards
         self.received = dict.fromkeys(self.nodes.nodes, 0)
-        if all(h is not None and h.present >= needed.keys() for h in held.values()):
-            return  # every node holds the whole step (its own files and replicas): no planning, nothing to send
         # the manifest last: it commits a new folder
         small = sorted((n for n in needed if n not in shards), key=lambda name: (name == MANIFEST_NAME, name))
-        moves = self._moves(step, {node: dict.fromkeys(small) for node in self.nodes.nodes}, held, free, needed, {})
-        mine = held[self.nodes.node]
+        moves = self._moves(step, small, held, free, needed)
+        if not moves:
+            return lacking  # every node holds the small files (its own and replicas): nothing to send
         temp: TemporaryPath | None = None
         problem: BaseException | None = None
         if self.nodes.is_leader and mine is None and any(self.nodes.node_of[m.dst] == self.nodes.node for m in moves):
@@ -655,24 +624,9 @@ class LocalTier:
             leader_temp = paths[self.nodes.leader()]
             into = Path(leader_temp) if leader_temp is not None else here
             problem = self._transfer(moves, lambda name: here / name, lambda name: into / name)
-            _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
-            asked = self._asked(step, plan, into, shards)
-            wanted = {
-                node: self._wanted([asked[r] for r in ranks], needed, shards)
-                for node, ranks in self.nodes.ranks_of.items()
-            }
-            first_round = _bytes_to(self.nodes, moves)
-            more = self._moves(step, wanted, held, free, needed, first_round)
-            self.received = _bytes_to(self.nodes, moves + more)
-            if self.comm.is_coordinator:
-                log.info(
-                    "shardsafe: local tier: gathering step %d: %s",
-                    step,
-                    ", ".join(f"{n}: {b} bytes" for n, b in self.received.items()),
-                )
-            problem = self._transfer(more, lambda name: here / name, lambda name: into / name)
             # every rank's receives are done (any rank of a node writes into its leader's folder) before it is published
             _raise_if_any(self.comm, problem, f"local tier: gathering step {step}")
+            self.received = _bytes_to(self.nodes, moves)
             if temp is not None:
                 try:
                     temp.publish()
@@ -682,67 +636,25 @@ class LocalTier:
         finally:
             if temp is not None:
                 temp.remove()
-
-    def _asked(
-        self, step: int, plan: ReadPlan | None, into: Path, shards: frozenset[str]
-    ) -> list[dict[str, list[tuple[int, int]]] | None]:
-        """Collective: every rank's byte ranges of each shard file its load of ``step`` reads from its node's
-        folder ``into`` (None: all of every file, where it cannot tell)."""
-        reads: dict[str, list[tuple[int, int]]] | None = None
-        if plan is not None:
-            try:
-                reads = plan(into)
-            except Exception as exc:  # cannot tell: this node gets every shard file whole
-                log.debug("shardsafe: local tier: planning the load of step %d: %s", step, exc)
-        return self.comm.all_gather(
-            None if reads is None else {name: spans for name, spans in reads.items() if name in shards}
-        )
-
-    @staticmethod
-    def _wanted(
-        asked: list[dict[str, list[tuple[int, int]]] | None], needed: dict[str, int], shards: frozenset[str]
-    ) -> dict[str, tuple[tuple[int, int], ...] | None]:
-        """What one node's ranks read (``asked``: each rank's ranges by file, None: everything), by
-        shard file: None for the whole file, else the byte ranges."""
-        if any(a is None for a in asked):
-            return dict.fromkeys(sorted(shards))
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for a in asked:
-            assert a is not None
-            for name, ranges in a.items():
-                spans.setdefault(name, []).extend(ranges)
-        out: dict[str, tuple[tuple[int, int], ...] | None] = {}
-        for name in sorted(spans):
-            merged = merge_ranges((max(0, b), min(needed[name], e)) for b, e in spans[name])
-            out[name] = None if merged == [(0, needed[name])] else tuple(merged)
-        return out
+        return lacking
 
     def _moves(
-        self,
-        step: int,
-        wanted: dict[str, dict[str, tuple[tuple[int, int], ...] | None]],
-        held: dict[str, Held | None],
-        free: dict[str, int],
-        needed: dict[str, int],
-        before: dict[str, int],
+        self, step: int, names: list[str], held: dict[str, Held | None], free: dict[str, int], needed: dict[str, int]
     ) -> list[Move]:
-        """The moves that give each node the files of ``wanted`` it lacks (whole, or the byte ranges
-        given), each from a node holding it (spread over the holders), in one global order;
-        SaveError (on every rank alike) when a node's folder has too little room for what they send
-        it and the ``before`` bytes it received earlier in this restore (``free`` was measured
-        before it)."""
+        """The moves that give each node the files of ``names`` it lacks, each from a node holding
+        it (spread over the holders), in one global order; SaveError (on every rank alike) when a
+        node's folder has too little room for them (``free``: measured at the leaders' reports)."""
         moves: list[Move] = []
         short = []
         for i, node in enumerate(self.nodes.nodes):
             h = held[node]
-            lacking = [name for name in wanted[node] if h is None or name not in h.present]
+            lacking = [name for name in names if h is None or name not in h.present]
             here: list[Move] = []
             for j, name in enumerate(lacking):
                 holders = [n for n, hn in held.items() if hn is not None and name in hn.present]
                 source = holders[(i + j) % len(holders)]
-                src, dst = self._partner(source, j), self._partner(node, j)
-                here.append(Move(name, needed[name], src, dst, wanted[node][name]))
-            if here and sum(m.sent for m in here) + before.get(node, 0) + MARGIN_BYTES > free[node]:
+                here.append(Move(name, needed[name], self._partner(source, j), self._partner(node, j)))
+            if here and sum(m.size for m in here) + MARGIN_BYTES > free[node]:
                 short.append(f"node {node}: {free[node]} bytes free")
             moves += here
         if short:
@@ -774,27 +686,24 @@ def _bytes_to(nodes: NodeMap, moves: list[Move]) -> dict[str, int]:
     """The bytes ``moves`` send to each node."""
     out = dict.fromkeys(nodes.nodes, 0)
     for m in moves:
-        out[nodes.node_of[m.dst]] += m.sent
+        out[nodes.node_of[m.dst]] += m.size
     return out
 
 
-def _messages(mapped: MappedFile | None, spans: Iterable[tuple[int, int]]) -> Iterator[torch.Tensor]:
-    """The point-to-point messages of the byte ranges ``spans`` of a file, in order, at most
+def _messages(mapped: MappedFile | None, size: int) -> Iterator[torch.Tensor]:
+    """The point-to-point messages of a file of ``size`` bytes, in order, at most
     :data:`PIECE_BYTES` each: views of the ``mapped`` file (its pages mapped in just before each is
     sent or received), or, where the file could not be opened, the front of one zeroed scratch
     buffer (sent as it is, or received and dropped: every message is still exchanged, so the peer
     never waits forever)."""
-    spans = list(spans)
-    longest = max((end - begin for begin, end in spans), default=0)
-    scratch = torch.zeros(min(PIECE_BYTES, longest) if mapped is None else 0, dtype=torch.uint8)
-    for begin, end in spans:
-        for offset in range(begin, end, PIECE_BYTES):
-            stop = min(end, offset + PIECE_BYTES)
-            if mapped is None:
-                yield scratch[: stop - offset]
-            else:
-                mapped.populate(offset, stop)
-                yield mapped.bytes[offset:stop]
+    scratch = torch.zeros(min(PIECE_BYTES, size) if mapped is None else 0, dtype=torch.uint8)
+    for offset in range(0, size, PIECE_BYTES):
+        stop = min(size, offset + PIECE_BYTES)
+        if mapped is None:
+            yield scratch[: stop - offset]
+        else:
+            mapped.populate(offset, stop)
+            yield mapped.bytes[offset:stop]
 
 
 def _size_of(path: Path) -> int | None:

@@ -21,6 +21,13 @@ before it, so none waits alone):
    boxes out of them. A rank whose read failed still sends (the flag says so), so no rank waits
    for bytes that never come; the first problem is returned after the last batch.
 
+Files a rank cannot read (``plan_shared``'s ``lacking``): a node's folder of the local tier may
+hold only some of a step's shard files, the rest being in other nodes' folders. Every rank then
+names the files it lacks in step 1's ``all_gather``; a chunk in a file one of its needers lacks is
+read by a needer that has it or, if none has, by the rank with the fewest shared bytes among those
+that have it (a rank that needs nothing of it), and sent like any shared chunk. Such a reader
+learns the chunk's record (key, hashes) from the needer in the same ``all_gather``.
+
 When to share (``plan_shared``'s ``enabled``): ``True`` always, ``False`` never, ``None`` (what
 ``load`` passes by default) only when it saves reads from storage: when the ranks run on more than
 one node (:mod:`shardsafe.core.nodes`) or the checkpoint is in an object store. Ranks of one node
@@ -37,7 +44,7 @@ receiver copies its boxes from the host bytes into its tensors, on the GPU or no
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -123,8 +130,11 @@ class SharedPlan:
         flags and drops what it receives). Returns the first problem rather than raising: every
         rank runs every batch it is in."""
         problem: Exception | None = None
+        # one buffer for every batch (each a front of it, its last byte the read's flag): allocated and
+        # faulted in once, not per message
+        whole = torch.empty(max((b.positions()[1] for b in self.batches), default=0) + 1, dtype=torch.uint8)
         for batch in self.batches:
-            buffer = torch.zeros(batch.positions()[1] + 1, dtype=torch.uint8)
+            buffer = whole[: batch.positions()[1] + 1]
             if batch.reader == self.rank:
                 # read for others even after a failed receive
                 read_problem = None if failed else self._read(reader, batch, buffer)
@@ -141,6 +151,10 @@ class SharedPlan:
             if buffer[-1] and not failed:
                 self._copy_out(batch, buffer)
         return problem
+
+    def received_bytes(self) -> int:
+        """The bytes this rank receives in :meth:`exchange` (what other ranks read for it)."""
+        return sum(b.positions()[1] for b in self.batches if b.reader != self.rank)
 
     def _read(self, reader: ChunkReader, batch: Batch, buffer: torch.Tensor) -> Exception | None:
         view = tensor_bytes(buffer)
@@ -178,15 +192,29 @@ def can_share(comm: Comm) -> bool:
     return comm.distributed
 
 
+# what one rank sends in step 1: its node, the byte spans of each chunk it needs, the files it lacks,
+# and the record (key, chunk) of each chunk it needs in a file it lacks (for the rank that reads it)
+_Report = tuple[str, list[tuple[ChunkId, int, int]], list[str], list[tuple[str, ChunkEntry]]]
+
+
 def plan_shared(
-    comm: Comm, requests: Sequence[ReadRequest], enabled: bool | None = True, remote: bool = False
+    comm: Comm,
+    requests: Sequence[ReadRequest],
+    enabled: bool | None = True,
+    remote: bool = False,
+    lacking: Collection[str] | None = None,
 ) -> SharedPlan:
     """Step 1 (collective unless ``enabled`` is False or not :func:`can_share`): who reads each chunk
     several ranks need. ``enabled=None``: only if the ranks span nodes or ``remote`` (an object store;
-    the same on every rank), see the module doc."""
+    the same on every rank), see the module doc. ``lacking`` (None on every rank, or given on
+    every rank): the files of the checkpoint this rank cannot read, whose chunks it needs are read
+    by a rank that can, whatever ``enabled`` says of the others."""
     plan = SharedPlan(comm.rank)
-    if enabled is False or not can_share(comm):
+    if lacking is None and (enabled is False or not can_share(comm)):
         return plan
+    if not can_share(comm):
+        return plan  # one process: nobody to read for it (its own reads name the missing files)
+    lacks = frozenset(lacking or ())
     spans: dict[ChunkId, tuple[int, int]] = {}
     for r in requests:
         chunk = r.op.chunk
@@ -198,22 +226,62 @@ def plan_shared(
         spans[cid] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
         plan.requests.setdefault(cid, []).append(r)
         plan.entries.setdefault(cid, (r.key, r.op.chunk))
-    gathered = comm.all_gather((node_id(), sorted((cid, lo, hi) for cid, (lo, hi) in spans.items() if cid[3] > cid[2])))
-    if enabled is None and not remote and len({node for node, _ in gathered}) == 1:
-        return plan  # one node, local files: a second reader gets the bytes from the shared page cache
-    everyone = [items for _, items in gathered]
+    records = [plan.entries[cid] for cid in sorted(spans) if _in(cid, lacks)]
+    report: _Report = (
+        node_id(),
+        sorted((cid, lo, hi) for cid, (lo, hi) in spans.items() if cid[3] > cid[2]),
+        sorted(lacks),
+        records,
+    )
+    gathered: list[_Report] = comm.all_gather(report)
+    everyone_lacks = [frozenset(lacked) for _, _, lacked, _ in gathered]
+    # one node, local files: a second reader gets the bytes from the shared page cache
+    overlaps = enabled is True or (enabled is None and (remote or len({node for node, *_ in gathered}) > 1))
+    if not overlaps and not any(everyone_lacks):
+        return plan
+    batches = _batches(gathered, everyone_lacks, overlaps)
+    if not batches:
+        return plan  # nothing to share (disjoint parts): no transport, no side group made
+    # the same decision on every rank (from the gathered spans): collective where it makes a side group
+    plan = replace(plan, transport=cpu_transport(comm), global_ranks=tuple(global_ranks(comm)))
+    for _, _, _, theirs in gathered:  # records of chunks this rank may read for a rank that lacks their file
+        for key, chunk in theirs:
+            plan.entries.setdefault(chunk_id(chunk), (key, chunk))
+    for reader, receivers, chunks in batches:
+        if comm.rank == reader or comm.rank in receivers:
+            plan.batches.append(Batch(reader, receivers, tuple(chunks)))
+            plan.shared.update(chunks)
+    return plan
+
+
+def _in(cid: ChunkId, files: frozenset[str]) -> bool:
+    """Whether the chunk lies in one of ``files`` (of the checkpoint itself, not a sibling)."""
+    return not cid[0] and cid[1] in files
+
+
+def _batches(
+    gathered: list[_Report], lacks: list[frozenset[str]], overlaps: bool
+) -> list[tuple[int, tuple[int, ...], list[ChunkId]]]:
+    """Every rank's part of the exchange, alike on every rank: for each chunk shared (a needer
+    lacks its file, or, with ``overlaps``, two needers' spans overlap), its reader and receivers,
+    grouped into batches of at most :data:`BATCH_BYTES` per (reader, receivers)."""
     needers: dict[ChunkId, list[tuple[int, int, int]]] = {}
-    for rank, items in enumerate(everyone):
+    for rank, (_, items, _, _) in enumerate(gathered):
         for cid, lo, hi in items:
             needers.setdefault(cid, []).append((rank, lo, hi))
-    load = [0] * comm.world_size
+    load = [0] * len(gathered)
     open_batches: dict[tuple[int, tuple[int, ...]], list[ChunkId]] = {}
     batches: list[tuple[int, tuple[int, ...], list[ChunkId]]] = []
     for cid in sorted(needers):
         ranks = needers[cid]
-        if len(ranks) < 2 or not _overlapping(ranks):
+        unable = {r for r, _, _ in ranks if _in(cid, lacks[r])}
+        if not unable and (not overlaps or len(ranks) < 2 or not _overlapping(ranks)):
             continue
-        reader = min((r for r, _, _ in ranks), key=lambda r: (load[r], r))
+        able = [r for r, _, _ in ranks if r not in unable]
+        able = able or [r for r in range(len(gathered)) if not _in(cid, lacks[r])]
+        if not able:
+            continue  # no rank can read it: its needers read it themselves and fail naming the file
+        reader = min(able, key=lambda r: (load[r], r))
         load[reader] += cid[3] - cid[2]
         receivers = tuple(r for r, _, _ in ranks if r != reader)
         key = (reader, receivers)
@@ -222,15 +290,7 @@ def plan_shared(
             current = open_batches[key] = []
             batches.append((reader, receivers, current))
         current.append(cid)
-    if not batches:
-        return plan  # nothing to share (disjoint parts): no transport, no side group made
-    # the same decision on every rank (from the gathered spans): collective where it makes a side group
-    plan = replace(plan, transport=cpu_transport(comm), global_ranks=tuple(global_ranks(comm)))
-    for reader, receivers, chunks in batches:
-        if comm.rank == reader or comm.rank in receivers:
-            plan.batches.append(Batch(reader, receivers, tuple(chunks)))
-            plan.shared.update(chunks)
-    return plan
+    return batches
 
 
 def _overlapping(spans: list[tuple[int, int, int]]) -> bool:
