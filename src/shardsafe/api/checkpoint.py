@@ -3,7 +3,7 @@ a save the manager runs separately (``describe_collectively``, then ``write_chec
 
 from __future__ import annotations
 
-from shardsafe.api.load import load, merge_ranges, ranges_read
+from shardsafe.api.load import load
 from shardsafe.api.location import location
 from shardsafe.api.save import describe_collectively, save, write_checkpoint
 from shardsafe.api.verify import verify
@@ -11,8 +11,6 @@ from shardsafe.api.verify import verify
 __all__ = [
     "describe_collectively",
     "load",
-    "merge_ranges",
-    "ranges_read",
     "location",
     "save",
     "verify",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,10 +51,9 @@ from shardsafe.state.registry import (
     unclaimed,
 )
 from shardsafe.storage.local import prefault_writable
-from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["Loaded", "load", "load_from", "load_lacking", "merge_ranges", "open_checkpoint", "ranges_read"]
+__all__ = ["Loaded", "load", "load_from", "load_lacking", "open_checkpoint"]
 
 log = logging.getLogger("shardsafe")
 
@@ -184,10 +183,12 @@ def load_lacking(
     files, which the folders of other ranks of the load hold: a node's folder of the local tier,
     holding its own ranks' files and its peers' replicas. Collective, with ``lacking`` (this rank's
     missing files, maybe none) given on every rank: whatever this rank needs of a file it lacks
-    is read, verified, by a rank whose folder has it and sent over the process group
-    (:func:`~shardsafe.protocol.shared_read.plan_shared`), straight into the load; the values
-    decoded whole (optimizer steps, RNG states) first, the tensors in the load's last phase. A
-    file no rank holds fails the load as a missing file does."""
+    is read by a rank whose folder has it, sent over the process group and verified here where it
+    lands (:mod:`shardsafe.protocol.shared_read`): the values decoded whole (optimizer steps, RNG
+    states) first, then the tensors, in the load's first pass (a fresh optimizer's state straight
+    into place, a live tensor's bytes kept until the last phase). A file no rank holds fails the
+    load as a missing file does. Large chunks are sent from their files' mapped pages: the folders
+    must be the job's own (a file truncated while mapped would end the reading process)."""
     folder = location(path)
     return _load_from(
         state,
@@ -199,67 +200,6 @@ def load_lacking(
         atomic=True,
         lacking=lacking,
     )
-
-
-def ranges_read(
-    path: str | os.PathLike[str], state: dict[str, Any], *, process_group: Any = None, strict: bool = True
-) -> dict[str, list[tuple[int, int]]] | None:
-    """The byte ranges ``[begin, end)`` of each shard file (names the manifest lists) that this
-    rank's ``load(path, state, process_group=..., strict=...)`` may read, planned as the load plans:
-    the same binding of ``state``, the same read planning (rule parts resolved through the per-rank
-    indexes), and the stored tensors the values it decodes whole take (each adapter's ``prepare``,
-    run over stand-ins of the stored shapes, nothing applied). Each stored chunk touched counts
-    whole (a chunk several ranks need is read whole by one of them, ``share_reads``), and each
-    file its header. Reads the manifest, the state file and the indexes, no shard file; modifies
-    nothing (state made for a fresh optimizer is dropped again); no collective.
-
-    None when it cannot tell (a foreign format, a chunk in a sibling checkpoint, or anything the
-    load itself would refuse): then the load may read any byte. The load keeps every check of
-    what it reads (sizes, headers, block hashes), so bytes missing from this answer make it fail
-    (a hash mismatch), never load wrong values."""
-    folder = location(path)
-    remote = as_location(folder).choose(local=lambda _: False, remote=lambda _: True)
-    if remote or foreign_format(folder) is not None:  # the tier plans local folders only
-        return None
-    rank = get_comm(process_group).rank
-    fresh = fresh_optimizers(state)
-    try:
-        with gc_paused():
-            manifest, tree = open_checkpoint(folder)
-            check_state_tree(tree, f"{shown(folder)}/{manifest.state_file}", manifest)
-            binding = bind_for_load(state, rank, tree, _layout_of(manifest), strict)
-            if check_binding(binding, manifest, tree, strict):
-                return None  # the load raises the mismatch
-            with ChunkReader(folder, manifest, verify=False) as reader:
-                fresh_reads, existing_reads = _plan_targets(reader, manifest, binding)
-                chunks = [r.op.chunk for r in fresh_reads + existing_reads]
-                for key, entry in _taken_whole(manifest, binding).items():
-                    chunks += [op.chunk for op in reader.plan(key, entry, (0,) * len(entry.shape), entry.shape)]
-                if any(c.checkpoint is not None for c in chunks):
-                    return None
-                spans: dict[str, set[tuple[int, int]]] = {}
-                for c in chunks:
-                    spans.setdefault(c.file, set()).add((c.begin, c.end))
-                for file, found in spans.items():
-                    found.add((0, reader.files.head_bytes(file)))
-    except Exception as exc:  # the load finds (and reports) the same problem
-        log.debug("shardsafe: cannot tell what the load of %s reads: %s", shown(folder), exc)
-        return None
-    finally:
-        for optimizer in fresh:
-            optimizer.state.clear()
-    return {file: merge_ranges(found) for file, found in spans.items()}
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[begin, end)`` ranges sorted, overlapping and adjacent ones joined, empty ones dropped."""
-    out: list[tuple[int, int]] = []
-    for begin, end in sorted(r for r in ranges if r[1] > r[0]):
-        if out and begin <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((begin, end))
-    return out
 
 
 class _StandIns:
@@ -367,6 +307,7 @@ class _Reads:
     # stored tensors decoded whole that lie in files this rank lacks, by key: received from ranks holding them
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)
     fetched_bytes: int = 0  # what receiving ``fetched`` took over the process group
+    made: frozenset[int] = frozenset()  # ids of the requests into tensors the load made (all of them, shared or not)
 
 
 def _plan_reads(
@@ -399,7 +340,10 @@ def _plan_reads(
         remote=reader.remote,
         lacking=lacking,
     )
-    return _Reads(shared.local(fresh_reads), shared.local(existing_reads), shared, problem, fetched, fetched_bytes)
+    made = frozenset(map(id, fresh_reads))
+    return _Reads(
+        shared.local(fresh_reads), shared.local(existing_reads), shared, problem, fetched, fetched_bytes, made
+    )
 
 
 def _fetch_whole(
@@ -411,7 +355,7 @@ def _fetch_whole(
     failed: Exception | None,
 ) -> tuple[dict[str, torch.Tensor], int, Exception | None]:
     """Collective: the stored tensors this rank's values take whole (an optimizer's step, an RNG
-    state: found as :func:`ranges_read` finds them, over stand-ins) that lie in files it lacks,
+    state: found over stand-ins of the stored shapes) that lie in files it lacks,
     read by ranks holding those files and received here, before the values are prepared. Returns
     them by key, the bytes received, and the problem met (for the next agreement)."""
     requests: list[ReadRequest] = []
@@ -435,9 +379,12 @@ def _fetch_whole(
             _read(reader, plan.local(requests))
     except Exception as exc:
         problem = exc
-    with torch.no_grad():
-        exchanged = plan.exchange(reader, failed=problem is not None)  # every rank runs its batches
-    return fetched, plan.received_bytes(), problem or exchanged
+    with torch.no_grad():  # every rank runs its batches
+        lacked = plan.exchange_lacked(reader, failed=problem is not None, now=set(map(id, requests)))
+        problem = problem or lacked
+        exchanged = plan.exchange(reader, failed=problem is not None)
+    problem = problem or exchanged
+    return fetched, plan.received_bytes(), problem
 
 
 def _taken_whole(manifest: Manifest, binding: LoadBinding) -> dict[str, TensorEntry]:
@@ -468,6 +415,10 @@ def _prepare(
     so a damaged file fails the load before anything is modified."""
     problem = reads.problem
     steps: list[LoadStep] = []
+    # Collective: chunks of files a rank lacks, verified where received (into tensors the load made, or
+    # held). First, so the ranks that receive them verify while the readers check their own reads.
+    with torch.no_grad():
+        problem = reads.shared.exchange_lacked(reader, failed=problem is not None, now=reads.made) or problem
     try:
         if problem is not None:
             raise problem

@@ -16,6 +16,7 @@ rank's shard file is ``protocol/shard_write.py``.)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -25,13 +26,14 @@ import torch
 
 from shardsafe.core.format import ChunkEntry, Manifest, TensorEntry, element_size, numel
 from shardsafe.core.index import IndexParts
+from shardsafe.core.integrity import hash_blocks
 from shardsafe.core.plan import ReadOp, contiguous_span
-from shardsafe.errors import FormatError
+from shardsafe.errors import FormatError, IntegrityError
 from shardsafe.protocol.block_io import BlockExecutor, BlockRead
 from shardsafe.protocol.device_read import read_into_cuda
 from shardsafe.protocol.shard_files import ShardFiles
 from shardsafe.protocol.sources import FileHandle, LocalSource, RemoteSource
-from shardsafe.storage.local import tensor_bytes
+from shardsafe.storage.local import MappedFile, tensor_bytes
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["STAGED_BATCH_BYTES", "ChunkReader", "PlannedRead", "ReadRequest", "ReadTarget"]
@@ -54,6 +56,7 @@ class ChunkReader:
         self.block = manifest.hash_block_size
         self.files = self.files_type(folder, manifest)
         self.blocks = self.executor_type(self.files, self.block, verify)
+        self._mapped: dict[tuple[str | None, str], MappedFile] = {}  # files mapped by :meth:`mapped_chunk`
 
     def __enter__(self) -> ChunkReader:
         return self
@@ -62,6 +65,9 @@ class ChunkReader:
         self.close()
 
     def close(self) -> None:
+        for mapped in self._mapped.values():
+            mapped.close()
+        self._mapped.clear()
         self.blocks.close()
         self.files.close()
 
@@ -130,6 +136,48 @@ class ChunkReader:
         """A check of every hash block of ``chunk`` (an empty chunk's one block included)."""
         size = chunk.end - chunk.begin
         return self.block_reads(key, chunk, 0, size, None) if size else [BlockRead(key, chunk, 0, 0, 0, None)]
+
+    def read_unverified(self, key: str, chunk: ChunkEntry, dest: memoryview) -> None:
+        """The bytes of ``chunk`` into ``dest`` as its file holds them (opened and sized, not hashed):
+        for a rank that sends them to ranks which verify them (:meth:`verify_received`)."""
+        self.files.open(chunk)
+        self.blocks.read_raw(chunk, [dest], chunk.begin, f"{self.files.path_of(chunk)} (tensor {key!r})")
+
+    def mapped_chunk(self, chunk: ChunkEntry) -> torch.Tensor | None:
+        """The bytes of ``chunk`` as a view of its file's mapped pages (opened and sized, not hashed,
+        the pages mapped in), to send without a copy; None on an object store. Only for files the
+        job owns (a node's tier folder): a file that shrinks under the mapping raises SIGBUS."""
+        if self.remote:
+            return None
+        ident = (chunk.checkpoint, chunk.file)
+        mapped = self._mapped.get(ident)
+        if mapped is None:
+            handle = self.files.open(chunk)
+            assert isinstance(handle, int)  # a local file descriptor
+            fd = os.dup(handle)
+            try:
+                mapped = self._mapped[ident] = MappedFile(fd, os.fstat(fd).st_size, writable=False)
+            except BaseException:
+                os.close(fd)
+                raise
+        mapped.populate(chunk.begin, chunk.end)
+        return mapped.bytes[chunk.begin : chunk.end]
+
+    def verify_received(self, key: str, chunk: ChunkEntry, data: memoryview, sender: str) -> None:
+        """Check the bytes of ``chunk`` that ``sender`` read from its copy of the file against every
+        block hash the manifest gives; :class:`IntegrityError` naming the file, the sender and the block."""
+        digests = hash_blocks([data], self.block)
+        for block, (got, expected) in enumerate(zip(digests, chunk.hashes)):
+            if got != expected:
+                raise IntegrityError(
+                    f"{chunk.file} as {sender} read it (tensor {key!r}, chunk at {list(chunk.offsets)}): hash "
+                    f"mismatch in block {block} (bytes {chunk.begin + block * self.block}..): the file is corrupted "
+                    f"in {sender}'s copy; restore it or load an earlier checkpoint"
+                )
+        if len(digests) != len(chunk.hashes):
+            raise IntegrityError(
+                f"{chunk.file} as {sender} read it (tensor {key!r}): a block count unlike the manifest's"
+            )
 
     def read_tensor(self, key: str, entry: TensorEntry) -> torch.Tensor:
         """The whole tensor ``key``, from every chunk that holds it.
