@@ -14,11 +14,12 @@ persistent root is on this machine's disk. Every measurement is a fresh 4-rank (
    step due in both tiers (one describe and one copy, which the tier's thread and the background
    writer both write from).
 2. **Restore after losing node b**: steps 1-3 saved (root every 2 steps: step 2; the tier: step 3),
-   the job killed, node b's folder wiped; a new 4-rank job restores: from the tier (node a's
-   replica of what b's ranks read is sent to b over the tier's group), and, for comparison, a job with no
-   tier from the root with a cold page cache (step 2, the same bytes). Bytes read from disk
-   (``read_bytes``) and moved over the process group (what b gets back: the small files, and of
-   each shard file the bytes b's ranks read) are reported.
+   the job killed, node b's folder wiped; a new 4-rank job restores: from the tier (b gets the small
+   files over the tier's group, and its ranks' loads receive what they read of b's shard files from
+   node a's ranks, which hold them as replicas), and, for comparison, a job with no tier from the
+   root with a cold page cache (step 2, the same bytes). Bytes read from disk (``read_bytes``) and
+   moved over the process group (what b gets: the small files, and the chunks its ranks' loads
+   received) are reported.
 3. **4 -> 2**: the same, restored by 2 ranks both on node a (resharding), from the tier and from the root.
 4. **Throughput**: steps padded to ~1 s, with ``local_every=1`` against no checkpoints: a real
    FSDP training step on this machine's cores (which alone takes longer than the pad here), and a
@@ -181,7 +182,7 @@ def _restore(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     seconds = _timed(lambda: box.update(step=manager.restore(state)))
     read = torch.tensor([_read_bytes() - read0])
     dist.all_reduce(read)
-    # the bytes the tier's gathering sent over its group (whole files, or the ranges a node's ranks read)
+    # the bytes sent to the nodes: the small files over the tier's group, and what the loads received from other nodes
     moved = sum(manager._tier.received.values()) if manager._tier is not None else 0
     return {"seconds": seconds, "step": box["step"], "from": manager.restored_from, "read": int(read), "moved": moved}
 

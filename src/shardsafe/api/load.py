@@ -153,7 +153,7 @@ def _load(
         verify,
         atomic,
         share_reads,
-    )
+    ).metadata
 
 
 def _opened(folder: Path | RemoteDir) -> tuple[Manifest, dict[str, Any]]:
@@ -190,7 +190,7 @@ def load_lacking(
     load as a missing file does. Large chunks are sent from their files' mapped pages: the folders
     must be the job's own (a file truncated while mapped would end the reading process)."""
     folder = location(path)
-    return _load_from(
+    return load_from(
         state,
         partial(_opened, folder),
         lambda manifest: ChunkReader(folder, manifest, verify=True),
@@ -230,30 +230,16 @@ def load_from(
     verify: bool,
     atomic: bool,
     share_reads: bool | None = None,
-) -> dict[str, Any]:
+    lacking: frozenset[str] | None = None,
+) -> Loaded:
     """:func:`load`'s phases over any checkpoint that can be described as a manifest, a state tree and a
     :class:`ChunkReader` of its bytes: shardsafe's own, or a foreign format's reader (a DCP folder,
     read in place through its own reader), so every format gets the same checks, agreement and
-    atomicity.
+    atomicity. Returns the checkpoint's user metadata and what this rank received from others.
 
     Each phase ends in an agreement of every rank (a rank that failed still runs the collectives of
-    the phase, sharing nothing), so all ranks stop at the same phase and undo the same steps."""
-    return _load_from(state, opened, open_reader, process_group, strict, verify, atomic, share_reads).metadata
-
-
-def _load_from(
-    state: dict[str, Any],
-    opened: OpenChecked,
-    open_reader: OpenReader,
-    process_group: Any,
-    strict: bool,
-    verify: bool,
-    atomic: bool,
-    share_reads: bool | None = None,
-    lacking: frozenset[str] | None = None,
-) -> Loaded:
-    """:func:`load_from`, and what this rank received from others. ``lacking`` (None on every
-    rank, or a set on every rank): see :func:`load_lacking`."""
+    the phase, sharing nothing), so all ranks stop at the same phase and undo the same steps.
+    ``lacking`` (None on every rank, or a set on every rank): see :func:`load_lacking`."""
     comm = get_comm(process_group)
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).

@@ -60,7 +60,7 @@ def load_dcp(
         strict,
         verify,
         atomic,
-    )
+    ).metadata
 
 
 register_format(
