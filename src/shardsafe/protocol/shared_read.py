@@ -156,6 +156,8 @@ class SharedPlan:
         verified chunk is kept (:attr:`held`) until :meth:`exchange`. ``failed`` and the return:
         as :meth:`exchange`."""
         batches = [b for b in self.batches if b.lacked]
+        if not batches:
+            return None
         landings = {} if failed else self._landings([b for b in batches if b.reader != self.rank], set(now))
         # the new memory they land in faulted in ahead of the receives, on a thread of its own (it never
         # changes a byte): one madvise per tensor instead of a fault per page inside each receive
