@@ -205,18 +205,23 @@ class SharedPlan:
                 read_problem = None if failed else self._read(reader, batch, buffer, now is None, landed)
                 problem = problem or read_problem
                 buffer[-1] = int(not failed and read_problem is None)
+                sends = []  # every message of the batch in flight at once: one round trip each would add up
                 for receiver in batch.receivers:  # each is at this batch too (the same global order everywhere)
                     for segment in _segments(batch, now is not None):
                         cid = _only_chunk(batch, segment)
                         source = landed[cid] if cid in landed and read_problem is None else buffer[segment]
-                        dist.send(source, self.global_ranks[receiver], group=self.transport)
+                        sends.append(dist.isend(source, self.global_ranks[receiver], group=self.transport))
+                _wait_all(sends)
+                for receiver in batch.receivers:
                     dist.send(buffer[-1:], self.global_ranks[receiver], group=self.transport)
             else:
                 landed = {} if failed else {cid: landings[cid] for cid in batch.chunks if cid in landings}
+                receives = []
                 for segment in _segments(batch, now is not None):
                     cid = _only_chunk(batch, segment)
                     target = landed[cid] if cid in landed else buffer[segment]
-                    dist.recv(target, self.global_ranks[batch.reader], group=self.transport)
+                    receives.append(dist.irecv(target, self.global_ranks[batch.reader], group=self.transport))
+                _wait_all(receives)
                 dist.recv(buffer[-1:], self.global_ranks[batch.reader], group=self.transport)
                 if not buffer[-1]:
                     problem = problem or PeerFailedError(
@@ -318,6 +323,19 @@ class SharedPlan:
             for cid, position in zip(batch.chunks, batch.positions()[0]):
                 for request in self.requests.get(cid, []):
                     _copy_box(request, buffer[position : position + cid[3] - cid[2]])
+
+
+def _wait_all(works: list[Any]) -> None:
+    """Wait for every posted send or receive (all of them, even after one fails, so no buffer is
+    reused while gloo still writes into or reads from it); then raise the first failure."""
+    failure: BaseException | None = None
+    for work in works:
+        try:
+            work.wait()
+        except BaseException as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _segments(batch: Batch, lacked: bool) -> list[slice]:
