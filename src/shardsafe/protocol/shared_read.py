@@ -208,9 +208,9 @@ class SharedPlan:
                 problem = problem or read_problem
                 buffer[-1] = int(not failed and read_problem is None)
                 sends = []  # every message of the batch in flight at once: one round trip each would add up
+                segments = _segments(batch, now is not None)
                 for receiver in batch.receivers:  # each is at this batch too (the same global order everywhere)
-                    for segment in _segments(batch, now is not None):
-                        cid = _only_chunk(batch, segment)
+                    for segment, cid in segments:
                         source = landed[cid] if cid in landed and read_problem is None else buffer[segment]
                         sends.append(dist.isend(source, self.global_ranks[receiver], group=self.transport))
                 _wait_all(sends)
@@ -219,8 +219,7 @@ class SharedPlan:
             else:
                 landed = {} if failed else {cid: landings[cid] for cid in batch.chunks if cid in landings}
                 receives = []
-                for segment in _segments(batch, now is not None):
-                    cid = _only_chunk(batch, segment)
+                for segment, cid in _segments(batch, now is not None):
                     target = landed[cid] if cid in landed else buffer[segment]
                     receives.append(dist.irecv(target, self.global_ranks[batch.reader], group=self.transport))
                 _wait_all(receives)
@@ -340,36 +339,28 @@ def _wait_all(works: list[Any]) -> None:
         raise failure
 
 
-def _segments(batch: Batch, lacked: bool) -> list[slice]:
-    """The messages a batch's bytes travel as, alike on both ends: one for a reader-verified batch;
-    for a lacked one, each chunk of :data:`DIRECT_BYTES` or more alone (received straight into
-    place where it can be) and the runs of smaller chunks between them together. Empty chunks
-    send nothing."""
+def _segments(batch: Batch, lacked: bool) -> list[tuple[slice, ChunkId | None]]:
+    """The messages a batch's bytes travel as, alike on both ends, each with the chunk it is the whole
+    of (None for several): one for a reader-verified batch; for a lacked one, each chunk of
+    :data:`DIRECT_BYTES` or more alone (received straight into place where it can be) and the runs
+    of smaller chunks between them together. Empty chunks send nothing."""
     positions, length = batch.positions()
     if not lacked:
-        return [slice(0, length)] if length else []
-    out: list[slice] = []
+        return [(slice(0, length), None)] if length else []
+    out: list[tuple[slice, ChunkId | None]] = []
     run_start: int | None = None
-    for (_, _, begin, end), position in zip(batch.chunks, positions):
-        size = end - begin
+    for cid, position in zip(batch.chunks, positions):
+        size = cid[3] - cid[2]
         if size >= DIRECT_BYTES:
             if run_start is not None:
-                out.append(slice(run_start, position))
+                out.append((slice(run_start, position), None))
                 run_start = None
-            out.append(slice(position, position + size))
+            out.append((slice(position, position + size), cid))
         elif size and run_start is None:
             run_start = position
     if run_start is not None:
-        out.append(slice(run_start, length))
+        out.append((slice(run_start, length), None))
     return out
-
-
-def _only_chunk(batch: Batch, segment: slice) -> ChunkId | None:
-    """The chunk a segment is the whole of (a message of its own), else None."""
-    for cid, position in zip(batch.chunks, batch.positions()[0]):
-        if position == segment.start and segment.stop - segment.start == cid[3] - cid[2] >= DIRECT_BYTES:
-            return cid
-    return None
 
 
 def _whole_chunk_bytes(request: ReadRequest) -> torch.Tensor | None:
@@ -419,10 +410,9 @@ def plan_shared(
     every rank): the files of the checkpoint this rank cannot read, whose chunks it needs are read
     by a rank that can, whatever ``enabled`` says of the others."""
     plan = SharedPlan(comm.rank)
-    if lacking is None and (enabled is False or not can_share(comm)):
+    # one process: nobody to read for it (with ``lacking``, its own reads name the missing files)
+    if not can_share(comm) or (lacking is None and enabled is False):
         return plan
-    if not can_share(comm):
-        return plan  # one process: nobody to read for it (its own reads name the missing files)
     lacks = frozenset(lacking or ())
     spans: dict[ChunkId, tuple[int, int]] = {}
     for r in requests:
