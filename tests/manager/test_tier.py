@@ -591,3 +591,47 @@ def test_a_spare_replaced_by_a_symlink_is_never_written_through(tmp_path: Path) 
     shardsafe.load(manager._tier.step_folder(3), {"model": fresh_model, "optim": fresh_optimizer})
     assert_tensors_equal(fresh_model.state_dict(), model.state_dict(), "model")
     manager.close()
+
+
+def _nd_job(rank: int, world_size: int, root: str, local: str, layout: str, nodes: str, save: bool) -> dict[str, Any]:
+    """``save``: train 3 steps in ``layout`` (nd_utils) with a local save each, no close (the tier
+    stays); else restore a fresh model of ``layout``. Returns this rank's whole tensors (nd_utils)."""
+    import nd_utils
+
+    os.environ[NODE_ENV] = nodes[rank]
+    model, optimizer = nd_utils.build(layout, rank, world_size, seed=0 if save else 5)
+    state = {"model": model, "optim": optimizer, "rng": shardsafe.RNGState()}
+    manager = shardsafe.CheckpointManager(root, save_every=100, local_every=1, replicas=1, local_dir=local)
+    out: dict[str, Any] = {"layout": nd_utils.local_layout(model)}
+    if save:
+        for step in range(1, 4):
+            nd_utils.step(model, optimizer, step)
+            manager.save(step, state)
+        manager.wait()
+    else:
+        out["restored"] = (manager.restore(state), manager.restored_from)
+    return out | {"whole": nd_utils.whole_state(model, optimizer)}
+
+
+def test_a_2d_layout_restores_from_the_tier_on_other_layouts_after_a_node_is_lost(tmp_path: Path) -> None:
+    """FSDP2 x tensor parallel (dp=2 x tp=2, torchtitan's layout: the colwise weights ``_StridedShard``),
+    saved into the tier by 4 ranks as 2 nodes; node b's folder is wiped. The tier restores it exactly
+    at the same layout, and as FSDP2 on 2 ranks with one of them on node b (resharding, each rank's
+    rows partly in files its node lacks), from the replicas."""
+    root, local = str(tmp_path / "ckpt"), str(tmp_path / "shm" / "{node}")
+    saved = run_ranks(_nd_job, 4, root, local, "2d", "aabb", True, work_dir=tmp_path)
+    assert "_StridedShard" in saved[0]["layout"]["layers.0.w1.weight"]
+    expected: dict[str, torch.Tensor] = {}
+    for got in saved:
+        expected.update(got["whole"])
+    backup = tmp_path / "shm-backup"
+    shutil.copytree(tmp_path / "shm", backup)
+    for layout, world_size, nodes in (("2d", 4, "aabb"), ("fsdp", 2, "ba")):
+        shutil.rmtree(tmp_path / "shm")
+        shutil.copytree(backup, tmp_path / "shm")
+        shutil.rmtree(tmp_path / "shm" / "b")
+        restored = run_ranks(_nd_job, world_size, root, local, layout, nodes, False, work_dir=tmp_path)
+        for rank, got in enumerate(restored):
+            assert got["restored"] == (3, "local"), (layout, rank)
+            assert set(got["whole"]) == set(expected), (layout, rank)
+            assert_tensors_equal(got["whole"], expected, f"{layout} rank {rank}")
