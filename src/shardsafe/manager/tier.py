@@ -155,10 +155,18 @@ class Held:
 
 def _raise_if_any(comm: Comm, problem: BaseException | None, what: str) -> None:
     """Collective: if any rank reports a problem, every rank raises the same SaveError."""
+    _gather_or_raise(comm, None, problem, what)
+
+
+def _gather_or_raise(comm: Comm, value: Any, problem: BaseException | None, what: str) -> list[Any]:
+    """Collective: every rank's ``value``, in the same ``all_gather`` that tells whether any rank met a
+    problem; if one did, every rank raises the same SaveError (one round instead of two)."""
     mine = None if problem is None else f"rank {comm.rank}: {type(problem).__name__}: {problem}"
-    bad = [m for m in comm.all_gather(mine) if m is not None]
+    gathered = comm.all_gather((value, mine))
+    bad = [m for _, m in gathered if m is not None]
     if bad:
         raise SaveError(f"{what}: " + "; ".join(bad)) from problem
+    return [v for v, _ in gathered]
 
 
 def _needed(manifest: Manifest, manifest_bytes: bytes) -> dict[str, int]:
@@ -334,9 +342,13 @@ class LocalTier:
                 temp = TemporaryPath.create(final, fsync=self.fsync)
             except Exception as exc:  # shared below
                 problem = exc
-        names = self.comm.all_gather(str(temp.path) if temp is not None else None)
         try:
-            _raise_if_any(self.comm, problem, "local tier: cannot create the step folder")
+            names = _gather_or_raise(
+                self.comm,
+                str(temp.path) if temp is not None else None,
+                problem,
+                "local tier: cannot create the step folder",
+            )
         except SaveError:
             if temp is not None:
                 temp.remove()
@@ -617,9 +629,10 @@ class LocalTier:
                 temp = TemporaryPath.create(self.step_folder(step), fsync=self.fsync)
             except Exception as exc:
                 problem = exc
-        paths = self.comm.all_gather(str(temp.path) if temp is not None else None)
         try:
-            _raise_if_any(self.comm, problem, f"local tier: preparing step {step}")
+            paths = _gather_or_raise(
+                self.comm, str(temp.path) if temp is not None else None, problem, f"local tier: preparing step {step}"
+            )
             here = self.step_folder(step)
             leader_temp = paths[self.nodes.leader()]
             into = Path(leader_temp) if leader_temp is not None else here
