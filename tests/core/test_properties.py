@@ -487,3 +487,14 @@ def test_save_property_sweep(
     name: str, strategies: tuple[st.SearchStrategy[Any], ...], prop: Callable[..., None]
 ) -> None:
     _run(prop, strategies, STRESS_EXAMPLES, name, SAVE_CATEGORY)
+
+
+def test_a_json_error_never_shows_the_files_bytes() -> None:
+    """Bytes that are not UTF-8 are said by position, not quoted; a repeated key is shown to 64 characters."""
+    with pytest.raises(FormatError, match=r"f\.json: not valid JSON \(not UTF-8 at byte 7\)") as caught:
+        parse_json(b'{"a": "\xa0SECRET"}', "f.json")
+    assert "SECRET" not in str(caught.value) and "xa0" not in str(caught.value)
+    key = "k" * 64 + "SECRET"
+    with pytest.raises(FormatError, match="duplicate JSON key") as caught:
+        parse_json(f'{{"{key}": 1, "{key}": 2}}'.encode(), "f.json")
+    assert "SECRET" not in str(caught.value)

@@ -428,20 +428,31 @@ def test_a_reshard_from_the_tier_sends_each_node_only_what_its_ranks_read(tmp_pa
     assert received["b"] > _small_of(manifest, (0, 1)) and received["a"] > _small_of(manifest, (2, 3))
 
 
-def test_a_damaged_replica_is_detected_and_the_root_used(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["replica", "manifest"])
+def test_a_damaged_replica_is_detected_and_the_root_used(tmp_path: Path, damage: str) -> None:
+    """One flipped bit in the only copy of node b's shard (found by the load), or node a's manifest
+    of the step overwritten with bytes that are not JSON (found as the leader lists its folder):
+    the step is passed over, saying why, and the root's newest restored."""
     root, local = tmp_path / "ckpt", tmp_path / "shm"
     options = {"save_every": 4, "local_every": 1, "replicas": 1}
     first = run_ranks(_train_job, 4, str(root), str(local / "{node}"), 5, options, [4], None, work_dir=tmp_path)
     shutil.rmtree(local / "b")
-    replica = _tier_folder(local, "a") / step_name(5) / "shard-00002.safetensors"
-    data = bytearray(replica.read_bytes())
-    data[-1] ^= 0x01  # one flipped bit in the last tensor's bytes
-    replica.write_bytes(bytes(data))
+    folder = _tier_folder(local, "a") / step_name(5)
+    if damage == "replica":
+        replica = folder / "shard-00002.safetensors"
+        data = bytearray(replica.read_bytes())
+        data[-1] ^= 0x01  # one flipped bit in the last tensor's bytes
+        replica.write_bytes(bytes(data))
+        reason = ("step 5 does not load", "the file is corrupted")
+    else:
+        (folder / "manifest.json").write_bytes(b"\xa0 secret")
+        reason = ("step 5 of this node is passed over", "manifest.json: not valid JSON (not UTF-8 at byte 0)")
     second = run_ranks(_restore_job, 4, str(root), str(local / "{node}"), options, False, work_dir=tmp_path)
     for rank, got in enumerate(second):
         assert (got["step"], got["from"]) == (4, "root")
         _assert_same_state(got["state"], first[rank]["recorded"][4], f"rank {rank}")
-    assert any("step 5 does not load" in m and "the file is corrupted" in m for m in second[0]["log"]), second[0]["log"]
+    assert any(all(part in m for part in reason) for m in second[0]["log"]), second[0]["log"]
+    assert not any("secret" in m for m in second[0]["log"]), second[0]["log"]  # the file's bytes are never shown
 
 
 def test_fewer_ranks_restore_from_the_tier_with_resharding(tmp_path: Path) -> None:

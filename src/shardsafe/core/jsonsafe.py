@@ -34,7 +34,8 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise FormatError(f"duplicate JSON key {key!r}")
+                shown = key if len(key) <= 64 else key[:64] + "..."  # a name, never a long run of the file's text
+                raise FormatError(f"duplicate JSON key {shown!r}")
             seen.add(key)
     return out
 
@@ -68,7 +69,9 @@ def parse_json(data: bytes, where: str, *, depth: bool = True) -> Any:
         raise FormatError(f"{where}: {exc}") from None
     except RecursionError:
         raise FormatError(f"{where}: JSON nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:  # its message quotes the file's bytes: only say where
+        raise FormatError(f"{where}: not valid JSON (not UTF-8 at byte {exc.start})") from None
+    except ValueError as exc:  # json's own message gives the line and column, no content
         raise FormatError(f"{where}: not valid JSON ({exc})") from None
     if depth:
         check_depth(value, where)

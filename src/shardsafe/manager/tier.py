@@ -519,7 +519,10 @@ class LocalTier:
             try:
                 data = read_small_file(folder / MANIFEST_NAME, MAX_JSON_BYTES)
                 manifest = parse_manifest(data, str(folder / MANIFEST_NAME))
-            except (OSError, ShardsafeError):  # no manifest (not committed here) or a damaged one
+            except FileNotFoundError:  # not committed here (or its removal was cut short)
+                continue
+            except (OSError, ShardsafeError) as exc:  # a damaged manifest: said, so the fallback has a reason
+                log.warning("shardsafe: local tier: step %d of this node is passed over: %s", step, exc)
                 continue
             needed = _needed(manifest, data)
             present = frozenset(name for name, size in needed.items() if _size_of(folder / name) == size)
@@ -543,7 +546,10 @@ class LocalTier:
                 if not missing:
                     return step, digest, passed
                 more = " ..." if len(missing) > 3 else ""
-                passed.append(f"step {step}: no node holds {', '.join(missing[:3])}{more}")
+                passed.append(
+                    f"step {step}: no node holds {', '.join(missing[:3])}{more} as its manifest records it "
+                    "(missing, or of another size)"
+                )
         return None, "", passed
 
     def restore(self, newer_than: int | None, load: LoadLacking) -> int | None:
