@@ -646,3 +646,62 @@ def test_a_2d_layout_restores_from_the_tier_on_other_layouts_after_a_node_is_los
             assert got["restored"] == (3, "local"), (layout, rank)
             assert set(got["whole"]) == set(expected), (layout, rank)
             assert_tensors_equal(got["whole"], expected, f"{layout} rank {rank}")
+
+
+def _own_job(rank: int, world_size: int, root: str, local: str, save: bool) -> dict[str, Any]:
+    """One process on node a: ``save`` steps 1-3 into the tier (no close: it stays), else restore and close."""
+    os.environ[NODE_ENV] = "a"
+    state = {"w": torch.zeros(4)}
+    manager = shardsafe.CheckpointManager(root, save_every=2, local_every=1, local_dir=local)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardsafe").addHandler(handler)
+    out: dict[str, Any] = {}
+    if save:
+        for step in range(1, 4):
+            state["w"] += 1
+            manager.save(step, state)
+        manager.wait()
+    else:
+        out["restored"] = (manager.restore(state), manager.restored_from, state["w"][0].item())
+        manager.close()
+    logging.getLogger("shardsafe").removeHandler(handler)
+    return out | {"log": messages}
+
+
+@pytest.mark.parametrize("planted", ["others may write it", "another user's", "a symlink"])
+def test_the_tier_uses_only_folders_no_other_user_can_write(tmp_path: Path, planted: str) -> None:
+    """The tier makes its folders for this user alone (mode 700). A root's tier folder that others may
+    write, a node folder of another user, or a symlink in the node folder's place could hold a planted
+    step (manifest and hashes included): restore uses the root instead, saying why; close() and `gc
+    --local` remove nothing through it."""
+    if planted == "another user's" and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    root, local = tmp_path / "ckpt", tmp_path / "shm"
+    run_ranks(_own_job, 1, str(root), str(local / "{node}"), True, work_dir=tmp_path)
+    node, folder = local / "a", _tier_folder(local, "a")
+    assert stat_mode(node) == stat_mode(folder) == 0o700
+    if planted == "others may write it":
+        folder.chmod(0o777)
+        reason = f"other users may write {folder} (mode 777)"
+    elif planted == "another user's":
+        os.chown(node, 12345, -1)
+        reason = f"{node} belongs to user id 12345"
+    else:
+        node.rename(local / "elsewhere")
+        node.symlink_to(local / "elsewhere")
+        reason = f"{node} is not a folder"
+    gc = [sys.executable, "-m", "shardsafe.cli", "gc", str(root), "--local", "--local-dir", str(local / "{node}")]
+    refused = subprocess.run(gc, capture_output=True, text=True, env={**os.environ, NODE_ENV: "a"}, timeout=60)
+    assert refused.returncode == 1 and reason in refused.stderr, refused.stderr
+    (got,) = run_ranks(_own_job, 1, str(root), str(local / "{node}"), False, work_dir=tmp_path)
+    assert got["restored"] == (2, "root", 2.0)
+    assert any("cannot be read" in m and reason in m for m in got["log"]), got["log"]
+    assert any("left as it is" in m for m in got["log"]), got["log"]  # close() removed nothing
+    kept = local / "elsewhere" / folder.name if planted == "a symlink" else folder
+    assert step_name(3) in {p.name for p in kept.iterdir()}
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777

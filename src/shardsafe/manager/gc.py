@@ -26,7 +26,7 @@ from shardsafe.manager.catalog import Catalog, DamagedCheckpoint, scan, step_fol
 from shardsafe.manager.naming import STEP_NAMING
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, node_dir
 from shardsafe.manager.retention import remove_unreferenced
-from shardsafe.manager.tier import tier_folder_name
+from shardsafe.manager.tier import check_own_folders, tier_folder_name
 from shardsafe.protocol.commit import is_committed
 from shardsafe.protocol.temppath import OLD_MARK, is_hidden_temp, original_name
 from shardsafe.storage.local import fsync_dir, remove_tree
@@ -191,10 +191,13 @@ def collect_local(
     died left in host memory (``close()`` removes it otherwise). ``local_dir`` as the manager was
     given it (``{node}`` is this node's id, ``$SHARDSAFE_NODE`` or the hostname). Every step and
     temporary folder older than ``min_age`` seconds is removed (a running job's newest step is
-    younger), then the folder itself once empty. Returns what was (or would be) removed."""
+    younger), then the folder itself once empty. Returns what was (or would be) removed.
+    PermissionError when the folder or its node's folder is not this user's alone (a symlink, another
+    user's, or writable by others): nothing is removed through it."""
     folder = node_dir(local_dir, folder_node_id()) / tier_folder_name(where(location(root)))
-    if not folder.is_dir():
+    if not os.path.lexists(folder):
         return []
+    check_own_folders(folder)
     now = time.time()
     removed = [entry for entry in sorted(folder.iterdir()) if now - entry.lstat().st_mtime >= min_age]
     if dry_run:

@@ -49,6 +49,13 @@ the peak it reaches during every save anyway. Before each save the ranks check
 (``shutil.disk_usage``, the spare counted as free) that every node's folder has room for its
 share; if one has not, the local save is skipped with a warning. :meth:`LocalTier.close` removes
 the folders.
+
+Whose folders: the default ``local_dir`` is in ``/dev/shm``, which every user of the host can
+write. A folder there that another user made (or can write) could hold a planted step, manifest
+and hashes included, newer than the root's, which a restore would load. So each leader makes its
+node's folder and the root's folder in it readable and writable by this user only, and uses them
+only while they are still so (:func:`_check_own`): a node folder of another user, a symlink, or
+one that others may write makes the local save fail and the restore use the root, saying why.
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ from shardsafe.state.registry import SaveView
 from shardsafe.storage.local import MappedFile, fsync_dir, read_small_file, remove_tree, write_small_file
 from shardsafe.storage.safetensors import write_tensor_file
 
-__all__ = ["DEFAULT_LOCAL_DIR", "LocalTier", "NodeCommit", "tier_folder_name"]
+__all__ = ["DEFAULT_LOCAL_DIR", "LocalTier", "NodeCommit", "check_own_folders", "tier_folder_name"]
 
 log = logging.getLogger("shardsafe")
 
@@ -169,6 +176,37 @@ def _gather_or_raise(comm: Comm, value: Any, problem: BaseException | None, what
     return [v for v, _ in gathered]
 
 
+def _check_own(folder: Path, shared_parent: bool = False) -> None:
+    """Raise PermissionError unless ``folder`` is a folder (not a symlink) of this user that no other
+    user may write. ``shared_parent`` (a node's folder, which holds the roots' folders): a folder of
+    the superuser with the sticky bit (``/dev/shm`` itself, as ``local_dir``) is accepted too, as the
+    other users cannot move or remove what this user made in it."""
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{folder} is not a folder (a symlink or a file put in its place?)")
+    mine = info.st_uid == os.geteuid()
+    if shared_parent and not mine and info.st_uid == 0 and info.st_mode & stat.S_ISVTX:
+        return
+    if not mine:
+        raise PermissionError(
+            f"{folder} belongs to user id {info.st_uid}, not this process's {os.geteuid()}: another "
+            "user's folder, or one made to capture this job's state; set local_dir to a folder of your own "
+            "(its {node} part keeps the nodes apart)"
+        )
+    if info.st_mode & 0o022:
+        raise PermissionError(
+            f"other users may write {folder} (mode {stat.S_IMODE(info.st_mode):o}) and so plant a step "
+            "in it; `chmod go-w` it or set local_dir to a folder only you can write"
+        )
+
+
+def check_own_folders(folder: Path) -> None:
+    """A root's tier folder and its node's folder (its parent), checked by :func:`_check_own`
+    before anything in them is read, written or removed (PermissionError)."""
+    _check_own(folder.parent, shared_parent=True)
+    _check_own(folder)
+
+
 def _needed(manifest: Manifest, manifest_bytes: bytes) -> dict[str, int]:
     out = {name: entry.size for name, entry in manifest.files.items()}
     out.update({e.index.file: e.index.size for e in manifest.files.values() if e.index is not None})
@@ -224,6 +262,23 @@ class LocalTier:
 
     def step_folder(self, step: int) -> Path:
         return self.folder / step_name(step)
+
+    def _own_folders(self, create: bool) -> bool:
+        """Leader: this node's folder and the root's folder in it, made if missing (``create``; only this
+        user may enter them) and checked (:func:`_check_own`; PermissionError). False when the root's
+        folder does not exist (and was not to be made)."""
+        node_folder = self.folder.parent
+        if create:
+            node_folder.parent.mkdir(parents=True, exist_ok=True)
+            for folder in (node_folder, self.folder):
+                try:
+                    folder.mkdir(mode=0o700)
+                except FileExistsError:
+                    pass
+        elif not self.folder.exists():
+            return False
+        check_own_folders(self.folder)
+        return True
 
     # ------------------------------------------------------------------ save
 
@@ -338,6 +393,7 @@ class LocalTier:
         problem: BaseException | None = None
         if self.nodes.is_leader:
             try:
+                self._own_folders(create=True)
                 self._remove_leftovers()
                 temp = TemporaryPath.create(final, fsync=self.fsync)
             except Exception as exc:  # shared below
@@ -512,8 +568,11 @@ class LocalTier:
     # ------------------------------------------------------------------ restore
 
     def _held(self) -> dict[int, Held]:
-        """Leader: what this node's folder holds of each committed step."""
+        """Leader: what this node's folder holds of each committed step (PermissionError: the folder is
+        not this user's alone, see :func:`_check_own`)."""
         out: dict[int, Held] = {}
+        if not self._own_folders(create=False):
+            return out
         for step in self._steps():
             folder = self.step_folder(step)
             try:
@@ -632,6 +691,7 @@ class LocalTier:
         problem: BaseException | None = None
         if self.nodes.is_leader and mine is None and any(self.nodes.node_of[m.dst] == self.nodes.node for m in moves):
             try:  # no copy of this save here (none, or another save of the step): a new folder, published whole
+                self._own_folders(create=True)
                 temp = TemporaryPath.create(self.step_folder(step), fsync=self.fsync)
             except Exception as exc:
                 problem = exc
@@ -685,6 +745,11 @@ class LocalTier:
     def close(self, root_newest: int | None) -> None:
         """Leaders: remove this node's tier folder (warning when it held a step newer than the root's newest)."""
         if not self.nodes.is_leader or not self.folder.exists():
+            return
+        try:
+            check_own_folders(self.folder)
+        except OSError as exc:  # not this user's alone: nothing in it is removed (it may lead anywhere)
+            log.warning("shardsafe: closing: local tier %s left as it is: %s", self.folder, exc)
             return
         newer = [s for s in self._steps() if root_newest is None or s > root_newest]
         if newer and self.comm.is_coordinator:
