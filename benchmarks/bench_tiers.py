@@ -432,13 +432,16 @@ def main() -> None:
 
     loop: dict[str, dict[str, float]] = {}
     for kind, modeled in (("training on this machine's cores", False), ("modeled GPU step", True)):
-        variants = [("no checkpoints", None), ("local_every=1", {"local_every": 1})]
+        variants: list[tuple[str, dict[str, Any] | None]] = [
+            ("no checkpoints", None),
+            ("local_every=1", {"local_every": 1}),
+        ]
         if modeled:
             variants.append(("local_every=1, overlap", {"local_every": 1, "async_save": "overlap"}))
         for name, options in variants:
             shutil.rmtree(base / "loop", ignore_errors=True)
             shutil.rmtree(local_base / "loop", ignore_errors=True)
-            where = {"root": str(base / "loop"), "local": str(local_base / "loop" / "{node}")}
+            where: dict[str, Any] = {"root": str(base / "loop"), "local": str(local_base / "loop" / "{node}")}
             loop.setdefault(kind, {})[name] = run_job(
                 kind="throughput",
                 options=options,
