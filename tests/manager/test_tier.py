@@ -34,7 +34,15 @@ from dist_utils import (
 from shardsafe.core.comm import get_comm
 from shardsafe.manager.catalog import committed_steps
 from shardsafe.manager.naming import step_name
-from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR, NODE_ENV, NodeMap, gather_nodes, node_dir, node_id
+from shardsafe.manager.nodes import (
+    DEFAULT_LOCAL_DIR,
+    NODE_ENV,
+    NodeMap,
+    gather_nodes,
+    node_dir,
+    node_id,
+    user_name,
+)
 from shardsafe.manager.tier import SPARE_NAME
 
 
@@ -83,8 +91,17 @@ def test_an_unusable_node_id_fails_every_rank_alike(tmp_path: Path) -> None:
 def test_node_id_and_folder_template(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(NODE_ENV, "node-7")
     assert node_id() == "node-7"
-    assert node_dir(DEFAULT_LOCAL_DIR, node_id()) == Path("/dev/shm/shardsafe-node-7")
+    import pwd
+
+    user = pwd.getpwuid(os.geteuid()).pw_name  # this machine's runner has a plain name
+    assert node_dir(DEFAULT_LOCAL_DIR, node_id()) == Path(f"/dev/shm/shardsafe-{user}-node-7")
     assert node_dir("/tmp/fixed", "x") == Path("/tmp/fixed")
+    assert node_dir("/tmp/{user}/{node}", "x") == Path(f"/tmp/{user}/x")
+    # no password entry (a container), or a name that is not a plain file name: the user id
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    assert user_name() == str(os.geteuid())
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: type("Entry", (), {"pw_name": "../x"})())
+    assert user_name() == str(os.geteuid())
     monkeypatch.delenv(NODE_ENV)
     assert node_id() and "/" not in node_id()
     single = NodeMap.from_ids(["h"], 0)

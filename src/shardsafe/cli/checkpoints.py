@@ -60,7 +60,7 @@ def add_parsers(sub: Any) -> None:
         "--local-dir",
         default=DEFAULT_LOCAL_DIR,
         metavar="DIR",
-        help="the manager's local_dir, {node} included (default: %(default)s)",
+        help="the manager's local_dir, {node} and {user} included (default: %(default)s)",
     )
     p.set_defaults(func=_cmd_gc)
 

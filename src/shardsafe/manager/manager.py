@@ -129,7 +129,7 @@ class CheckpointManager:
         fsync: make every checkpoint durable before it is published (default True).
         dedup, lease_timeout, read_only, local_every, local_dir, replicas: see :meth:`__init__`
             (defaults: False, 60 s (:data:`.lease.DEFAULT_LEASE_TIMEOUT`), False, None,
-            ``/dev/shm/shardsafe-{node}``, 0).
+            ``/dev/shm/shardsafe-{user}-{node}``, 0).
 
     Raises:
         ValueError: contradictory or out-of-range options (named in the message).
@@ -172,7 +172,7 @@ class CheckpointManager:
 
         ``local_every``: every K steps also a checkpoint in each node's own folder ``local_dir``
         (``{node}`` in it is replaced by the rank's node id, ``$SHARDSAFE_NODE`` or the hostname;
-        default ``/dev/shm/shardsafe-{node}``, host memory), which :meth:`restore` loads when it is
+        default ``/dev/shm/shardsafe-{user}-{node}``, host memory), which :meth:`restore` loads when it is
         newer than the root's newest; ``replicas``: how many other nodes keep a copy of each
         node's files there (docs/MANAGER.md, *Local tier*; :mod:`.tier`)."""
         if best_mode not in ("min", "max"):

@@ -4,7 +4,9 @@ A *node* is the set of ranks whose node-local folder (``local_dir``, a tmpfs suc
 is the same. By default that is the set of ranks on one host. The environment variable
 ``SHARDSAFE_NODE`` overrides a rank's node id, so a test (or a machine split into several failure
 domains) can run several "nodes" on one host, each with its own folder: ``local_dir`` may contain
-``{node}``, replaced by the rank's node id (:func:`node_dir`).
+``{node}``, replaced by the rank's node id, and ``{user}``, replaced by the user the process runs
+as (:func:`node_dir`): ``/dev/shm`` is every user's, and a folder there belongs to whoever made it
+first (the tier uses only folders of its own user, manager/tier.py).
 
 :func:`gather_nodes` is collective (one ``all_gather`` of the node ids over the process group) and
 returns a :class:`NodeMap`, the same on every rank.
@@ -13,6 +15,7 @@ returns a :class:`NodeMap`, the same on every rank.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +25,32 @@ from shardsafe.core.comm import Comm
 from shardsafe.core.nodes import NODE_ENV
 from shardsafe.core.nodes import folder_node_id as node_id
 
-__all__ = ["DEFAULT_LOCAL_DIR", "NODE_ENV", "NodeMap", "gather_nodes", "node_dir", "node_id"]
+__all__ = ["DEFAULT_LOCAL_DIR", "NODE_ENV", "NodeMap", "gather_nodes", "node_dir", "node_id", "user_name"]
 
-DEFAULT_LOCAL_DIR = "/dev/shm/shardsafe-{node}"  # host memory on Linux: survives the process, not the machine
+# host memory on Linux: survives the process, not the machine; one folder per user and node
+DEFAULT_LOCAL_DIR = "/dev/shm/shardsafe-{user}-{node}"
 
 
 def node_dir(template: str | os.PathLike[str], node: str) -> Path:
-    """``template`` with ``{node}`` replaced by ``node`` (a template without it is the same folder on every node)."""
-    return Path(os.fspath(template).replace("{node}", node))
+    """``template`` with ``{node}`` replaced by ``node`` (a template without it is the same folder on
+    every node) and ``{user}`` by :func:`user_name`."""
+    text = os.fspath(template)
+    if "{user}" in text:
+        text = text.replace("{user}", user_name())
+    return Path(text.replace("{node}", node))
+
+
+def user_name() -> str:
+    """The name of the user this process runs as, or its user id where it has no usable name (a
+    container without a password entry, a name that is not a plain file name)."""
+    uid = os.geteuid()
+    try:
+        import pwd
+
+        name = pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+    return name if re.fullmatch(r"[A-Za-z0-9._][A-Za-z0-9._-]*", name) and name not in (".", "..") else str(uid)
 
 
 @dataclass(frozen=True)
