@@ -268,7 +268,9 @@ def main() -> None:
     result = {"save": phase_save, "resume": phase_resume, "reshard": phase_reshard}[phase](out)
     torch.save(result, out / f"{phase}-w{dist.get_world_size()}.rank{dist.get_rank()}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    from teardown import end_job  # a sibling when run as a script (tests import this module too)
+
+    end_job()
 
 
 if __name__ == "__main__":

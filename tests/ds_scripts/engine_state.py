@@ -40,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardsafe  # noqa: E402
+from ds_scripts.teardown import end_job  # noqa: E402
 from ds_scripts.train_zero import VOCAB, Tiny, param_groups  # noqa: E402
 
 PRECISIONS = ("bf16", "fp32", "bf16-offload")
@@ -250,7 +251,7 @@ def main() -> None:
     result = phase_save(out) if phase == "save" else phase_reshard(out)
     torch.save(result, out / f"{phase}-w{dist.get_world_size()}.rank{dist.get_rank()}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    end_job()
 
 
 if __name__ == "__main__":
