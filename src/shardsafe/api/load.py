@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,7 +49,7 @@ from shardsafe.state.registry import (
     prepare_steps,
     unclaimed,
 )
-from shardsafe.storage.local import prefault_writable
+from shardsafe.storage.local import prefaulting
 from shardsafe.storage.remote import RemoteDir
 
 __all__ = ["Loaded", "load", "load_from", "load_lacking", "open_checkpoint"]
@@ -552,11 +551,5 @@ def _check_sources(
     fresh optimizer's state, which a failed load drops) are read, verified, straight into place:
     they are read once, not twice. ``shared``: the checks of the chunks this rank reads for others."""
     checks = [check for r in existing for check in reader.check_reads(r.key, r.op, r.saved_dtype)] + shared
-    prefault = threading.Thread(
-        target=prefault_writable, args=([r.dest for r in fresh],), name="shardsafe-prefault", daemon=True
-    )
-    prefault.start()  # the new memory's page faults are taken while the reads wait on the disk
-    try:
+    with prefaulting([r.dest for r in fresh]):  # the new memory's page faults taken while the reads wait
         _read(reader, fresh, checks)  # one pass over the files, in order
-    finally:
-        prefault.join()

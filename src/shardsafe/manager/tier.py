@@ -191,7 +191,7 @@ def _check_own(folder: Path, shared_parent: bool = False) -> None:
         raise PermissionError(
             f"{folder} belongs to user id {info.st_uid}, not this process's {os.geteuid()}: another "
             "user's folder, or one made to capture this job's state; set local_dir to a folder of your own "
-            "(its {node} part keeps the nodes apart)"
+            "(with {user} in it, as the default has)"
         )
     if info.st_mode & 0o022:
         raise PermissionError(
@@ -744,10 +744,11 @@ class LocalTier:
 
     def close(self, root_newest: int | None) -> None:
         """Leaders: remove this node's tier folder (warning when it held a step newer than the root's newest)."""
-        if not self.nodes.is_leader or not self.folder.exists():
+        if not self.nodes.is_leader:
             return
         try:
-            check_own_folders(self.folder)
+            if not self._own_folders(create=False):
+                return
         except OSError as exc:  # not this user's alone: nothing in it is removed (it may lead anywhere)
             log.warning("shardsafe: closing: local tier %s left as it is: %s", self.folder, exc)
             return

@@ -55,7 +55,6 @@ receiver copies its boxes from the host bytes into its tensors, on the GPU or no
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -68,11 +67,10 @@ from shardsafe.core.dtypes import element_size
 from shardsafe.core.fields import numel
 from shardsafe.core.format import ChunkEntry
 from shardsafe.core.nodes import node_id
-from shardsafe.core.plan import contiguous_span
 from shardsafe.errors import PeerFailedError
 from shardsafe.protocol.block_io import BlockRead
-from shardsafe.protocol.transfer import ChunkReader, ReadRequest
-from shardsafe.storage.local import prefault_writable, tensor_bytes
+from shardsafe.protocol.transfer import ChunkReader, ReadRequest, direct_span
+from shardsafe.storage.local import prefaulting, tensor_bytes
 
 BATCH_BYTES = 64 << 20  # bytes of chunks sent as one message (one chunk may be larger)
 # a chunk of a lacked file this large travels as a message of its own, received straight into its tensor
@@ -161,16 +159,10 @@ class SharedPlan:
         if not batches:
             return None
         landings = {} if failed else self._landings([b for b in batches if b.reader != self.rank], set(now))
-        # the new memory they land in faulted in ahead of the receives, on a thread of its own (it never
-        # changes a byte): one madvise per tensor instead of a fault per page inside each receive
-        prefault = threading.Thread(
-            target=prefault_writable, args=(list(landings.values()),), name="shardsafe-prefault", daemon=True
-        )
-        prefault.start()
-        try:
+        # the new memory they land in faulted in ahead of the receives (it never changes a byte): one
+        # madvise per tensor instead of a fault per page inside each receive
+        with prefaulting(list(landings.values())):
             return self._run(batches, reader, failed, set(now), landings)
-        finally:
-            prefault.join()
 
     def exchange(self, reader: ChunkReader, failed: bool = False) -> Exception | None:
         """Run every other batch this rank is in (``failed``: this rank failed before; it sends failure
@@ -366,15 +358,13 @@ def _segments(batch: Batch, lacked: bool) -> list[tuple[slice, ChunkId | None]]:
 def _whole_chunk_bytes(request: ReadRequest) -> torch.Tensor | None:
     """The bytes of ``request``'s destination that its chunk fills, as one contiguous host byte
     tensor, when the request takes the whole chunk, unconverted; else None."""
-    op, chunk, dest = request.op, request.op.chunk, request.dest
-    if op.offsets != chunk.offsets or op.shape != chunk.shape:
+    op = request.op
+    if op.offsets != op.chunk.offsets or op.shape != op.chunk.shape:
         return None
-    if dest.device.type != "cpu" or dest.dtype != request.saved_dtype or not dest.is_contiguous():
-        return None
-    span = contiguous_span(op.offsets, op.shape, request.dest_offsets, tuple(dest.shape))
+    span = direct_span(op, request.saved_dtype, request.dest, request.dest_offsets)
     if span is None:
         return None
-    return dest.detach().reshape(-1)[span[0] : span[1]].view(torch.uint8)
+    return request.dest.detach().reshape(-1)[span[0] : span[1]].view(torch.uint8)
 
 
 def _copy_box(request: ReadRequest, data: torch.Tensor) -> None:

@@ -36,9 +36,20 @@ from shardsafe.protocol.sources import FileHandle, LocalSource, RemoteSource
 from shardsafe.storage.local import MappedFile, tensor_bytes
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["STAGED_BATCH_BYTES", "ChunkReader", "PlannedRead", "ReadRequest", "ReadTarget"]
+__all__ = ["STAGED_BATCH_BYTES", "ChunkReader", "PlannedRead", "ReadRequest", "ReadTarget", "direct_span"]
 
 STAGED_BATCH_BYTES = 64 << 20  # staging slabs (boxes not read straight into place) held per batch of reads
+
+
+def direct_span(
+    op: ReadOp, saved_dtype: torch.dtype, dest: torch.Tensor, dest_offsets: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """The elements [start, stop) of ``dest`` that the box of ``op`` fills, when its stored bytes can go
+    straight into that memory: ``dest`` a contiguous CPU tensor of the stored dtype, the box
+    contiguous in it. Else None (the bytes go through a buffer and a copy)."""
+    if dest.device.type != "cpu" or dest.dtype != saved_dtype or not dest.is_contiguous():
+        return None
+    return contiguous_span(op.offsets, op.shape, dest_offsets, tuple(dest.shape))
 
 
 class ChunkReader:
@@ -242,17 +253,9 @@ class ChunkReader:
         chunk = op.chunk
         self.files.open(chunk)
         src = contiguous_span(op.offsets, op.shape, chunk.offsets, chunk.shape)
-        dst = contiguous_span(op.offsets, op.shape, dest_offsets, tuple(dest.shape))
+        dst = direct_span(op, saved_dtype, dest, dest_offsets)
         es = element_size(saved_dtype)
-        direct = (
-            src is not None
-            and dst is not None
-            and dest.is_contiguous()
-            and dest.device.type == "cpu"
-            and dest.dtype == saved_dtype
-        )
-        if direct:
-            assert src is not None and dst is not None
+        if src is not None and dst is not None:
             view = tensor_bytes(dest)[dst[0] * es : dst[1] * es]
             return PlannedRead(self.block_reads(key, chunk, src[0] * es, src[1] * es, view))
         if dest.is_cuda:  # pinned buffers, verified on the host, uploaded on a side stream (device_read.py)

@@ -15,8 +15,10 @@ import os
 import shutil
 import stat
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -398,6 +400,19 @@ def prefault_writable(tensors: list[torch.Tensor]) -> None:
         start = tensor.data_ptr()
         if not madvise_pages(start, start + tensor.numel() * tensor.element_size(), _MADV_POPULATE_WRITE):
             return  # unsupported here (EINVAL on a kernel before 5.14): do not try the others
+
+
+@contextmanager
+def prefaulting(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """:func:`prefault_writable` of ``tensors`` on a thread of its own while the block runs (the reads
+    or receives that fill them), joined at its end: the page faults are taken while the block waits
+    on the disk or the peer, not inside each copy."""
+    thread = threading.Thread(target=prefault_writable, args=(tensors,), name="shardsafe-prefault", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def create_or_recycle(path: Path, recycled: Path | None, mode: int = os.O_WRONLY) -> tuple[int, bool]:
