@@ -44,6 +44,7 @@ __all__ = [
     "open_regular",
     "pread_into",
     "prefault_writable",
+    "prefaulting",
     "read_small_file",
     "remove_tree",
     "safe_child",
