@@ -182,6 +182,7 @@ def write_checkpoint(
     reuse: ReuseMap | None = None,
     before_publish: Callable[[], None] | None = None,
     target: CommitTarget | None = None,
+    plain_names: str | None = None,
 ) -> Path | RemoteDir:
     """Write and commit an already described state (the part an async save runs in the background).
 
@@ -190,7 +191,10 @@ def write_checkpoint(
     visible (the lease fencing check of the manager, the Trainer and Accelerate saving); if it
     raises, nothing is published. ``target``: a commit target the caller has already prepared (every
     rank its own; the manager's local tier, whose ranks write into their own node's folder);
-    default: :func:`~shardsafe.protocol.commit.prepare_save` of ``final``."""
+    default: :func:`~shardsafe.protocol.commit.prepare_save` of ``final``. ``plain_names``: a key
+    prefix (``"model/"``) whose whole tensors the shard headers name without it, by the model's own
+    names (:func:`~shardsafe.protocol.shard_write.chunk_name`; the Trainer's checkpoints are model
+    folders this way)."""
     problem: Exception | None = None
     try:
         if metadata is not None:
@@ -209,7 +213,7 @@ def write_checkpoint(
         raise
     rules = spread_writers(layout.rules()) if plan.rule else {k: t.rule for k, t in (plan.stage or {}).items()}
     mine = _mine(comm, view, layout, plan, rules)
-    result = _write_own_file(final, target, comm, view, mine, set(rules), reuse)
+    result = _write_own_file(final, target, comm, view, mine, set(rules), reuse, plain_names)
     build = _ManifestBuilder(comm, target, plan, layout, rules, metadata)
     agree_and_publish(comm, target, result, build, before_publish)
     return final
@@ -223,6 +227,7 @@ def _write_own_file(
     mine: list[LocalChunk],
     split_keys: set[str],
     reuse: ReuseMap | None,
+    plain_names: str | None = None,
 ) -> Outcome[RankResult]:
     """Write this rank's file (and the index of its split parts); the outcome, a failure included, is what
     the rank brings to the agreement, which every rank must reach."""
@@ -231,7 +236,7 @@ def _write_own_file(
         entries: list[tuple[str, ChunkEntry]] = []
         if mine:
             earlier = reuse.for_rank(_sibling(final, reuse.checkpoint), comm.rank) if reuse is not None else None
-            written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier)
+            written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier, plain_names)
             crash_point("save:after-write", comm.rank)
             indexed = [(c.key, e) for c, e in written.entries if c.key in split_keys and e.checkpoint is None]
             entries = [(c.key, e) for c, e in written.entries if not (c.key in split_keys and e.checkpoint is None)]

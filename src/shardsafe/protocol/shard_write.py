@@ -25,8 +25,15 @@ from shardsafe.storage.remote import RemoteDir
 __all__ = ["RankFile", "ReuseMap", "chunk_name", "reuse_map", "write_rank_file"]
 
 
-def chunk_name(chunk: LocalChunk) -> str:
-    """Name of a chunk inside its safetensors file: the key, plus its offsets when sharded."""
+def chunk_name(chunk: LocalChunk, plain_prefix: str | None = None) -> str:
+    """Name of a chunk inside its safetensors file: the key, plus its offsets when sharded.
+
+    A whole tensor whose key starts with ``plain_prefix`` is named by the rest of its key (a
+    model's own parameter names, so a ``model.safetensors.index.json`` can point into the shard
+    files): a load finds chunks by their byte ranges, never by these names.
+    """
+    if plain_prefix and chunk.key.startswith(plain_prefix) and chunk.shape == chunk.global_shape:
+        return chunk.key[len(plain_prefix) :]
     if any(chunk.offsets):
         return f"{chunk.key}@{','.join(map(str, chunk.offsets))}"
     return chunk.key
@@ -58,9 +65,14 @@ class RankFile:
 
 
 def write_rank_file(
-    sink: ShardSink, rank: int, chunks: list[LocalChunk], block_size: int, reuse: ReuseChunks | None = None
+    sink: ShardSink,
+    rank: int,
+    chunks: list[LocalChunk],
+    block_size: int,
+    reuse: ReuseChunks | None = None,
+    plain_prefix: str | None = None,
 ) -> RankFile:
-    """Write this rank's chunks into its own shard file.
+    """Write this rank's chunks into its own shard file (header names: :func:`chunk_name`).
 
     With ``reuse`` (the chunks of an earlier checkpoint in the same root, each pointing at the
     checkpoint that holds its bytes), a chunk whose bytes hash the same as its earlier self is
@@ -79,7 +91,11 @@ def write_rank_file(
     if not to_write:
         return RankFile(None, 0, entries)
     name = sink.shard_name(rank)
-    header = [HeaderEntry(chunk_name(c), c.tensor.dtype, c.shape) for c in to_write]
+    header = [HeaderEntry(chunk_name(c, plain_prefix), c.tensor.dtype, c.shape) for c in to_write]
+    if plain_prefix and len({h.name for h in header}) != len(header):
+        raise FormatError(
+            f"rank {rank}: two tensors would have one name in its shard file (plain names {plain_prefix!r})"
+        )
     prefix, ranges = build_safetensors_header(header)
     size, digests_list = sink.write_shard(name, prefix, [c.tensor for c in to_write], block_size, rank)
     entries += [
