@@ -1,0 +1,238 @@
+"""Lightning's checkpoint dict <-> one shardsafe checkpoint folder (what the strategies of this package share).
+
+Lightning's ``Trainer.save_checkpoint`` builds a dict: ``state_dict`` (the model), ``optimizer_states``
+(one per optimizer), and everything else (``epoch``, ``global_step``, ``loops``, ``callbacks``,
+``lr_schedulers``, ``hyper_parameters``, the precision plugin's and the datamodule's state...).
+Here the model and the optimizers are saved from the live objects (so shardsafe stores each rank's
+shards and reshards them on load, under the LightningModule's parameter names), and the rest is
+stored as one JSON value (tensors inside by reference): rank 0's copy, as Lightning keeps rank 0's
+``meta.pt``. No pickle is written. What JSON cannot hold is refused before anything is written,
+naming the key and the remedy.
+
+Replacement and removal follow the manager's rule for other runs' checkpoints: a save replaces a
+checkpoint at its path only if this run wrote it or resumed from it, and ``remove`` (ModelCheckpoint's
+rotation) retires only checkpoints this run wrote (renamed hidden in one step, then deleted, by
+one process), so a new run in the same ``dirpath`` never deletes what an earlier run left (Lightning
+#21813), on local disks and object stores alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardsafe.api.checkpoint import load, location, save
+from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.format import MANIFEST_NAME
+from shardsafe.core.values import encode_value
+from shardsafe.errors import CheckpointExistsError, FormatError, ShardsafeError
+from shardsafe.manager.catalog import read_manifest, where
+from shardsafe.manager.retention import retire
+from shardsafe.storage.location import as_location
+from shardsafe.storage.remote import RemoteDir
+
+__all__ = [
+    "META_KEY",
+    "MODEL_KEY",
+    "REST_KEY",
+    "LightningCheckpoints",
+    "checked_rest",
+    "optimizer_key",
+]
+
+log = logging.getLogger(__name__)
+
+META_KEY = "shardsafe.lightning"  # in the manifest's metadata: the writing run, what the folder holds
+MODEL_KEY = "state_dict"  # Lightning's own names, so its DCP folders and ours map alike
+REST_KEY = "lightning"  # every other entry of Lightning's checkpoint dict, one JSON value
+STATE_DICT = "state_dict"
+OPTIMIZER_STATES = "optimizer_states"
+
+_DEFAULT_REMEDY = (
+    "store it as tensors, numbers, strings, lists or dicts, or drop it from the checkpoint in "
+    "LightningModule.on_save_checkpoint (checkpoint.pop(...))"
+)
+_REMEDIES = {
+    "hyper_parameters": (
+        "leave that argument out of the saved hyper-parameters (self.save_hyperparameters(ignore=[...])) or pass it "
+        "as numbers, strings, lists or dicts"
+    ),
+    "callbacks": "make that callback's state_dict() return only tensors, numbers, strings, lists and dicts",
+    "datamodule_hyper_parameters": "leave that argument out of the datamodule's save_hyperparameters(ignore=[...])",
+}
+
+
+def optimizer_key(i: int) -> str:
+    return f"optimizer_{i}"
+
+
+def _tensor_path(path: str, tensor: torch.Tensor) -> str:
+    return path
+
+
+def checked_rest(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The entries of Lightning's checkpoint dict other than the model and optimizers, checked storable.
+
+    Raises FormatError naming the first entry JSON (with tensors) cannot hold and the remedy: the
+    format's own check (core/values.encode_value), run here so the message speaks Lightning."""
+    rest = {k: v for k, v in checkpoint.items() if k not in (STATE_DICT, OPTIMIZER_STATES)}
+    for key, value in rest.items():
+        try:
+            encode_value(value, f"{REST_KEY}/{key}", _tensor_path)
+        except FormatError as exc:
+            remedy = _REMEDIES.get(str(key), _DEFAULT_REMEDY)
+            raise FormatError(
+                f"Lightning checkpoint entry {key!r} cannot be saved without pickle: {exc}. Remedy: {remedy}"
+            ) from None
+    return rest
+
+
+def _target(path: str | os.PathLike[str]) -> Path | RemoteDir:
+    return location(path)
+
+
+@dataclass
+class LightningCheckpoints:
+    """What one Lightning run (one strategy object) saved and loaded, and the rules that use it.
+
+    ``run`` is the run's id (rank 0's, shared at the first save or load): it is written into every
+    checkpoint's metadata, and a removal checks it there before anything is deleted."""
+
+    run: str | None = None
+    written: set[str] = field(default_factory=set)  # where(...) of every checkpoint this run committed
+    loaded: set[str] = field(default_factory=set)  # ... and of those it resumed from
+
+    def run_id(self, comm: Comm) -> str:
+        if self.run is None:
+            self.run = comm.broadcast(uuid.uuid4().hex)
+        return self.run
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        checkpoint: dict[str, Any],
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        comm: Comm | None = None,
+    ) -> None:
+        """Collective: ``checkpoint`` (Lightning's dict) as one shardsafe checkpoint folder at ``path``.
+
+        The model and optimizers are saved from ``model`` and ``optimizers`` (each rank its shards);
+        ``checkpoint``'s other entries from rank 0. With no ``optimizer_states`` in ``checkpoint``
+        (``save_weights_only``), the optimizers are left out."""
+        comm = comm or get_comm()
+        run = self.run_id(comm)
+        rest = comm.on_coordinator(lambda: checked_rest(checkpoint), default=FormatError)
+        state: dict[str, Any] = {MODEL_KEY: model}
+        n_optimizers = len(optimizers) if OPTIMIZER_STATES in checkpoint else 0
+        for i in range(n_optimizers):
+            state[optimizer_key(i)] = optimizers[i]
+        state[REST_KEY] = rest
+        target = _target(path)
+        overwrite = comm.on_coordinator(lambda: self._may_replace(target), default=CheckpointExistsError)
+        meta = {
+            "run": run,
+            "optimizers": n_optimizers,
+            "global_step": rest.get("global_step"),
+            "epoch": rest.get("epoch"),
+        }
+        save(target, state, overwrite=overwrite, metadata={META_KEY: meta}, process_group=comm.group)
+        self.written.add(where(target))
+
+    def _may_replace(self, target: Path | RemoteDir) -> bool:
+        """Whether a save at ``target`` replaces what is there (False: nothing is); raises if another run's."""
+        loc = as_location(target)
+        if isinstance(target, Path):
+            if not target.exists() and not target.is_symlink():
+                return False
+        elif not loc.exists(MANIFEST_NAME):
+            return False
+        key = where(target)
+        if key in self.written or key in self.loaded:
+            return True
+        try:
+            writer = read_manifest(target).metadata.get(META_KEY, {}).get("run")
+        except (OSError, ShardsafeError):
+            writer = None
+        raise CheckpointExistsError(
+            f"{key}: a checkpoint this run did not write or resume from is there (run {writer or 'unknown'}); "
+            "shardsafe's Lightning strategies never replace another run's checkpoint. Resume from it "
+            "(trainer.fit(ckpt_path=...)), remove it yourself, or save elsewhere (another dirpath or filename)"
+        )
+
+    def saved_optimizers(self, path: str | os.PathLike[str], comm: Comm | None = None) -> int:
+        """How many optimizers the checkpoint at ``path`` holds (its metadata, read by rank 0)."""
+        comm = comm or get_comm()
+        target = _target(path)
+
+        def count() -> int:
+            meta = read_manifest(target).metadata.get(META_KEY)
+            if not isinstance(meta, dict) or not isinstance(meta.get("optimizers"), int):
+                raise FormatError(
+                    f"{where(target)}: not a checkpoint of shardsafe's Lightning strategies (no {META_KEY!r} in its "
+                    "metadata); load it with shardsafe.load"
+                )
+            return int(meta["optimizers"])
+
+        return comm.on_coordinator(count, default=FormatError)
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        strict: bool = True,
+        comm: Comm | None = None,
+    ) -> dict[str, Any]:
+        """Collective: load the model and optimizers in place; return the rest of Lightning's checkpoint dict.
+
+        Loads on any number of ranks and any layout. Optimizers the checkpoint holds but ``optimizers``
+        lacks (``trainer.validate``/``test``) are not read; optimizers it lacks are reported
+        as missing (``StateMismatchError``), before anything is modified."""
+        comm = comm or get_comm()
+        self.run_id(comm)
+        target = _target(path)
+        stored = self.saved_optimizers(path, comm)
+        state: dict[str, Any] = {MODEL_KEY: model}
+        for i, optimizer in enumerate(optimizers):
+            state[optimizer_key(i)] = optimizer
+        state[REST_KEY] = None
+        load(target, state, strict=strict and len(optimizers) >= stored, process_group=comm.group)
+        self.loaded.add(where(target))
+        rest = state[REST_KEY]
+        if not isinstance(rest, dict):
+            raise FormatError(f"{where(target)}: its {REST_KEY!r} entry is not an object")
+        return rest
+
+    def remove(self, path: str | os.PathLike[str]) -> bool:
+        """Retire the checkpoint at ``path`` if this run wrote it (call on one process); returns whether it did.
+
+        A symlink (ModelCheckpoint's ``save_last="link"``) is removed as a link. A checkpoint this run did
+        not write, or whose manifest names another run, is left in place with a warning."""
+        target = _target(path)
+        if isinstance(target, Path) and target.is_symlink():
+            target.unlink()
+            return True
+        key = where(target)
+        if key not in self.written:
+            log.warning("not removing %s: this run did not write it (shardsafe never deletes another run's)", key)
+            return False
+        try:
+            writer = read_manifest(target).metadata.get(META_KEY, {}).get("run")
+        except (OSError, ShardsafeError) as exc:
+            log.warning("not removing %s: its manifest cannot be read (%s)", key, exc)
+            return False
+        if writer != self.run:
+            log.warning("not removing %s: written by run %s, not this one (%s)", key, writer, self.run)
+            return False
+        retire(target)
+        self.written.discard(key)
+        return True

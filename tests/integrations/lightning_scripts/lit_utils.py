@@ -1,0 +1,179 @@
+"""A small LightningModule and a Trainer run for the Lightning integration tests (imported by the ranks).
+
+``fit_run`` trains on the ranks that call it (already in a gloo process group: dist_utils.run_ranks),
+with FSDP2 (``layout="fsdp"``), tensor parallel (``"tp"``), a plain module (``"plain"``) under
+``ShardsafeModelParallelStrategy``, or DDP (``"ddp"``) under ``ShardsafeDDPStrategy`` (``"ddp-native"`` /
+``"mp-native"``: Lightning's own strategies). It returns what the tests compare: the global loss of
+every step, and the whole model and optimizer state at the start (after a resume) and at the end.
+The global batch is 8 at any world size and an epoch is 2 steps, so runs on 1 and 2 ranks see the
+same samples per step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dist_utils import full_model_state, full_optimizer_state
+
+GLOBAL_BATCH, SAMPLES = 8, 16
+
+
+def _lightning() -> Any:
+    import lightning.pytorch as L
+
+    return L
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_module(layout: str, **hparams: Any) -> Any:
+    L = _lightning()
+
+    class TinyModule(L.LightningModule):
+        def __init__(self, layout: str, lr: float = 0.05, **extra: Any) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            torch.manual_seed(0)
+            self.net = Tiny()
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            if self.hparams.layout == "fsdp":
+                mesh = self.device_mesh["data_parallel"]
+                fully_shard(self.net.fc1, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
+            elif self.hparams.layout == "tp":
+                mesh = self.device_mesh["tensor_parallel"]
+                parallelize_module(self.net, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return TinyModule(layout, **hparams)
+
+
+def _data(world_size: int) -> DataLoader:
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(SAMPLES, 8, generator=gen), torch.randn(SAMPLES, 1, generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // world_size, shuffle=False)
+
+
+def _record() -> Any:
+    L = _lightning()
+
+    class Record(L.Callback):
+        """Global losses per step, whole states at the start and the end of the fit."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.start: Any = None
+            self.end: Any = None
+
+        def _state(self, trainer: Any, module: Any) -> Any:
+            opts = trainer.optimizers
+            return full_model_state(module), full_optimizer_state(module, opts[0]) if opts else None
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.start = self._state(trainer, module)
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            self.end = self._state(trainer, module)
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            loss = outputs["loss"].detach().clone()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(loss)
+                loss /= dist.get_world_size()
+            self.losses.append(float(loss))
+
+    return Record()
+
+
+def strategy_for(layout: str, world_size: int, **kwargs: Any) -> Any:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from shardsafe.integrations.lightning import ShardsafeDDPStrategy, ShardsafeModelParallelStrategy
+
+    if layout in ("ddp", "ddp-native"):
+        cls = ShardsafeDDPStrategy if layout == "ddp" else DDPStrategy
+        return cls(process_group_backend="gloo", **kwargs)
+    cls = ModelParallelStrategy if layout == "mp-native" else ShardsafeModelParallelStrategy
+    dp, tp = (1, world_size) if layout == "tp" else (world_size, 1)
+    return cls(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo", **kwargs)
+
+
+def fit_run(
+    rank: int,
+    world_size: int,
+    root: str,
+    layout: str,
+    epochs: int,
+    ckpt_path: str | None = None,
+    checkpoint: dict[str, Any] | None = None,
+    hparams: dict[str, Any] | None = None,
+    module_layout: str | None = None,
+) -> dict[str, Any]:
+    """Fit ``epochs`` epochs (resuming from ``ckpt_path``); ModelCheckpoint(**checkpoint) saves into root/ckpts."""
+    L = _lightning()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    os.environ.setdefault("NODE_RANK", "0")
+    record = _record()
+    callbacks: list[Any] = [record]
+    mc = None
+    if checkpoint is not None:
+        mc = ModelCheckpoint(dirpath=str(Path(root) / "ckpts") if "://" not in root else f"{root}/ckpts", **checkpoint)
+        callbacks.append(mc)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy_for(layout, world_size),
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=mc is not None,
+        default_root_dir=root,
+        deterministic=True,
+    )
+    module = make_module(module_layout or layout.replace("-native", "").replace("mp", "fsdp"), **(hparams or {}))
+    trainer.fit(module, train_dataloaders=_data(world_size), ckpt_path=ckpt_path)
+    return {
+        "losses": record.losses,
+        "start": record.start,
+        "end": record.end,
+        "best": mc.best_model_path if mc else None,
+        "last": mc.last_model_path if mc else None,
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "mc_state": {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in mc.state_dict().items()}
+        if mc
+        else None,
+    }
