@@ -243,7 +243,7 @@ def load_from(
     # Binding gives a fresh optimizer its state (so there are tensors to read into); a load that
     # fails before reading must take that back, or the next step would differ (step count 1).
     fresh = fresh_optimizers(state)
-    manifest, binding = _open_and_bind(comm, state, opened, strict, fresh)
+    manifest, binding = _open_and_bind(comm, state, opened, strict, fresh, atomic)
     with open_reader(manifest) as reader:
         reads = _plan_reads(comm, reader, manifest, binding, share_reads, lacking)
         steps = _prepare(comm, reader, manifest, binding, reads, atomic, fresh)
@@ -256,7 +256,12 @@ def load_from(
 
 
 def _open_and_bind(
-    comm: Comm, state: dict[str, Any], opened: OpenChecked, strict: bool, fresh: Sequence[torch.optim.Optimizer]
+    comm: Comm,
+    state: dict[str, Any],
+    opened: OpenChecked,
+    strict: bool,
+    fresh: Sequence[torch.optim.Optimizer],
+    atomic: bool = True,
 ) -> tuple[Manifest, LoadBinding]:
     """Open the checkpoint and bind ``state`` to it, checked; every rank's problems are reported in one
     error before anything is read or modified."""
@@ -266,7 +271,7 @@ def _open_and_bind(
     problems: list[str] = []
     try:
         manifest, tree = opened()
-        binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest), strict)
+        binding = bind_for_load(state, comm.rank, tree, _layout_of(manifest), strict, atomic)
         problems = check_binding(binding, manifest, tree, strict)
         left = unclaimed(binding, tree) if strict else set()
         checked = (manifest, binding)
@@ -316,19 +321,32 @@ def _plan_reads(
     if lacking is not None:  # every rank alike: the values decoded whole first, from files some rank lacks
         fetched, fetched_bytes, fetch_problem = _fetch_whole(comm, reader, manifest, binding, lacking, problem)
         problem = problem or fetch_problem
+    # What a module's own load code takes (binding.early) must be in place before the third phase, so
+    # this rank reads it itself in the first pass, unless it lies in a file this rank lacks (then it is
+    # received in the first pass too, by exchange_lacked).
+    early = binding.early
+    own = [r for r in fresh_reads if r.key in early and not _lacked(r, lacking)] if early else []
+    held = set(map(id, own))
     # Collective, so run by a rank whose planning failed too (it shares nothing): chunks several
     # ranks need are read by one of them and sent to the others (protocol/shared_read.py).
     shared = plan_shared(
         comm,
-        [] if problem is not None else fresh_reads + existing_reads,
+        [] if problem is not None else [r for r in fresh_reads if id(r) not in held] + existing_reads,
         enabled=share_reads,
         remote=reader.remote,
         lacking=lacking,
     )
     made = frozenset(map(id, fresh_reads))
-    return _Reads(
-        shared.local(fresh_reads), shared.local(existing_reads), shared, problem, fetched, fetched_bytes, made
+    local_fresh = (
+        shared.local([r for r in fresh_reads if id(r) not in held]) + own if held else shared.local(fresh_reads)
     )
+    return _Reads(local_fresh, shared.local(existing_reads), shared, problem, fetched, fetched_bytes, made)
+
+
+def _lacked(request: ReadRequest, lacking: frozenset[str] | None) -> bool:
+    """Whether the chunk a request reads lies in a file of the checkpoint this rank lacks."""
+    chunk = request.op.chunk
+    return lacking is not None and chunk.checkpoint is None and chunk.file in lacking
 
 
 def _fetch_whole(

@@ -13,6 +13,7 @@ before anything is applied (RNGState checks its generator states with the genera
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,28 +42,34 @@ from shardsafe.state.base import (
     type_problems,
     unwrap_module,
 )
+from shardsafe.state.module_load import CustomLoad, CustomRoot, custom_roots
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
     """The module's state dict keyed by clean FQNs (torch's ``get_model_state_dict``), or, where a
     state-dict hook renames entries so that torch cannot map them back to parameters (torchtitan's
     fused QKV saves ``wqkv`` as ``wq``/``wk``/``wv``), what ``state_dict()`` itself gives."""
+    return _module_state(module)[0]
+
+
+def _module_state(module: nn.Module) -> tuple[dict[str, Any], bool]:
+    """:func:`model_state`, and whether its keys are torch's clean FQNs (else ``state_dict()``'s own)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     try:
-        return get_model_state_dict(module)
+        return get_model_state_dict(module), True
     except AttributeError:
-        return dict(unwrap_module(module).state_dict())
+        return dict(unwrap_module(module).state_dict()), False
 
 
-def _renamed_by_hooks(module: nn.Module, state: dict[str, Any]) -> bool:
-    """Whether ``state`` holds entries that are not the module's own parameters and buffers (made
-    by a state-dict hook): those are read into and handed back through ``load_state_dict``."""
+def _made_by_hooks(module: nn.Module, state: dict[str, Any]) -> list[str]:
+    """The entries of ``state`` that are not the module's own parameters and buffers (made by a
+    state-dict hook): only the module's own ``load_state_dict`` can take them back."""
     inner = unwrap_module(module)
     own = {name for name, _ in inner.named_parameters(remove_duplicate=False)} | {
         name for name, _ in inner.named_buffers(remove_duplicate=False)
     }
-    return not set(state) <= own
+    return [k for k in state if k not in own]
 
 
 def _state_of(ctx: LoadContext) -> Any:
@@ -73,8 +80,22 @@ def _no_step(name: str) -> LoadStep:
     return LoadStep(name, lambda: None)
 
 
+def _custom_load(value: nn.Module, state: dict[str, Any], clean: bool) -> CustomLoad | None:
+    """The module's custom roots (module_load.py); the whole module is one where a state-dict hook
+    made entries outside every custom root (torch's load_state_dict is then the only way back)."""
+    inner = unwrap_module(value)
+    roots = custom_roots(inner, clean)
+    custom = CustomLoad(roots)
+    made = _made_by_hooks(value, state)
+    if made and not all(custom.owns(k) for k in made):
+        custom = CustomLoad([CustomRoot("", inner)])
+    return custom if custom.roots else None
+
+
 class ModuleAdapter:
-    """``nn.Module`` (plain, DDP, FSDP2): its model state dict, read in place into its parameters and buffers."""
+    """``nn.Module`` (plain, DDP, FSDP2): its model state dict, read in place into its parameters and
+    buffers; a subtree that loads through its own code (module_load.py) gets the checkpoint's values
+    in new tensors, handed to its ``load_state_dict`` once every byte is verified."""
 
     kind = KIND_MODULE
     in_place = True
@@ -89,25 +110,39 @@ class ModuleAdapter:
         )
 
     def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound:
-        state = model_state(value)
-        # Entries a state-dict hook made are copies: read into them, then load_state_dict merges them back.
-        bound = Bound(name, value, self, context=state if _renamed_by_hooks(value, state) else None)
-        bind_tensors(bound.targets, state, name)
+        state, clean = _module_state(value)
+        custom = _custom_load(value, state, clean)
+        bound = Bound(name, value, self, context=custom)
+        if custom is None:
+            bind_tensors(bound.targets, state, name)
+            return bound
+        bind_tensors(bound.targets, {k: v for k, v in state.items() if not custom.owns(k)}, name)
+        before = set(bound.targets)
+        custom.bind(name, _state_of(ctx), state, ctx.layout, clean, bound.targets)
+        bound.early.update(set(bound.targets) - before)
         return bound
 
     def check(self, bound: Bound, ctx: LoadContext, manifest: Manifest) -> list[str]:
         return []
 
     def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep:
-        state = bound.context
-        if state is None:
+        custom = bound.context
+        if not isinstance(custom, CustomLoad):
             return _no_step(bound.name)
-        module = unwrap_module(bound.value)
+        strict = ctx.strict
 
-        def apply() -> None:  # after the tensors are read (a step without undo)
-            module.load_state_dict(state)
+        def apply() -> None:
+            custom.apply(strict)
 
-        return LoadStep(bound.name, apply, after_tensors=True)
+        if not ctx.atomic:  # no undo to keep: run once every tensor is read
+            return LoadStep(bound.name, apply, after_tensors=True)
+        undo: list[Callable[[], None]] = []
+
+        def apply_undoable() -> None:  # the third phase: every byte verified, nothing live written yet
+            undo.append(custom.snapshot())
+            apply()
+
+        return LoadStep(bound.name, apply_undoable, undo=lambda: undo[0]() if undo else None)
 
     def summarize(self, entry: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
         return tensor_summary(state_tensor_keys(entry.get("state")), manifest)

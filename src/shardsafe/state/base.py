@@ -52,12 +52,14 @@ __all__ = [
     "StateAdapter",
     "StoredTensor",
     "bind_tensors",
+    "is_dtensor",
     "TensorCache",
     "check_storable",
     "encode_with_chunks",
     "local_tensor",
     "param_names",
     "pieces",
+    "read_target",
     "snapshot",
     "tensor_summary",
     "type_problems",
@@ -108,6 +110,9 @@ class Bound:
     adapter: StateAdapter
     targets: dict[str, ReadTarget] = field(default_factory=dict)
     context: Any = None
+    # keys of ``targets`` whose values user code takes in the load's third phase (a module's own
+    # load_state_dict): read by this rank in the first pass, not after (see api/load.py)
+    early: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ class LoadContext:
     saved: Any  # this name's entry in the checkpoint's state tree (None when absent)
     layout: SavedLayout | None
     strict: bool = True
+    atomic: bool = True  # a failed load must leave the value as it was (a module's own load code: snapshot first)
 
 
 class StateAdapter(Protocol):
@@ -435,13 +441,18 @@ def bind_tensors(targets: dict[str, ReadTarget], value: Any, name: str, fresh: b
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
-        global_shape, held = pieces(tensor)
-        first = held[0]
-        rest = tuple((p.local, p.offsets) for p in held[1:])
-        targets[path] = ReadTarget(path, first.local, global_shape, first.offsets, fresh, rest)
+        targets[path] = read_target(path, tensor, fresh)
         return path
 
     encode_value(value, name, ref)
+
+
+def read_target(key: str, tensor: torch.Tensor, fresh: bool = False) -> ReadTarget:
+    """The read target of every box of ``tensor`` (a tensor or DTensor) this rank holds."""
+    global_shape, held = pieces(tensor)
+    first = held[0]
+    rest = tuple((p.local, p.offsets) for p in held[1:])
+    return ReadTarget(key, first.local, global_shape, first.offsets, fresh, rest)
 
 
 # ----------------------------------------------------------------------------- modules

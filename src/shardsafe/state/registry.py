@@ -252,6 +252,11 @@ class LoadBinding:
         """Every in-place read target, by tensor key."""
         return {key: t for b in self.bound.values() for key, t in b.targets.items()}
 
+    @property
+    def early(self) -> set[str]:
+        """The target keys whose values user code takes before the last phase (see Bound.early)."""
+        return {key for b in self.bound.values() for key in b.early}
+
 
 def bind_for_load(
     state: dict[str, Any],
@@ -259,13 +264,16 @@ def bind_for_load(
     saved_tree: dict[str, Any] | None = None,
     layout: SavedLayout | None = None,
     strict: bool = True,
+    atomic: bool = True,
 ) -> LoadBinding:
     """Destinations for loading into ``state``; with the checkpoint's tree and ``layout``, a fresh
-    optimizer first gets state tensors shaped like the stored ones."""
+    optimizer first gets state tensors shaped like the stored ones, and a module's subtree that
+    loads through its own code new tensors for the checkpoint's values."""
     binding = LoadBinding()
     for name, value in state.items():
         check_name(name)
-        ctx = LoadContext(state, rank, saved_tree.get(name) if saved_tree is not None else None, layout, strict)
+        saved = saved_tree.get(name) if saved_tree is not None else None
+        ctx = LoadContext(state, rank, saved, layout, strict, atomic)
         binding.bound[name] = adapter_for(value).bind(name, value, ctx)
         binding.contexts[name] = ctx
     return binding
