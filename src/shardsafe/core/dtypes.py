@@ -12,7 +12,10 @@ __all__ = [
     "dtype_from_torch_text",
     "dtype_name",
     "element_size",
+    "is_packed",
     "safetensors_dtype",
+    "safetensors_shape",
+    "torch_shape",
 ]
 
 # torch dtype <-> (manifest name, safetensors name)
@@ -34,6 +37,19 @@ _DTYPES: dict[torch.dtype, tuple[str, str]] = {
     torch.uint64: ("uint64", "U64"),
     torch.complex64: ("complex64", "C64"),
 }
+# Newer dtypes, where this torch has them: the MX scale type, packed FP4 (two values a byte: NVFP4/MXFP4
+# weights), and the "fnuz" float8 variants; each one safetensors names.
+for _attr, _names in (
+    ("float8_e8m0fnu", ("float8_e8m0fnu", "F8_E8M0")),
+    ("float4_e2m1fn_x2", ("float4_e2m1fn_x2", "F4")),
+    ("float8_e4m3fnuz", ("float8_e4m3fnuz", "F8_E4M3FNUZ")),
+    ("float8_e5m2fnuz", ("float8_e5m2fnuz", "F8_E5M2FNUZ")),
+):
+    if isinstance(getattr(torch, _attr, None), torch.dtype):
+        _DTYPES[getattr(torch, _attr)] = _names
+# dtypes whose torch element holds several values: safetensors counts values ("F4": a byte is 2 of the
+# last dim), torch and the manifest count bytes (float4_e2m1fn_x2)
+_PACKED: dict[torch.dtype, int] = {torch.float4_e2m1fn_x2: 2} if hasattr(torch, "float4_e2m1fn_x2") else {}
 _BY_NAME = {name: dtype for dtype, (name, _) in _DTYPES.items()}
 _BY_ST_NAME = {st: dtype for dtype, (_, st) in _DTYPES.items()}
 _BY_TORCH_TEXT = {str(dtype): dtype for dtype in _DTYPES}  # "torch.float32": how a save's records name a dtype
@@ -43,7 +59,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPES[dtype][0]
     except KeyError:
-        raise FormatError(f"dtype {dtype} cannot be stored by shardsafe") from None
+        raise FormatError(
+            f"dtype {dtype} cannot be stored by shardsafe (it stores {', '.join(sorted(_BY_NAME))}); convert the "
+            "tensor to one of them (a quantized tensor: t.dequantize() or t.int_repr() with its scales)"
+        ) from None
 
 
 def dtype_from_name(name: object, where: str) -> torch.dtype:
@@ -79,3 +98,33 @@ def dtype_from_safetensors_name(name: object, where: str) -> torch.dtype:
             f"{where}: unknown dtype (safetensors name, {what}; expected one of {', '.join(sorted(_BY_ST_NAME))})"
         )
     return _BY_ST_NAME[name]
+
+
+def is_packed(dtype: torch.dtype) -> bool:
+    """Whether one torch element of ``dtype`` holds several values (float4_e2m1fn_x2: two)."""
+    return dtype in _PACKED
+
+
+def safetensors_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+    """The shape a safetensors header gives a tensor of torch ``shape``: for packed FP4 the last dim
+    counts values, twice torch's count of bytes (as safetensors' own writer does)."""
+    per = _PACKED.get(dtype)
+    if per is None:
+        return list(shape)
+    if not shape:
+        raise FormatError(f"a 0-dimensional {dtype} tensor has no safetensors shape; reshape it to (1,)")
+    return [*shape[:-1], shape[-1] * per]
+
+
+def torch_shape(dtype: torch.dtype, shape: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """Inverse of :func:`safetensors_shape`. Packed FP4 values are stored two a byte: a last dim of an
+    odd number of values (a byte split between two tensors or two shards) is refused."""
+    per = _PACKED.get(dtype)
+    if per is None:
+        return tuple(shape)
+    if not shape or shape[-1] % per:
+        raise FormatError(
+            f"{where}: {safetensors_dtype(dtype)} (packed FP4) with shape {list(shape)}: the last dimension must "
+            f"be a multiple of {per} values (two per byte); a shard or tensor boundary inside a byte cannot be stored"
+        )
+    return (*shape[:-1], shape[-1] // per)

@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from shardsafe.core.dtypes import dtype_from_safetensors_name, element_size, safetensors_dtype
+from shardsafe.core.dtypes import (
+    dtype_from_safetensors_name,
+    element_size,
+    safetensors_dtype,
+    safetensors_shape,
+    torch_shape,
+)
 from shardsafe.core.fields import MAX_HEADER_BYTES, RESERVED_HEADER_NAME, expect_field, int_list, numel
 from shardsafe.core.jsonsafe import parse_json
 from shardsafe.errors import FormatError
@@ -43,7 +49,7 @@ def build_safetensors_header(entries: list[HeaderEntry]) -> tuple[bytes, list[tu
         size = numel(e.shape) * element_size(e.dtype)
         header[e.name] = {
             "dtype": safetensors_dtype(e.dtype),
-            "shape": list(e.shape),
+            "shape": safetensors_shape(e.dtype, e.shape),  # packed FP4: values, not bytes
             "data_offsets": [pos, pos + size],
         }
         relative.append((pos, pos + size))
@@ -93,7 +99,7 @@ def parse_safetensors_header(
             continue
         ewhere = f"{where} entry {name!r}"
         dtype = dtype_from_safetensors_name(expect_field(entry, "dtype", str, ewhere), ewhere)
-        shape = int_list(expect_field(entry, "shape", list, ewhere), ewhere)
+        shape = torch_shape(dtype, int_list(expect_field(entry, "shape", list, ewhere), ewhere), ewhere)
         offsets = int_list(expect_field(entry, "data_offsets", list, ewhere), ewhere, max_len=2)
         if len(offsets) != 2:
             raise FormatError(f"{ewhere}: data_offsets must be [begin, end]")

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shardsafe.core.boxes import DimSplit, dim_runs, local_boxes, local_shape
-from shardsafe.core.dtypes import dtype_name
+from shardsafe.core.dtypes import dtype_name, is_packed, safetensors_shape
 from shardsafe.core.format import MAX_DIMS, MAX_NUMEL, Manifest, check_tensor_key, numel
 from shardsafe.core.plan import LocalChunk
 from shardsafe.core.rule import LayoutRule, Placement
@@ -54,6 +54,7 @@ __all__ = [
     "bind_tensors",
     "is_dtensor",
     "TensorCache",
+    "check_layout",
     "check_storable",
     "encode_with_chunks",
     "local_tensor",
@@ -311,11 +312,39 @@ def pieces(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[Piece]]:
     return global_shape, out
 
 
+def check_layout(key: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor whose values are not one strided block of memory (sparse, nested) or that
+    has none (meta), naming the key and the remedy, before anything is written or read. One cheap
+    attribute test for the tensors that are fine."""
+    if tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_meta:
+        return
+    where = f"tensor {key!r:.200}"
+    if tensor.is_nested:
+        raise FormatError(
+            f"{where}: a nested tensor cannot be stored; store its parts as a list (t.unbind()) or a padded "
+            "tensor (t.to_padded_tensor(0))"
+        )
+    if tensor.is_meta:
+        raise FormatError(
+            f"{where}: a meta tensor has no values to store or load; materialize it first (e.g. "
+            "module.to_empty(device=...) and initialize it) or leave it out of the state"
+        )
+    raise FormatError(
+        f"{where}: a {str(tensor.layout).removeprefix('torch.')} tensor cannot be stored; store t.to_dense(), "
+        "or its indices and values as tensors of their own"
+    )
+
+
 def check_storable(key: str, tensor: torch.Tensor, global_shape: tuple[int, ...]) -> None:
     """Refuse, before anything is written, a tensor the manifest parser would refuse on load."""
     where = f"tensor {key!r:.200}"
     check_tensor_key(key, where)
-    dtype_name(tensor.dtype)
+    try:
+        dtype_name(tensor.dtype)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    if not global_shape and is_packed(tensor.dtype):
+        safetensors_shape(tensor.dtype, global_shape)  # raises: a 0-d packed tensor has no safetensors shape
     if len(global_shape) > MAX_DIMS or numel(global_shape) > MAX_NUMEL:
         raise FormatError(
             f"{where}: shape {list(global_shape)} has more than {MAX_DIMS} dimensions or {MAX_NUMEL} elements"
@@ -420,6 +449,7 @@ def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
             if cached is not None:
                 chunks.extend(cached)
                 return path
+        check_layout(path, tensor)
         global_shape, held = pieces(tensor)
         check_storable(path, tensor, global_shape)
         rule = dtensor_rule(tensor) if is_dtensor(tensor) else None
@@ -449,6 +479,7 @@ def bind_tensors(targets: dict[str, ReadTarget], value: Any, name: str, fresh: b
 
 def read_target(key: str, tensor: torch.Tensor, fresh: bool = False) -> ReadTarget:
     """The read target of every box of ``tensor`` (a tensor or DTensor) this rank holds."""
+    check_layout(key, tensor)
     global_shape, held = pieces(tensor)
     first = held[0]
     rest = tuple((p.local, p.offsets) for p in held[1:])
