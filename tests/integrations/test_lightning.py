@@ -5,11 +5,13 @@ refused at save; another run's checkpoints are never replaced or deleted."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -18,18 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning_scripts"))
 import lit_utils  # noqa: E402
 
 import shardsafe  # noqa: E402
-from dist_utils import assert_optimizer_equal, assert_tensors_equal, run_ranks  # noqa: E402
+from dist_utils import assert_optimizer_equal, assert_tensors_equal, launch, run_ranks  # noqa: E402
 
 EVERY_EPOCH = {"every_n_epochs": 1, "save_top_k": -1, "save_last": True}
 
 
-def _fit(world: int, root: Path, layout: str, epochs: int, work: Path, **kw: Any) -> dict[str, Any]:
-    results = run_ranks(lit_utils.fit_run, world, str(root), layout, epochs, *_args(kw), work_dir=work, timeout=300)
-    return results[0]
-
-
-def _args(kw: dict[str, Any]) -> tuple[Any, ...]:
-    return (kw.get("ckpt_path"), kw.get("checkpoint"), kw.get("hparams"), kw.get("module_layout"))
+def _fit(world: int, root: Path | str, layout: str, epochs: int, work: Path, **opts: Any) -> dict[str, Any]:
+    return run_ranks(lit_utils.fit_run, world, str(root), layout, epochs, opts, work_dir=work, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +57,145 @@ def test_checkpoints_are_shardsafe_folders(first: tuple[Path, dict[str, Any]]) -
     assert result["last"].endswith("last.ckpt")
 
 
+def _copy(root: Path, to: Path) -> Path:
+    shutil.copytree(root / "ckpts", to / "ckpts", symlinks=True)
+    return to
+
+
+def _visible(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
 def test_resume_on_one_process_plain(first: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
-    """2 FSDP2 ranks -> 1 process, plain module: params and AdamW moments bit-exact, the loop continues."""
+    """2 FSDP2 ranks -> 1 process, plain module: params and AdamW moments bit-exact; the loop, the LR schedule
+    and ModelCheckpoint continue (global step 8, its next checkpoints written next to the old ones)."""
     root, saved = first
-    resumed = _fit(1, root, "plain", 4, tmp_path, ckpt_path=str(root / "ckpts" / "last.ckpt"), checkpoint=EVERY_EPOCH)
+    root = _copy(root, tmp_path / "run")
+    resumed = _fit(
+        1, root, "plain", 4, tmp_path / "work", ckpt_path=str(root / "ckpts" / "last.ckpt"), checkpoint=EVERY_EPOCH
+    )
     _assert_resumed_exactly(resumed, saved, "2 ranks -> 1")
     assert resumed["global_step"] == 8 and len(resumed["losses"]) == 4
-    reference = _fit(2, tmp_path / "ref", "fsdp", 4, tmp_path / "work-ref")
+    assert resumed["lr"] == pytest.approx(0.05 * 0.5**2)  # StepLR(step_size=3) stepped per step: 8 steps
+    assert _visible(root / "ckpts") == [
+        "epoch=0-step=2.ckpt",
+        "epoch=1-step=4.ckpt",
+        "epoch=2-step=6.ckpt",
+        "epoch=3-step=8.ckpt",
+        "last-v1.ckpt",  # ModelCheckpoint restores its paths only in the dirpath it saved from (this is a copy)
+        "last.ckpt",
+    ]
+    assert shardsafe.verify(root / "ckpts" / "last-v1.ckpt")["world_size"] == 1
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same training uninterrupted: 2 ranks, FSDP2, 4 epochs."""
+    root = tmp_path_factory.mktemp("lightning-reference")
+    return _fit(2, root, "fsdp", 4, root / "work")
+
+
+def test_resume_last_same_layout_continues_bit_exactly(
+    first: tuple[Path, dict[str, Any]], reference: dict[str, Any], tmp_path: Path
+) -> None:
+    root = _copy(first[0], tmp_path / "run")
+    resumed = _fit(2, root, "fsdp", 4, tmp_path / "work", ckpt_path="last", checkpoint=EVERY_EPOCH)
+    _assert_resumed_exactly(resumed, first[1], "last")
+    assert resumed["losses"] == reference["losses"][4:]
+    assert_tensors_equal(resumed["end"][0], reference["end"][0], "params after the resumed run")
+    assert_optimizer_equal(resumed["end"][1], reference["end"][1], "optimizer after the resumed run")
+
+
+@pytest.mark.stress
+def test_resume_one_process_losses_continue(
+    first: tuple[Path, dict[str, Any]], reference: dict[str, Any], tmp_path: Path
+) -> None:
+    root = _copy(first[0], tmp_path / "run")
+    resumed = _fit(1, root, "plain", 4, tmp_path / "work", ckpt_path=str(root / "ckpts" / "last.ckpt"))
     assert resumed["losses"] == pytest.approx(reference["losses"][4:], rel=1e-5)
     assert resumed["lr"] == reference["lr"]
+
+
+def test_resume_fsdp_as_tensor_parallel(
+    first: tuple[Path, dict[str, Any]], reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """FSDP2 (dp=2) -> tensor parallel (tp=2): the same values, resharded."""
+    root = _copy(first[0], tmp_path / "run")
+    resumed = _fit(2, root, "tp", 4, tmp_path / "work", ckpt_path=str(root / "ckpts" / "epoch=1-step=4.ckpt"))
+    _assert_resumed_exactly(resumed, first[1], "FSDP2 -> TP")
+    assert resumed["losses"] == pytest.approx(reference["losses"][4:], rel=1e-5)
+
+
+def test_rotation_top_k_best_and_validate(tmp_path: Path) -> None:
+    """save_top_k=2 by train_loss every step, save_last: only the 2 best and last.ckpt stay (retired ones leave
+    nothing behind); trainer.validate(ckpt_path="best") loads the best one's params exactly."""
+    checkpoint = {"monitor": "train_loss", "mode": "min", "save_top_k": 2, "every_n_train_steps": 1, "save_last": True}
+    result = _fit(2, tmp_path, "fsdp", 4, tmp_path / "work", checkpoint=checkpoint, validate="best")
+    ckpts = tmp_path / "ckpts"
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert len(names) == 3 and "last.ckpt" in names, names  # nothing hidden left either
+    losses = result["losses"]
+    best_two = sorted(range(len(losses)), key=lambda i: losses[i])[:2]
+    assert sorted(int(n.split("step=")[1].split(".")[0]) for n in names if n != "last.ckpt") == sorted(
+        i + 1 for i in best_two
+    )
+    best_step = int(Path(result["best"]).name.split("step=")[1].split(".")[0])
+    assert best_step == best_two[0] + 1
+    assert_tensors_equal(result["validated"], result["steps"][best_step], "validate(ckpt_path='best')")
+    for name in names:
+        shardsafe.verify(ckpts / name)
+
+
+def test_new_run_never_deletes_previous_runs_checkpoints(tmp_path: Path) -> None:
+    """Lightning #21813: a second run in the same dirpath resumes from the first run's checkpoint with
+    save_top_k=1; its restored best_k_models name the first run's folders, and it deletes none of them (nor
+    replaces the first run's last.ckpt it did not resume from); its own rotated checkpoints do go."""
+    checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1}
+    first = _fit(2, tmp_path, "fsdp", 2, tmp_path / "work1", checkpoint=checkpoint)
+    before = _visible(tmp_path / "ckpts")
+    assert len(before) == 2 and "epoch=1-step=4.ckpt" in before, before
+    ckpt = str(tmp_path / "ckpts" / "epoch=1-step=4.ckpt")
+    second = _fit(2, tmp_path, "fsdp", 4, tmp_path / "work2", ckpt_path=ckpt, checkpoint=checkpoint)
+    losses = first["losses"] + second["losses"]
+    assert sorted(losses[4:])[1] < min(losses[:4]), losses  # the second run's rotation did try to drop both
+    after = _visible(tmp_path / "ckpts")
+    for name in before:
+        assert name in after, (before, after)
+        shardsafe.verify(tmp_path / "ckpts" / name)
+    best_two = sorted(range(4, 8), key=lambda i: losses[i])[:2]
+    assert sorted(n for n in after if n not in before) == sorted(
+        f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two
+    ), (losses, after)
+
+
+def test_kill_mid_save_leaves_previous_loadable(first: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """SIGKILL of rank 1 while it writes its shard of the next checkpoint: the earlier checkpoints stay and
+    verify, the partial one is invisible (hidden temp folder), and "last" resumes from the old last.ckpt."""
+    root = _copy(first[0], tmp_path / "run")
+    before = _visible(root / "ckpts")
+    opts = {"ckpt_path": str(root / "ckpts" / "last.ckpt"), "checkpoint": EVERY_EPOCH, "crash_at": "save:mid-write@1"}
+    result = launch(lit_utils.fit_run, 2, str(root), "fsdp", 4, opts, work_dir=tmp_path / "work", timeout=300)
+    assert not result.ok and result.exitcodes[1] == -9, result.describe()
+    assert _visible(root / "ckpts") == before
+    for name in before:
+        shardsafe.verify(root / "ckpts" / name)
+    resumed = _fit(1, root, "plain", 3, tmp_path / "work2", ckpt_path="last", checkpoint=EVERY_EPOCH)
+    _assert_resumed_exactly(resumed, first[1], "after the kill")
+
+
+def test_unstorable_hyper_parameter_refused_before_writing(tmp_path: Path) -> None:
+    """A hyper-parameter JSON cannot hold: FormatError naming the entry and the remedy; nothing at the path."""
+    result = launch(
+        lit_utils.fit_run,
+        1,
+        str(tmp_path),
+        "plain",
+        1,
+        {"checkpoint": EVERY_EPOCH, "hparams": {"act": torch.nn.ReLU()}},
+        work_dir=tmp_path / "work",
+        timeout=300,
+    )
+    assert not result.ok
+    log = result.logs[0]
+    assert "FormatError" in log and "'hyper_parameters'" in log and "save_hyperparameters(ignore=" in log, log[-3000:]
+    assert not (tmp_path / "ckpts").exists() or _visible(tmp_path / "ckpts") == []

@@ -53,8 +53,11 @@ def make_module(layout: str, **hparams: Any) -> Any:
 
         def configure_model(self) -> None:
             from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor import DTensor
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+            if isinstance(self.net.fc1.weight, DTensor):
+                return  # configured already (trainer.validate after trainer.fit)
             if self.hparams.layout == "fsdp":
                 mesh = self.device_mesh["data_parallel"]
                 fully_shard(self.net.fc1, mesh=mesh)
@@ -68,6 +71,10 @@ def make_module(layout: str, **hparams: Any) -> Any:
             loss = nn.functional.mse_loss(self.net(x), y)
             self.log("train_loss", loss, sync_dist=True)
             return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self) -> Any:
             opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -93,6 +100,7 @@ def _record() -> Any:
             self.losses: list[float] = []
             self.start: Any = None
             self.end: Any = None
+            self.steps: dict[int, Any] = {}  # global step -> whole params after it
 
         def _state(self, trainer: Any, module: Any) -> Any:
             opts = trainer.optimizers
@@ -110,6 +118,7 @@ def _record() -> Any:
                 dist.all_reduce(loss)
                 loss /= dist.get_world_size()
             self.losses.append(float(loss))
+            self.steps[trainer.global_step] = full_model_state(module)
 
     return Record()
 
@@ -127,27 +136,23 @@ def strategy_for(layout: str, world_size: int, **kwargs: Any) -> Any:
     return cls(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo", **kwargs)
 
 
-def fit_run(
-    rank: int,
-    world_size: int,
-    root: str,
-    layout: str,
-    epochs: int,
-    ckpt_path: str | None = None,
-    checkpoint: dict[str, Any] | None = None,
-    hparams: dict[str, Any] | None = None,
-    module_layout: str | None = None,
-) -> dict[str, Any]:
-    """Fit ``epochs`` epochs (resuming from ``ckpt_path``); ModelCheckpoint(**checkpoint) saves into root/ckpts."""
+def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Fit ``epochs`` epochs. ``opts``: ``ckpt_path`` (resume), ``checkpoint`` (ModelCheckpoint arguments; it
+    saves into root/ckpts), ``hparams`` (more LightningModule arguments), ``module_layout`` (the model's
+    layout when the strategy's name says otherwise), ``crash_at`` (SHARDSAFE_CRASH_AT in this rank),
+    ``validate`` (a ckpt_path for trainer.validate after the fit: the loaded state is returned)."""
     L = _lightning()
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     os.environ.setdefault("NODE_RANK", "0")
+    if opts.get("crash_at"):
+        os.environ["SHARDSAFE_CRASH_AT"] = opts["crash_at"]
     record = _record()
     callbacks: list[Any] = [record]
     mc = None
-    if checkpoint is not None:
-        mc = ModelCheckpoint(dirpath=str(Path(root) / "ckpts") if "://" not in root else f"{root}/ckpts", **checkpoint)
+    if opts.get("checkpoint") is not None:
+        dirpath = f"{root}/ckpts" if "://" in root else str(Path(root) / "ckpts")
+        mc = ModelCheckpoint(dirpath=dirpath, **opts["checkpoint"])
         callbacks.append(mc)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -161,19 +166,24 @@ def fit_run(
         enable_checkpointing=mc is not None,
         default_root_dir=root,
         deterministic=True,
+        num_sanity_val_steps=0,
     )
-    module = make_module(module_layout or layout.replace("-native", "").replace("mp", "fsdp"), **(hparams or {}))
-    trainer.fit(module, train_dataloaders=_data(world_size), ckpt_path=ckpt_path)
-    return {
+    module_layout = opts.get("module_layout") or layout.replace("-native", "").replace("mp", "fsdp")
+    module = make_module(module_layout, **opts.get("hparams", {}))
+    data = _data(1 if layout == "tp" else world_size)  # tensor-parallel ranks all see the whole batch
+    trainer.fit(module, train_dataloaders=data, ckpt_path=opts.get("ckpt_path"))
+    out: dict[str, Any] = {
         "losses": record.losses,
         "start": record.start,
         "end": record.end,
+        "steps": record.steps,
         "best": mc.best_model_path if mc else None,
         "last": mc.last_model_path if mc else None,
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
-        "mc_state": {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in mc.state_dict().items()}
-        if mc
-        else None,
     }
+    if opts.get("validate"):
+        trainer.validate(module, dataloaders=data, ckpt_path=opts["validate"], verbose=False)
+        out["validated"] = full_model_state(module)
+    return out
