@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install -q --upgrade pip
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-dev.txt
 	# torchtitan as a real client (tests/integrations/test_torchtitan.py): without its training-only deps
-	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
