@@ -199,3 +199,13 @@ def test_unstorable_hyper_parameter_refused_before_writing(tmp_path: Path) -> No
     log = result.logs[0]
     assert "FormatError" in log and "'hyper_parameters'" in log and "save_hyperparameters(ignore=" in log, log[-3000:]
     assert not (tmp_path / "ckpts").exists() or _visible(tmp_path / "ckpts") == []
+
+
+def test_ddp_checkpoint_resumes_under_model_parallel(tmp_path: Path) -> None:
+    """ShardsafeDDPStrategy on 2 ranks (the replicated weights written once) -> ShardsafeModelParallelStrategy on
+    1 process: the same parameter names, params and moments bit-exact."""
+    saved = _fit(2, tmp_path, "ddp", 2, tmp_path / "work", checkpoint=EVERY_EPOCH, module_layout="plain")
+    manifest = json.loads((tmp_path / "ckpts" / "last.ckpt" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    resumed = _fit(1, tmp_path, "plain", 3, tmp_path / "work2", ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
+    _assert_resumed_exactly(resumed, saved, "DDP -> 1 process")
