@@ -209,3 +209,16 @@ def test_ddp_checkpoint_resumes_under_model_parallel(tmp_path: Path) -> None:
     assert manifest["world_size"] == 2
     resumed = _fit(1, tmp_path, "plain", 3, tmp_path / "work2", ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
     _assert_resumed_exactly(resumed, saved, "DDP -> 1 process")
+
+
+def test_fabric_save_load_other_world_size(tmp_path: Path) -> None:
+    """fabric.save on 2 FSDP2 ranks -> fabric.load on 1 process: model and AdamW state bit-exact, the plain
+    value replaced in place, what the state did not ask for returned."""
+    path = str(tmp_path / "fabric.ckpt")
+    saved = run_ranks(lit_utils.fabric_run, 2, path, "save", work_dir=tmp_path / "w1", timeout=300)[0]
+    shardsafe.verify(path)
+    loaded = run_ranks(lit_utils.fabric_run, 1, path, "load", work_dir=tmp_path / "w2", timeout=300)[0]
+    assert_tensors_equal(loaded["model"], saved["model"], "fabric model")
+    assert_optimizer_equal(loaded["optimizer"], saved["optimizer"], "fabric optimizer")
+    assert loaded["step"] == 3
+    assert loaded["remainder"] == {"note": {"text": "hello", "values": [1, 2.5]}}

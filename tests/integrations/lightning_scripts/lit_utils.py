@@ -187,3 +187,48 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
         trainer.validate(module, dataloaders=data, ckpt_path=opts["validate"], verbose=False)
         out["validated"] = full_model_state(module)
     return out
+
+
+def fabric_run(rank: int, world_size: int, path: str, mode: str, native: bool = False) -> dict[str, Any]:
+    """Fabric, FSDP2 on ``world_size`` ranks (plain on 1): ``mode="save"`` trains 3 steps and saves
+    {model, optimizer, step, note}; ``"load"`` loads into a fresh model/optimizer and returns the whole state."""
+    import lightning.fabric as LF
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from shardsafe.integrations.lightning import ShardsafeFabricModelParallelStrategy
+
+    os.environ.setdefault("NODE_RANK", "0")
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        if world_size > 1:
+            fully_shard(model.fc1, mesh=mesh["data_parallel"])
+            fully_shard(model, mesh=mesh["data_parallel"])
+        return model
+
+    cls = ModelParallelStrategy if native else ShardsafeFabricModelParallelStrategy
+    strategy = cls(parallelize, data_parallel_size=world_size, tensor_parallel_size=1, process_group_backend="gloo")
+    fabric = LF.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Tiny())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    if mode == "save":
+        gen = torch.Generator().manual_seed(7 + rank)
+        for step in range(3):
+            loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] = step + 1
+        fabric.save(path, {**state, "note": {"text": "hello", "values": [1, 2.5]}})
+        remainder: Any = None
+    else:
+        remainder = fabric.load(path, state)
+    return {
+        "model": full_model_state(model),
+        "optimizer": full_optimizer_state(model, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer),
+        "step": state["step"],
+        "remainder": remainder,
+    }

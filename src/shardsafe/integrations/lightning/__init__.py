@@ -1,4 +1,4 @@
-"""PyTorch Lightning: Trainer strategies (and a Fabric strategy) whose checkpoints are shardsafe folders.
+"""PyTorch Lightning: Trainer strategies (and Fabric strategies: ``fabric.save`` / ``fabric.load``) whose checkpoints are shardsafe folders.
 
 Switch by passing the strategy (docs/LIGHTNING.md)::
 
@@ -11,6 +11,13 @@ Imports ``lightning`` (``pip install "shardsafe[lightning]"``).
 """
 
 from shardsafe.integrations.lightning.checkpoints import LightningCheckpoints
+from shardsafe.integrations.lightning.fabric import ShardsafeFabricDDPStrategy, ShardsafeFabricModelParallelStrategy
 from shardsafe.integrations.lightning.strategies import ShardsafeDDPStrategy, ShardsafeModelParallelStrategy
 
-__all__ = ["LightningCheckpoints", "ShardsafeDDPStrategy", "ShardsafeModelParallelStrategy"]
+__all__ = [
+    "LightningCheckpoints",
+    "ShardsafeDDPStrategy",
+    "ShardsafeFabricDDPStrategy",
+    "ShardsafeFabricModelParallelStrategy",
+    "ShardsafeModelParallelStrategy",
+]

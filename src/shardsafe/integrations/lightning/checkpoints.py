@@ -136,7 +136,7 @@ class LightningCheckpoints:
             state[optimizer_key(i)] = optimizers[i]
         state[REST_KEY] = rest
         target = _target(path)
-        overwrite = comm.on_coordinator(lambda: self._may_replace(target), default=CheckpointExistsError)
+        overwrite = comm.on_coordinator(lambda: self.may_replace(target), default=CheckpointExistsError)
         meta = {
             "run": run,
             "optimizers": n_optimizers,
@@ -146,7 +146,7 @@ class LightningCheckpoints:
         save(target, state, overwrite=overwrite, metadata={META_KEY: meta}, process_group=comm.group)
         self.written.add(where(target))
 
-    def _may_replace(self, target: Path | RemoteDir) -> bool:
+    def may_replace(self, target: Path | RemoteDir) -> bool:
         """Whether a save at ``target`` replaces what is there (False: nothing is); raises if another run's."""
         loc = as_location(target)
         if isinstance(target, Path):
