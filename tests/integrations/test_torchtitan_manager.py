@@ -92,7 +92,7 @@ def run(
     steps: int,
     checkpoint: dict[str, Any],
     kill_after: int | None = None,
-    record_at: int | None = None,
+    record_at: tuple[int, ...] = (),
     seed: int = 0,
 ) -> dict[str, Any]:
     """One torchtitan training job (the Trainer's calls around its checkpointer); see the module docstring.
@@ -127,7 +127,7 @@ def run(
     checkpointer.load(step=config.load_step)
     loaded_at = train_state.step
     loaded = whole(model, optimizers) if checkpoint.get("enable") else None
-    losses, recorded = {}, None
+    losses, recorded = {}, {}
     batches = iter(dataloader)
     while train_state.step < steps:
         train_state.step += 1
@@ -147,8 +147,8 @@ def run(
             dist.all_reduce(total, group=dp_mesh.get_group())
         losses[train_state.step] = float(total.item())
         checkpointer.save(train_state.step, last_step=train_state.step == steps)
-        if train_state.step == record_at:
-            recorded = {
+        if train_state.step in record_at:
+            recorded[train_state.step] = {
                 "state": whole(model, optimizers),
                 "lr_epoch": lr_schedulers.state_dict()["last_epoch"],
                 "next_sample": dataloader.dataset.next_sample,
@@ -179,7 +179,7 @@ def steps_in(folder: Path) -> list[int]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The uninterrupted 2-rank FSDP2 run of 6 steps, checkpointing disabled (the manager does nothing then)."""
     work = tmp_path_factory.mktemp("reference")
-    return run_ranks(run, 2, "fsdp", str(work), 6, {"enable": False}, None, 4, work_dir=work)[0]
+    return run_ranks(run, 2, "fsdp", str(work), 6, {"enable": False}, None, (2, 4), work_dir=work)[0]
 
 
 def test_killed_and_resumed_bit_exact(tmp_path: Path, reference: dict[str, Any]) -> None:
@@ -190,10 +190,10 @@ def test_killed_and_resumed_bit_exact(tmp_path: Path, reference: dict[str, Any])
     assert steps_in(folder) == [2, 4]
     assert shardsafe.verify(folder / "step-0000000004")["world_size"] == 2
 
-    resumed = run_ranks(run, 2, "fsdp", str(tmp_path), 6, checkpoint, None, None, 99, work_dir=tmp_path / "w2")
+    resumed = run_ranks(run, 2, "fsdp", str(tmp_path), 6, checkpoint, None, (), 99, work_dir=tmp_path / "w2")
     for rank, result in enumerate(resumed):
         assert result["loaded_at"] == 4, result["loaded_at"]
-        assert_tensors_equal(result["loaded"], reference["recorded"]["state"], f"resumed rank {rank}")
+        assert_tensors_equal(result["loaded"], reference["recorded"][4]["state"], f"resumed rank {rank}")
     assert resumed[0]["losses"] == {5: reference["losses"][5], 6: reference["losses"][6]}  # bit for bit
     assert resumed[0]["lr_epoch"] == reference["lr_epoch"]
     # step 6 is the last: a model-only save (last_save_model_only defaults to True); keep_latest_k=2 keeps 4 and 6
@@ -202,3 +202,49 @@ def test_killed_and_resumed_bit_exact(tmp_path: Path, reference: dict[str, Any])
     assert listed.steps() == [4, 6]
     final = (folder / "step-0000000006" / "state.json").read_text()
     assert '"model"' in final and '"optimizer"' not in final and '"rng"' not in final
+
+
+@pytest.mark.stress
+def test_2d_at_4_async_resumed_at_fsdp_2(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """torchtitan's dp_shard=2 x tp=2 layout at 4 ranks, saving with async_with_pinned_mem (the copy in the
+    background, waited for by maybe_wait_for_staging), killed after step 3; resumed by FSDP2 at 2 ranks."""
+    checkpoint = {"enable": True, "folder": "ckpt", "interval": 2, "async_mode": "async_with_pinned_mem"}
+    checkpoint["lease_timeout"] = 3.0
+    killed = launch(run, 4, "2d", str(tmp_path), 6, checkpoint, 3, work_dir=tmp_path / "w1")
+    assert not killed.ok and "57" in killed.describe(), killed.describe()
+    assert steps_in(tmp_path / "ckpt") == [2]
+    assert shardsafe.verify(tmp_path / "ckpt" / "step-0000000002")["world_size"] == 4
+    resumed = run_ranks(run, 2, "fsdp", str(tmp_path), 4, checkpoint, None, (), 99, work_dir=tmp_path / "w2")
+    expected = reference["recorded"][2]["state"]
+    for rank, result in enumerate(resumed):
+        assert result["loaded_at"] == 2
+        assert result["loaded"].keys() == expected.keys()
+        for key, tensor in expected.items():  # 2-D and FSDP2 reduce in another order: equal to float rounding
+            torch.testing.assert_close(result["loaded"][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{key} rank {rank}")
+    losses = resumed[0]["losses"]
+    assert [losses[3], losses[4]] == pytest.approx([reference["losses"][3], reference["losses"][4]], rel=1e-4)
+
+
+def test_config_refusals(tmp_path: Path) -> None:
+    """What the Config and the constructor refuse, before anything is built or written."""
+    with pytest.raises(ValueError, match="async_mode"):
+        ShardsafeCheckpointManager.Config(enable=True, async_mode="sometimes")
+    with pytest.raises(ValueError, match="quantized"):
+        ShardsafeCheckpointManager.Config(
+            enable=True, initial_load_path="/x", initial_load_in_hf=True, initial_load_in_hf_quantized=True
+        )
+    with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's shared check, kept
+        ShardsafeCheckpointManager.Config(enable=True, keep_latest_k=-1)
+    model = torch.nn.Linear(2, 2)
+    optimizers = torch.optim.AdamW(model.parameters())
+    kwargs = {"dataloader": None, "optimizers": optimizers, "lr_schedulers": None, "states": {}, "sd_adapter": None}
+    config = ShardsafeCheckpointManager.Config(enable=True, exclude_from_loading=["optimzer"])
+    with pytest.raises(ValueError, match="optimzer"):
+        config.build(model_parts=[model], base_folder=str(tmp_path), **kwargs)
+    with pytest.raises(shardsafe.ShardsafeError, match="model parts"):
+        ShardsafeCheckpointManager.Config(enable=True).build(
+            model_parts=[model, torch.nn.Linear(2, 2)], base_folder=str(tmp_path), **kwargs
+        )
+    disabled = ShardsafeCheckpointManager.Config(enable=False).build(model_parts=[model], **kwargs)
+    assert disabled.save(2) is False and disabled.load() is False
+    assert not list(tmp_path.iterdir())  # nothing written by any of these
