@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-dev.txt
 	# torchtitan as a real client (tests/integrations/test_torchtitan.py): without its training-only deps
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0
+	# torchao's real tensor subclasses (float8 training, NF4, MX) for the subclass policy (tests/state/test_subclasses.py)
+	$(PY) -m pip install -q --no-deps torchao==0.18.0
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 

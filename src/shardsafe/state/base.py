@@ -56,6 +56,7 @@ __all__ = [
     "TensorCache",
     "check_layout",
     "check_storable",
+    "check_subclass",
     "encode_with_chunks",
     "local_tensor",
     "param_names",
@@ -313,9 +314,12 @@ def pieces(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[Piece]]:
 
 
 def check_layout(key: str, tensor: torch.Tensor) -> None:
-    """Refuse a tensor whose values are not one strided block of memory (sparse, nested) or that
-    has none (meta), naming the key and the remedy, before anything is written or read. One cheap
-    attribute test for the tensors that are fine."""
+    """Refuse a tensor whose values are not one strided block of memory (sparse, nested), that has
+    none (meta), or a tensor subclass shardsafe does not store (see :func:`check_subclass`), naming
+    the key and the remedy, before anything is written or read. Two cheap tests for plain tensors."""
+    cls = type(tensor)
+    if cls is not torch.Tensor and cls is not nn.Parameter:
+        check_subclass(key, tensor)
     if tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_meta:
         return
     where = f"tensor {key!r:.200}"
@@ -332,6 +336,41 @@ def check_layout(key: str, tensor: torch.Tensor) -> None:
     raise FormatError(
         f"{where}: a {str(tensor.layout).removeprefix('torch.')} tensor cannot be stored; store t.to_dense(), "
         "or its indices and values as tensors of their own"
+    )
+
+
+def check_subclass(key: str, tensor: torch.Tensor) -> None:
+    """The tensor-subclass policy (docs/FORMAT.md, "Tensor subclasses"). Stored as a plain tensor:
+    a Python subclass that keeps torch's own dispatch (its values are its own memory), a DTensor
+    (by its local tensor, checked the same way), and a wrapper whose ``__tensor_flatten__`` names an
+    inner tensor of the outer's shape and dtype (torchao's float8 training weights): its value is
+    that tensor's. Refused: a subclass with its own dispatch and no ``__tensor_flatten__``, and a
+    quantized one (no inner tensor is its value: NF4Tensor, MXTensor), with the remedy."""
+    if is_dtensor(tensor):
+        local = getattr(tensor, "_local_tensor", None)
+        if isinstance(local, torch.Tensor) and type(local) is not torch.Tensor:
+            check_subclass(key, local)
+        return
+    cls = type(tensor)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    where = f"tensor {key!r:.200}"
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        if getattr(cls, "__torch_dispatch__", None) is getattr(torch.Tensor, "__torch_dispatch__", None):
+            return  # a Python subclass of a plain tensor
+        raise FormatError(
+            f"{where}: a {name} (a tensor subclass with its own dispatch and no __tensor_flatten__) cannot be "
+            "stored; store a plain tensor of its values instead"
+        )
+    names, _ = flatten()
+    for inner_name in names:
+        inner = getattr(tensor, inner_name, None)
+        if isinstance(inner, torch.Tensor) and inner.shape == tensor.shape and inner.dtype == tensor.dtype:
+            return  # a wrapper of a plain tensor (torchao float8 training): its value is stored
+    raise FormatError(
+        f"{where}: a {name} is a quantized tensor subclass (its inner tensors {list(names)[:6]} are not its "
+        "values), which shardsafe does not store; save the weights it was made from, or a dequantized copy "
+        "(e.g. t.dequantize() / t.get_original_weight()), and quantize again after loading"
     )
 
 
