@@ -36,7 +36,7 @@ from shardsafe.core.rule import LayoutRule, spread_writers
 from shardsafe.core.values import encode_state
 from shardsafe.errors import SaveError, ShardsafeError
 from shardsafe.protocol.commit import CommitTarget, agree_and_publish, new_manifest, prepare_save
-from shardsafe.protocol.shard_write import ReuseMap, write_rank_file
+from shardsafe.protocol.shard_write import ReuseMap, is_plain, plain_file_name, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
 from shardsafe.state.registry import DescribeCache, SaveView, describe_for_save, merge_trees
 from shardsafe.storage.location import as_location, public_path
@@ -151,6 +151,7 @@ class RankResult:
     entries: tuple[tuple[str, ChunkEntry], ...] = ()  # (tensor key, chunk) of every chunk the manifest lists
     specs: tuple[ChunkSpec, ...] = ()  # of those chunks
     per_rank: Any = None
+    plain_file: tuple[str, int] | None = None  # (name, size) of its file of plainly named whole tensors, if any
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,8 @@ def write_checkpoint(
     rank its own; the manager's local tier, whose ranks write into their own node's folder);
     default: :func:`~shardsafe.protocol.commit.prepare_save` of ``final``. ``plain_names``: a key
     prefix (``"model/"``) whose whole tensors the shard headers name without it, by the model's own
-    names (:func:`~shardsafe.protocol.shard_write.chunk_name`; the Trainer's checkpoints are model
-    folders this way)."""
+    names, in a file of their own per rank (:func:`~shardsafe.protocol.shard_write.plain_file_name`;
+    the Trainer's checkpoints are model folders this way)."""
     problem: Exception | None = None
     try:
         if metadata is not None:
@@ -230,24 +231,38 @@ def _write_own_file(
     plain_names: str | None = None,
 ) -> Outcome[RankResult]:
     """Write this rank's file (and the index of its split parts); the outcome, a failure included, is what
-    the rank brings to the agreement, which every rank must reach."""
+    the rank brings to the agreement, which every rank must reach. With ``plain_names``, the whole
+    tensors under that prefix go into a second file of the rank's, alone (:func:`plain_file_name`)."""
     try:
-        file_record, index_record = None, None
+        file_record, index_record, plain_record = None, None, None
         entries: list[tuple[str, ChunkEntry]] = []
+        plain = [c for c in mine if plain_names and is_plain(c, plain_names) and c.key not in split_keys]
+        if plain:
+            assert plain_names is not None
+            mine = [c for c in mine if not (is_plain(c, plain_names) and c.key not in split_keys)]
+            name = plain_file_name(target.shard_name(comm.rank))
+            named = write_rank_file(target, comm.rank, plain, HASH_BLOCK_SIZE, None, plain_names, name=name)
+            entries += [(c.key, e) for c, e in named.entries]
+            plain_record = (name, named.size)
         if mine:
             earlier = reuse.for_rank(_sibling(final, reuse.checkpoint), comm.rank) if reuse is not None else None
-            written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier, plain_names)
+            written = write_rank_file(target, comm.rank, mine, HASH_BLOCK_SIZE, earlier)
             crash_point("save:after-write", comm.rank)
             indexed = [(c.key, e) for c, e in written.entries if c.key in split_keys and e.checkpoint is None]
-            entries = [(c.key, e) for c, e in written.entries if not (c.key in split_keys and e.checkpoint is None)]
+            entries += [(c.key, e) for c, e in written.entries if not (c.key in split_keys and e.checkpoint is None)]
             if indexed and written.name is not None:
                 data = build_index(comm.rank, written.name, indexed)
                 index_record = IndexRef(target.write_index(comm.rank, data), len(data), hash_bytes(data))
             file_record = (written.name, written.size) if written.name is not None else None
-        specs = {c.key: c.spec() for c in mine}
+        specs = {c.key: c.spec() for c in [*plain, *mine]}
         return Outcome(
             value=RankResult(
-                file_record, index_record, tuple(entries), tuple(specs[k] for k, _ in entries), view.per_rank
+                file_record,
+                index_record,
+                tuple(entries),
+                tuple(specs[k] for k, _ in entries),
+                view.per_rank,
+                plain_record,
             )
         )
     except Exception as exc:  # every rank must still reach the agreement step
@@ -275,6 +290,7 @@ class _ManifestBuilder:
             tree[n] = {"kind": KIND_PER_RANK, "ranks": [r.per_rank.get(n) for r in results]}
         state_bytes = encode_state(tree)
         files = {r.file[0]: FileEntry(r.file[1], rank, r.index) for rank, r in enumerate(results) if r.file is not None}
+        files |= {r.plain_file[0]: FileEntry(r.plain_file[1], rank) for rank, r in enumerate(results) if r.plain_file}
         tensors = tensor_entries(results, self.layout if plan.rule else None, self.rules, plan.stage)
         made = new_manifest(
             self.comm.world_size,

@@ -22,7 +22,7 @@ from shardsafe.protocol.transfer import ChunkReader
 from shardsafe.storage.local import tensor_pieces
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["RankFile", "ReuseMap", "chunk_name", "reuse_map", "write_rank_file"]
+__all__ = ["RankFile", "ReuseMap", "chunk_name", "is_plain", "plain_file_name", "reuse_map", "write_rank_file"]
 
 
 def chunk_name(chunk: LocalChunk, plain_prefix: str | None = None) -> str:
@@ -32,11 +32,22 @@ def chunk_name(chunk: LocalChunk, plain_prefix: str | None = None) -> str:
     model's own parameter names, so a ``model.safetensors.index.json`` can point into the shard
     files): a load finds chunks by their byte ranges, never by these names.
     """
-    if plain_prefix and chunk.key.startswith(plain_prefix) and chunk.shape == chunk.global_shape:
+    if plain_prefix and is_plain(chunk, plain_prefix):
         return chunk.key[len(plain_prefix) :]
     if any(chunk.offsets):
         return f"{chunk.key}@{','.join(map(str, chunk.offsets))}"
     return chunk.key
+
+
+def is_plain(chunk: LocalChunk, plain_prefix: str) -> bool:
+    """A whole tensor under ``plain_prefix``: :func:`chunk_name` gives it the rest of its key as its name."""
+    return chunk.key.startswith(plain_prefix) and chunk.shape == chunk.global_shape
+
+
+def plain_file_name(shard_name: str) -> str:
+    """The name of a rank's file of plainly named whole tensors, from its shard file's (``model-00003.safetensors``
+    next to ``shard-00003.safetensors``): only those tensors, so a model loader reading it sees nothing else."""
+    return "model-" + shard_name.removeprefix("shard-")
 
 
 ReuseChunks = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, ChunkEntry]]  # (key, offsets) -> earlier chunk
@@ -71,6 +82,7 @@ def write_rank_file(
     block_size: int,
     reuse: ReuseChunks | None = None,
     plain_prefix: str | None = None,
+    name: str | None = None,
 ) -> RankFile:
     """Write this rank's chunks into its own shard file (header names: :func:`chunk_name`).
 
@@ -90,12 +102,8 @@ def write_rank_file(
         to_write.append(chunk)
     if not to_write:
         return RankFile(None, 0, entries)
-    name = sink.shard_name(rank)
+    name = name or sink.shard_name(rank)
     header = [HeaderEntry(chunk_name(c, plain_prefix), c.tensor.dtype, c.shape) for c in to_write]
-    if plain_prefix and len({h.name for h in header}) != len(header):
-        raise FormatError(
-            f"rank {rank}: two tensors would have one name in its shard file (plain names {plain_prefix!r})"
-        )
     prefix, ranges = build_safetensors_header(header)
     size, digests_list = sink.write_shard(name, prefix, [c.tensor for c in to_write], block_size, rank)
     entries += [
