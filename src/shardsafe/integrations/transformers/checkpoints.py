@@ -43,6 +43,7 @@ __all__ = [
     "TRAINER_NAMING",
     "TRAINER_STATE_NAME",
     "TRAINING_ARGS_NAME",
+    "WEIGHTS",
     "checkpoint_path",
     "checkpoint_steps",
     "latest_checkpoint",
@@ -66,6 +67,7 @@ MODEL, OPTIMIZER, SCHEDULER, SCALER, RNG, ENGINE, FILES = (
     "trainer_files",
 )
 DATA = "data"  # the train sampler's global position (shardsafe.integrations.transformers.data_order)
+WEIGHTS = "weights"  # the model as whole tensors, where "model" is not (ZeRO-3 16-bit, FSDP2): see .model_index
 
 
 def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:

@@ -41,6 +41,7 @@ from shardsafe.integrations.transformers.checkpoints import (
     TRAINER_NAMING,
     TRAINER_STATE_NAME,
     TRAINING_ARGS_NAME,
+    WEIGHTS,
     checkpoint_path,
     latest_checkpoint,
     rotate_checkpoints,
@@ -48,6 +49,7 @@ from shardsafe.integrations.transformers.checkpoints import (
 )
 from shardsafe.integrations.transformers.data_order import ReshardableDataTrainer
 from shardsafe.integrations.transformers.model_folder import hub_token, install_model_folder, new_hidden, stage_upload
+from shardsafe.integrations.transformers.model_index import ModelIndexCommit, full_state_tensors, whole_weights
 from shardsafe.integrations.transformers.zero3 import (
     is_zero3_model,
     parameter_count,
@@ -56,7 +58,7 @@ from shardsafe.integrations.transformers.zero3 import (
 )
 from shardsafe.manager.catalog import refuse_other_runs_step
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
-from shardsafe.protocol.commit import open_checkpoint
+from shardsafe.protocol.commit import LocalCommit, open_checkpoint, prepare_save
 from shardsafe.state.adapters import unwrap_module
 from shardsafe.state.rng import RNGState
 from shardsafe.storage.local import remove_tree, write_small_file
@@ -141,18 +143,30 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         if not self.overwrite_checkpoints:
             self._refuse_other_runs_checkpoint(run_dir, lease)
         state = self._checkpoint_state(model_only=self.args.save_only_model)
+        plain = self._add_model_folder_weights(state)
         metadata = self._checkpoint_metadata()
         metadata[META_KEY] = {**metadata.get(META_KEY, {}), **lease.metadata()}
         view = describe_collectively(state, comm)
-        write_checkpoint(
-            location(output_dir),
-            view,
-            comm,
-            overwrite=True,
-            metadata=metadata,
-            before_publish=lambda: lease.fence(f"publish {output_dir}"),
-        )
-        if comm.is_coordinator:
+        where = location(output_dir)
+        target = prepare_save(comm, where, overwrite=True)
+        published_with_files = isinstance(target, LocalCommit)
+        if isinstance(target, LocalCommit):  # the index and trainer files go into the hidden folder, before the rename
+            target = ModelIndexCommit(target, plain, state.get(FILES, {}))
+        try:
+            write_checkpoint(
+                where,
+                view,
+                comm,
+                overwrite=True,
+                metadata=metadata,
+                before_publish=lambda: lease.fence(f"publish {output_dir}"),
+                target=target,
+                plain_names=plain,
+            )
+        except BaseException:
+            target.abort()  # what a failure before the agreement left (nothing once published; never raises)
+            raise
+        if comm.is_coordinator and not published_with_files:
             try:
                 write_trainer_files(Path(output_dir))
             except Exception as exc:  # the checkpoint is committed and holds them: a resume writes them again
@@ -229,6 +243,30 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         if get_comm().is_coordinator:
             state[FILES] = self._trainer_files()
         return state
+
+    def _add_model_folder_weights(self, state: dict[str, Any]) -> str | None:
+        """Make the checkpoint a ``from_pretrained`` folder where the Trainer's would be one (:mod:`.model_index`).
+
+        Returns the key prefix whose whole tensors the shard files name by the model's own names:
+        ``model/`` when every rank holds the model whole (one process, DDP); ``weights/`` after
+        adding a ``weights`` entry of whole tensors gathered from a ZeRO-3 (16-bit, with
+        ``stage3_gather_16bit_weights_on_model_save``) or FSDP (full state dict) model; None where
+        the Trainer writes no weights file (ZeRO-3 without the gather, FSDP sharded state dict).
+        """
+        module = self._module()
+        if MODEL in state and state[MODEL] is self.model_wrapped and not _has_dtensors(module):
+            return f"{MODEL}/"
+        comm = get_comm()
+        if is_zero3_model(module):
+            if not self._gather_16bit_on_save():
+                return None
+            infos, stream = zero3_gathered_tensors(module, self._deepspeed_engine())
+        elif self.is_fsdp_enabled and "FULL_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type):
+            infos, stream = full_state_tensors(module)
+        else:
+            return None
+        state[WEIGHTS] = whole_weights(infos, stream, comm)
+        return f"{WEIGHTS}/"
 
     def _trainer_files(self) -> dict[str, str]:
         """The files written next to each checkpoint (see the module docstring), as text."""
@@ -621,6 +659,13 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         finally:
             if comm.is_coordinator:
                 remove_tree(staging)
+
+
+def _has_dtensors(module: nn.Module) -> bool:
+    """Whether ``module`` holds DTensor parameters (FSDP2, tensor parallel): its shards are no model folder."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -1,0 +1,130 @@
+"""A ShardsafeTrainer ``checkpoint-N/`` is a model folder too (issue 38): ``from_pretrained``, ``pipeline`` and
+``shardsafe push`` take it as it is, holding the real weights, written once (one process, in this process on
+CPU; DDP and ZeRO-3 are checked in test_trainer.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import shardsafe  # noqa: E402
+from shardsafe.hf.guard import check_model_folder  # noqa: E402
+
+SEQ, VOCAB = 4, 32
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.x = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _trainer(out: Path, max_steps: int, **kwargs: Any) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardsafe.integrations.transformers import ShardsafeTrainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=8))
+    args = TrainingArguments(
+        str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=1,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        log_level="error",
+        **kwargs,
+    )
+    return ShardsafeTrainer(model=model, args=args, train_dataset=Tokens())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    out = tmp_path_factory.mktemp("model_folder") / "out"
+    trainer = _trainer(out, max_steps=2)
+    trainer.train()
+    return out, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_checkpoint_loads_with_from_pretrained_and_pipeline(
+    trained: tuple[Path, dict[str, torch.Tensor]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import AutoModelForCausalLM, pipeline
+
+    out, final = trained
+    folder = out / "checkpoint-2"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "manifest.json",
+        "model-00000.safetensors",
+        "model.safetensors.index.json",
+        "shard-00000.safetensors",
+        "state.json",
+        "trainer_state.json",
+        "training_args.json",
+    ]
+    summary = shardsafe.verify(folder)  # the weights file is the checkpoint's own, hashed by its manifest
+    assert summary["state_entries"] == ["data", "model", "optimizer", "rng", "scheduler", "trainer_files"]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(final) and set(index["weight_map"].values()) == {"model-00000.safetensors"}
+    with caplog.at_level("WARNING"):
+        loaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert "UNEXPECTED" not in caplog.text and "MISSING" not in caplog.text, "the weights file holds the model only"
+    for name, tensor in final.items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    generator = pipeline("text-generation", model=str(folder), tokenizer=None, device="cpu")
+    assert generator.model.transformer.wte.weight.data_ptr() != 0
+    assert torch.equal(generator.model.transformer.wte.weight, final["transformer.wte.weight"])
+    assert check_model_folder(folder).architecture == "names and shapes of GPT2LMHeadModel"
+
+
+def test_checkpoint_pushes_as_a_model_and_resumes(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out, final = trained
+    url = shardsafe.push(out / "checkpoint-2", f"file://{tmp_path / 'pushed'}", progress=False)
+    assert url.endswith("pushed")
+    pushed = AutoModelForCausalLM.from_pretrained(tmp_path / "pushed")
+    assert torch.equal(pushed.lm_head.weight, final["lm_head.weight"])
+    resumed = _trainer(out, max_steps=3)
+    resumed.train(resume_from_checkpoint=True)  # the checkpoint still resumes
+    assert resumed.state.global_step == 3
+    assert (out / "checkpoint-3" / "model.safetensors.index.json").is_file()
+
+
+def test_a_damaged_weights_file_is_refused(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    """The weights file is part of the checkpoint: verify and the guard see a truncated one."""
+    import shutil
+
+    from shardsafe.errors import IntegrityError, ModelFolderError, ShardsafeError
+
+    out, _ = trained
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(out / "checkpoint-2", copy)
+    with open(copy / "model-00000.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises((IntegrityError, ShardsafeError)):
+        shardsafe.verify(copy)
+    with open(copy / "model-00000.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 8)
+    with pytest.raises(ModelFolderError):
+        check_model_folder(copy)
