@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 import shardsafe
 from dist_utils import run_ranks
+from shardsafe.cli.inspect import describe_checkpoint
 from shardsafe.core.dtypes import dtype_name, safetensors_dtype, torch_shape
 from shardsafe.core.safetensors_header import parse_safetensors_header
 from shardsafe.errors import FormatError
@@ -45,6 +46,8 @@ def test_roundtrip_bit_exact_and_read_by_safetensors(tmp_path: Path) -> None:
         assert target["w"][key].dtype == value.dtype
         assert torch.equal(_bytes(target["w"][key]), _bytes(value)), key
     shardsafe.verify(tmp_path / "ck")
+    shown = {t["key"]: t["dtype"] for t in describe_checkpoint(tmp_path / "ck")["tensors"]}
+    assert shown == {f"w/{key}": key for key in state}  # `shardsafe inspect` names each dtype
     (shard,) = (tmp_path / "ck").glob("*.safetensors")
     with safe_open(str(shard), "pt") as f:
         assert f.get_slice("w/float4_e2m1fn_x2").get_shape() == [6, 8]  # safetensors counts FP4 values

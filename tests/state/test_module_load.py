@@ -129,6 +129,10 @@ def test_which_modules_take_their_own_path() -> None:
     assert custom_roots(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.InstanceNorm1d(2)), True) == []
     assert [r.prefix for r in custom_roots(nn.Sequential(nn.LazyLinear(2)), True)] == ["0"]  # its load pre-hook
     assert [r.prefix for r in custom_roots(OrderModel(), True)] == [""]
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)), torch.compile(nn.Linear(2, 2)))
+    assert custom_roots(wrapped, True) == []  # their prefix hooks keep the in-place path exact
 
 
 def test_resume_batch_order_model_loads_through_its_override(tmp_path: Path) -> None:
