@@ -7,8 +7,8 @@ file of their own, ``model-RRRRR.safetensors`` next to its ``shard-RRRRR.safeten
 model's own names (``write_checkpoint(plain_names=...)``: shardsafe reads chunks by byte range,
 never by name; the manifest lists and hashes those files like the shards), and a
 ``model.safetensors.index.json`` maps each name to the file holding it. A model loader reads those
-files and sees nothing but the weights. Both the index and the trainer files (``config.json`` ...) are written into the save's
-hidden folder before the manifest, so they appear with the checkpoint in its one rename
+files and sees nothing but the weights. Both the index and the trainer files (``config.json`` ...)
+are written into the save's hidden folder before the manifest, so they appear with the checkpoint in its one rename
 (:class:`ModelIndexCommit`).
 
 Which tensors: the ``model`` entry itself when every rank holds it whole (one process, DDP); else
