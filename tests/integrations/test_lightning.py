@@ -222,3 +222,16 @@ def test_fabric_save_load_other_world_size(tmp_path: Path) -> None:
     assert_optimizer_equal(loaded["optimizer"], saved["optimizer"], "fabric optimizer")
     assert loaded["step"] == 3
     assert loaded["remainder"] == {"note": {"text": "hello", "values": [1, 2.5]}}
+
+
+def test_resume_from_lightnings_own_model_parallel_checkpoint(tmp_path: Path) -> None:
+    """A run switches mid-way: Lightning's own ModelParallelStrategy (DCP items + meta.pt) on 2 ranks, then
+    ShardsafeModelParallelStrategy on 1 process: params and moments bit-exact, meta.pt read through the
+    restricted unpickler (loops continue: global step 6 after one more epoch), new checkpoints are shardsafe's."""
+    native = _fit(2, tmp_path, "mp-native", 2, tmp_path / "w1", checkpoint=EVERY_EPOCH)
+    last = tmp_path / "ckpts" / "last.ckpt"
+    assert (last / "meta.pt").is_file() and not (last / "manifest.json").exists()
+    resumed = _fit(1, tmp_path, "plain", 3, tmp_path / "w2", ckpt_path=str(last), checkpoint=EVERY_EPOCH)
+    _assert_resumed_exactly(resumed, native, "Lightning's DCP -> shardsafe")
+    assert resumed["global_step"] == 6
+    shardsafe.verify(tmp_path / "ckpts" / "epoch=2-step=6.ckpt")

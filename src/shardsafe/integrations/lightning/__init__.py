@@ -1,4 +1,4 @@
-"""PyTorch Lightning: Trainer strategies (and Fabric strategies: ``fabric.save`` / ``fabric.load``) whose checkpoints are shardsafe folders.
+"""PyTorch Lightning: Trainer and Fabric strategies whose checkpoints are shardsafe folders.
 
 Switch by passing the strategy (docs/LIGHTNING.md)::
 

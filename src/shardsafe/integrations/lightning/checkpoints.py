@@ -23,15 +23,20 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from shardsafe.api.checkpoint import load, location, save
+from shardsafe.api.load import load_from
 from shardsafe.core.comm import Comm, get_comm
-from shardsafe.core.format import MANIFEST_NAME
-from shardsafe.core.values import encode_value
+from shardsafe.core.format import MANIFEST_NAME, Manifest
+from shardsafe.core.values import check_state_tree, encode_value
 from shardsafe.errors import CheckpointExistsError, FormatError, ShardsafeError
+from shardsafe.interop.dcp_convert import dcp_state_tree
+from shardsafe.interop.dcp_metadata import METADATA_NAME, is_dcp_folder
+from shardsafe.interop.dcp_reader import DcpCheckpoint, DcpChunkReader, dcp_manifest
+from shardsafe.interop.unpickler import load_pt
 from shardsafe.manager.catalog import read_manifest, where
 from shardsafe.manager.retention import retire
 from shardsafe.storage.location import as_location
@@ -51,6 +56,7 @@ log = logging.getLogger(__name__)
 META_KEY = "shardsafe.lightning"  # in the manifest's metadata: the writing run, what the folder holds
 MODEL_KEY = "state_dict"  # Lightning's own names, so its DCP folders and ours map alike
 REST_KEY = "lightning"  # every other entry of Lightning's checkpoint dict, one JSON value
+LIGHTNING_META = "meta.pt"  # what Lightning's own ModelParallelStrategy writes next to its DCP items
 STATE_DICT = "state_dict"
 OPTIMIZER_STATES = "optimizer_states"
 
@@ -91,6 +97,25 @@ def checked_rest(checkpoint: dict[str, Any]) -> dict[str, Any]:
                 f"Lightning checkpoint entry {key!r} cannot be saved without pickle: {exc}. Remedy: {remedy}"
             ) from None
     return rest
+
+
+def _meta_pt(path: Path) -> dict[str, Any]:
+    """Lightning's ``meta.pt`` (everything but the model and optimizers), read without running code from it."""
+    value = load_pt(path, mmap=False)
+    if not isinstance(value, dict):
+        raise FormatError(f"{path}: not a dict (a Lightning meta.pt holds the checkpoint's other entries)")
+    return cast(dict[str, Any], _cloned(value))
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with its tensors copied out of the file's bytes."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
 
 
 def _target(path: str | os.PathLike[str]) -> Path | RemoteDir:
@@ -200,6 +225,8 @@ class LightningCheckpoints:
         comm = comm or get_comm()
         self.run_id(comm)
         target = _target(path)
+        if isinstance(target, Path) and is_dcp_folder(target) and (target / LIGHTNING_META).is_file():
+            return self._load_lightning_dcp(target, model, optimizers, strict, comm)
         stored = self.saved_optimizers(path, comm)
         state: dict[str, Any] = {MODEL_KEY: model}
         for i, optimizer in enumerate(optimizers):
@@ -210,6 +237,36 @@ class LightningCheckpoints:
         rest = state[REST_KEY]
         if not isinstance(rest, dict):
             raise FormatError(f"{where(target)}: its {REST_KEY!r} entry is not an object")
+        return rest
+
+    def _load_lightning_dcp(
+        self, folder: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool, comm: Comm
+    ) -> dict[str, Any]:
+        """A checkpoint Lightning's own ModelParallelStrategy wrote (DCP items + ``meta.pt``), so a run can switch
+        strategies mid-way: the model and optimizers through shardsafe's DCP reader (resharded, in place; it
+        maps ``state_dict.*`` / ``optimizer_<i>.*`` as Lightning names them), ``meta.pt`` through the restricted
+        unpickler (interop/unpickler.py: no code from the file runs; anything off its allow-list is refused)."""
+        rest = comm.on_coordinator(lambda: _meta_pt(folder / LIGHTNING_META), default=FormatError)
+        state: dict[str, Any] = {MODEL_KEY: model}
+        for i, optimizer in enumerate(optimizers):
+            state[optimizer_key(i)] = optimizer
+
+        def opened() -> tuple[Manifest, dict[str, Any]]:
+            with DcpCheckpoint(folder, key="") as ckpt:
+                keys, tree = dcp_state_tree(ckpt)
+                manifest = dcp_manifest(ckpt.meta, keys)
+            for name, entry in tree.items():  # Lightning's names for what DCP's "model" / "optim" would be
+                if name == MODEL_KEY:
+                    entry["kind"] = "module"
+                elif name.startswith("optimizer_"):
+                    entry["kind"] = "optimizer"
+            check_state_tree(tree, f"{folder / METADATA_NAME}", manifest)
+            return manifest, tree
+
+        load_from(
+            state, opened, lambda manifest: DcpChunkReader(folder, manifest, True), comm.group, strict, True, True
+        )
+        self.loaded.add(where(folder))
         return rest
 
     def remove(self, path: str | os.PathLike[str]) -> bool:
