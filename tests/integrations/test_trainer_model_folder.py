@@ -128,3 +128,18 @@ def test_a_damaged_weights_file_is_refused(trained: tuple[Path, dict[str, torch.
         f.truncate(f.seek(0, 2) - 8)
     with pytest.raises(ModelFolderError):
         check_model_folder(copy)
+
+
+def test_no_checkpoint_is_the_trainers_value_error(tmp_path: Path) -> None:
+    """Where the Trainer raises ValueError, so does ShardsafeTrainer (a CheckpointNotFoundError too), with its
+    message's key phrase."""
+    from shardsafe.errors import CheckpointNotFoundError
+
+    trainer = _trainer(tmp_path / "out", max_steps=1)
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory") as info:
+        trainer.train(resume_from_checkpoint=True)
+    assert isinstance(info.value, CheckpointNotFoundError)
+    (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)  # a folder, but no committed checkpoint
+    for path in (tmp_path / "out" / "checkpoint-7", tmp_path / "nowhere"):
+        with pytest.raises(ValueError, match=f"Can't find a valid checkpoint at {path}"):
+            trainer.train(resume_from_checkpoint=str(path))

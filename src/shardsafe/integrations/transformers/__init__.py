@@ -49,6 +49,7 @@ process.
 """
 
 from shardsafe.integrations.transformers.checkpoints import (
+    NoValidCheckpointError,
     checkpoint_steps,
     latest_checkpoint,
     rotate_checkpoints,
@@ -59,6 +60,7 @@ from shardsafe.integrations.transformers.trainer import ShardsafeTrainer
 from shardsafe.integrations.transformers.zero3 import zero3_gathered_tensors, zero3_sharded_model
 
 __all__ = [
+    "NoValidCheckpointError",
     "ShardsafeTrainer",
     "checkpoint_steps",
     "install_model_folder",

@@ -23,6 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from shardsafe.core.format import MANIFEST_NAME
 from shardsafe.core.values import decode_value
+from shardsafe.errors import CheckpointNotFoundError
 from shardsafe.manager.catalog import CheckpointInfo, committed_steps
 from shardsafe.manager.naming import StepNaming
 from shardsafe.manager.retention import choose_kept, retire
@@ -36,6 +37,7 @@ __all__ = [
     "FILES",
     "META_KEY",
     "MODEL",
+    "NoValidCheckpointError",
     "OPTIMIZER",
     "RNG",
     "SCALER",
@@ -68,6 +70,12 @@ MODEL, OPTIMIZER, SCHEDULER, SCALER, RNG, ENGINE, FILES = (
 )
 DATA = "data"  # the train sampler's global position (shardsafe.integrations.transformers.data_order)
 WEIGHTS = "weights"  # the model as whole tensors, where "model" is not (ZeRO-3 16-bit, FSDP2): see .model_index
+
+
+class NoValidCheckpointError(CheckpointNotFoundError, ValueError):
+    """No checkpoint to resume from: a :class:`~shardsafe.errors.CheckpointNotFoundError` that is also the
+    ``ValueError`` the Trainer raises there (``Can't find a valid checkpoint at ...``, ``No valid checkpoint found
+    in output directory``), so code that catches either keeps working."""
 
 
 def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:

@@ -24,7 +24,7 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 from shardsafe.api.checkpoint import describe_collectively, load, location, write_checkpoint
 from shardsafe.compat.transformers import check_trainer, init_hf_repo, run_output_dir, save_total_limit_hidden
 from shardsafe.core.comm import get_comm
-from shardsafe.errors import CheckpointNotFoundError, SaveError, ShardsafeError, StateMismatchError
+from shardsafe.errors import SaveError, ShardsafeError, StateMismatchError
 from shardsafe.hf.guard import check_model_folder
 from shardsafe.hf.pretrained import save_pretrained, save_pretrained_sharded, save_pretrained_stream, tied_aliases
 from shardsafe.hf.push import push
@@ -42,6 +42,7 @@ from shardsafe.integrations.transformers.checkpoints import (
     TRAINER_STATE_NAME,
     TRAINING_ARGS_NAME,
     WEIGHTS,
+    NoValidCheckpointError,
     checkpoint_path,
     latest_checkpoint,
     rotate_checkpoints,
@@ -58,7 +59,7 @@ from shardsafe.integrations.transformers.zero3 import (
 )
 from shardsafe.manager.catalog import refuse_other_runs_step
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
-from shardsafe.protocol.commit import LocalCommit, open_checkpoint, prepare_save
+from shardsafe.protocol.commit import LocalCommit, is_committed, open_checkpoint, prepare_save
 from shardsafe.state.adapters import unwrap_module
 from shardsafe.state.rng import RNGState
 from shardsafe.storage.local import remove_tree, write_small_file
@@ -365,10 +366,18 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         if resume_from_checkpoint is True:
             found = comm.broadcast(latest_checkpoint(out) if comm.is_coordinator else None)
             if found is None:
-                raise CheckpointNotFoundError(f"{out}: no committed shardsafe checkpoint to resume from")
+                raise NoValidCheckpointError(
+                    f"No valid checkpoint found in output directory ({out}): no committed shardsafe checkpoint to "
+                    "resume from"
+                )
             path = str(found)
         else:
             path = str(resume_from_checkpoint)
+            local = "://" not in path  # an object-store checkpoint is checked by the load
+            if local and not comm.broadcast(is_committed(Path(path)) if comm.is_coordinator else None):
+                raise NoValidCheckpointError(
+                    f"Can't find a valid checkpoint at {path}: no committed shardsafe checkpoint (manifest.json) there"
+                )
         step = TRAINER_NAMING.parse(Path(path).name)
         if inside and step is not None:
             self._resumed[str(out)] = step
