@@ -142,6 +142,9 @@ def test_ddp_final_weights_equal_the_plain_trainer_and_checkpoints_are_shardsafe
         "config.json",
         "generation_config.json",
         "manifest.json",
+        "model-00000.safetensors",
+        "model-00001.safetensors",
+        "model.safetensors.index.json",
         "shard-00000.safetensors",
         "shard-00001.safetensors",
         "state.json",
@@ -154,6 +157,11 @@ def test_ddp_final_weights_equal_the_plain_trainer_and_checkpoints_are_shardsafe
     final = runs.weights("main")
     assert_same_model(checkpoint_model(train / "checkpoint-6"), final, "checkpoint-6")
     no_leftovers(train)
+    # every checkpoint is a from_pretrained folder: the model's tensors, written by both ranks, in model-0000r files
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(train / "checkpoint-6")
+    assert_same_tensors({k: v.detach() for k, v in loaded.state_dict().items()}, final, "from_pretrained(checkpoint-6)")
 
 
 def test_resume_from_a_middle_checkpoint_and_from_the_newest(runs: Runs) -> None:
@@ -348,6 +356,8 @@ def zero3(runs: Runs) -> None:
 
 def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_path: Path) -> None:
     zero3(runs)
+    from transformers import AutoModelForCausalLM
+
     main = runs.result("z3_main")
     assert main["losses"] == runs.result("z3_plain")["losses"] and len(main["losses"]) == 6
     final = runs.weights("z3_main")
@@ -360,15 +370,19 @@ def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_pa
     train = runs.train_dir("z3_main")
     for step in (2, 4, 6):
         summary = shardsafe.verify(train / f"checkpoint-{step}")
-        assert summary["state_entries"] == ["data", "engine", "rng", "scheduler", "trainer_files"]
+        assert summary["state_entries"] == ["data", "engine", "rng", "scheduler", "trainer_files", "weights"]
         assert (train / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    # with stage3_gather_16bit_weights_on_model_save the checkpoint is a from_pretrained folder of the 16-bit model
+    final16 = {k.split("/", 1)[1]: v for k, v in final.items() if k.startswith("w16/")}
+    loaded16 = AutoModelForCausalLM.from_pretrained(train / "checkpoint-6", dtype=torch.bfloat16)
+    assert_same_tensors(
+        {k: v.detach() for k, v in loaded16.state_dict().items()}, final16, "from_pretrained(ZeRO-3 checkpoint-6)"
+    )
     resumed = runs.result("z3_resume")
     assert after(resumed["losses"], 2) == after(main["losses"], 2) and len(after(resumed["losses"], 2)) == 4
     assert_same_tensors(runs.weights("z3_resume"), final, "ZeRO-3 resumed at step 2")
     no_leftovers(train)
     # `shardsafe export checkpoint-6`: the engine's flat fp32 master weights, reshaped, next to its config.json
-    from transformers import AutoModelForCausalLM
-
     exported = export_hf(train / "checkpoint-6", tmp_path / "exported", progress=False)
     master = {k.split("/", 1)[1]: v for k, v in final.items() if k.startswith("w32/")}
     assert_same_tensors(dict(iter_output(exported)), master, "exported ZeRO-3 checkpoint-6 vs the fp32 master weights")
