@@ -36,6 +36,7 @@ def _trainer(out: Path, max_steps: int, **kwargs: Any) -> Any:
 
     from shardsafe.integrations.transformers import ShardsafeTrainer
 
+    own = {k: kwargs.pop(k) for k in ("keep_later_checkpoints",) if k in kwargs}  # ShardsafeTrainer's, not the args'
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=8))
     args = TrainingArguments(
@@ -50,7 +51,7 @@ def _trainer(out: Path, max_steps: int, **kwargs: Any) -> Any:
         log_level="error",
         **kwargs,
     )
-    return ShardsafeTrainer(model=model, args=args, train_dataset=Tokens())
+    return ShardsafeTrainer(model=model, args=args, train_dataset=Tokens(), **own)
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +144,31 @@ def test_no_checkpoint_is_the_trainers_value_error(tmp_path: Path) -> None:
     for path in (tmp_path / "out" / "checkpoint-7", tmp_path / "nowhere"):
         with pytest.raises(ValueError, match=f"Can't find a valid checkpoint at {path}"):
             trainer.train(resume_from_checkpoint=str(path))
+
+
+def test_resume_from_an_older_checkpoint_replaces_or_keeps_the_later_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the Trainer: resuming checkpoint-1 while checkpoint-2/-3 exist continues from step 1; the later ones are
+    named in a warning at train() start, then replaced as the run saves those steps (or moved aside on request)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = tmp_path / "out"
+    first = _trainer(out, max_steps=3)
+    first.train()
+    old = {s: shardsafe.verify(out / f"checkpoint-{s}")["metadata"]["shardsafe.trainer"]["run_id"] for s in (1, 2, 3)}
+    with caplog.at_level("WARNING"):
+        again = _trainer(out, max_steps=3)
+        again.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert "the later checkpoints checkpoint-2, checkpoint-3 will be replaced" in caplog.text
+    new = {s: shardsafe.verify(out / f"checkpoint-{s}")["metadata"]["shardsafe.trainer"]["run_id"] for s in (1, 2, 3)}
+    assert new[1] == old[1] and new[2] == new[3] != old[2], "steps 2 and 3 are this run's now"
+    assert (out / "checkpoint-3" / "model.safetensors.index.json").is_file()
+
+    kept = _trainer(out, max_steps=2, keep_later_checkpoints=True)
+    kept.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    aside = sorted(p.name.split(".superseded-")[0] for p in out.iterdir() if ".superseded-" in p.name)
+    assert aside == ["checkpoint-2", "checkpoint-3"]
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2"), "moved aside: no longer a checkpoint of the run"
+    superseded = next(p for p in out.iterdir() if p.name.startswith("checkpoint-3.superseded-"))
+    assert shardsafe.verify(superseded)["metadata"]["shardsafe.trainer"]["run_id"] == new[3], "kept intact"

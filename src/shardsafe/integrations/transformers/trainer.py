@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from shardsafe.integrations.transformers.checkpoints import (
     WEIGHTS,
     NoValidCheckpointError,
     checkpoint_path,
+    checkpoint_steps,
     latest_checkpoint,
     rotate_checkpoints,
     write_trainer_files,
@@ -62,7 +64,7 @@ from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT, RootLease
 from shardsafe.protocol.commit import LocalCommit, is_committed, open_checkpoint, prepare_save
 from shardsafe.state.adapters import unwrap_module
 from shardsafe.state.rng import RNGState
-from shardsafe.storage.local import remove_tree, write_small_file
+from shardsafe.storage.local import fsync_dir, remove_tree, write_small_file
 
 __all__ = ["ShardsafeTrainer"]
 
@@ -105,14 +107,17 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         max_shard_size: int | str = HF_MAX_SHARD_SIZE,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         overwrite_checkpoints: bool = False,
+        keep_later_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
         self.save_dtype = save_dtype
         self.max_shard_size = max_shard_size
         self.lease_timeout = lease_timeout
         self.overwrite_checkpoints = overwrite_checkpoints
+        self.keep_later_checkpoints = keep_later_checkpoints
         self._leases: dict[str, RootLease] = {}  # run dir -> this run's lease on it (one live run per output_dir)
-        self._resumed: dict[str, int] = {}  # run dir -> the step this run resumed from there (it may save it again)
+        # run dir -> the steps this run may save again there: the one it resumed from and the later ones it replaces
+        self._resumed: dict[str, set[int]] = {}
         self._resuming_from: str | None = None
         check_trainer()  # every private Trainer method overridden here exists (else an override would silently not run)
         super().__init__(*args, **kwargs)
@@ -196,7 +201,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         """Collective: every rank raises the same CheckpointExistsError if ``checkpoint-<step>`` is another run's (the
         manager's rule)."""
         step, key = self.state.global_step, str(Path(run_dir).absolute())
-        resumed = {self._resumed[key]} if key in self._resumed else set()
+        resumed = self._resumed.get(key, set())
 
         def check() -> None:
             refuse_other_runs_step(
@@ -380,9 +385,45 @@ class ShardsafeTrainer(ReshardableDataTrainer):
                 )
         step = TRAINER_NAMING.parse(Path(path).name)
         if inside and step is not None:
-            self._resumed[str(out)] = step
+            self._resumed[str(out)] = {step, *comm.on_coordinator(lambda: self._later_checkpoints(out, step))}
         comm.on_coordinator(lambda: write_trainer_files(Path(path), only_missing=True))
         return path
+
+    def _later_checkpoints(self, out: Path, step: int) -> list[int]:
+        """Coordinator, at ``train()`` start, under the lease: the committed checkpoints of ``out`` after ``step``.
+
+        Resuming from an older checkpoint (a loss spike, a bad data shard) continues from there as
+        the Trainer does: the later checkpoints are named in a warning now, before any step runs,
+        and each is replaced, atomically, when the run saves that step again. With
+        ``keep_later_checkpoints=True`` they are first moved aside, each renamed (one rename) to
+        ``checkpoint-N.superseded-<time>`` (no longer a checkpoint of this run: never resumed, never
+        rotated), and kept. Returns the steps the run may replace.
+        """
+        later = [s for s in checkpoint_steps(out) if s > step]
+        if not later:
+            return []
+        names = ", ".join(TRAINER_NAMING.name(s) for s in later)
+        if self.keep_later_checkpoints:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for s in later:
+                os.rename(checkpoint_path(out, s), out / f"{TRAINER_NAMING.name(s)}.superseded-{stamp}")
+            fsync_dir(out)
+            log.warning(
+                "shardsafe: resuming %s from step %d; the later checkpoints %s were moved aside (*.superseded-%s)",
+                out,
+                step,
+                names,
+                stamp,
+            )
+            return []
+        log.warning(
+            "shardsafe: resuming %s from step %d; the later checkpoints %s will be replaced as this run saves those "
+            "steps (ShardsafeTrainer(..., keep_later_checkpoints=True) moves them aside instead)",
+            out,
+            step,
+            names,
+        )
+        return later
 
     def _lease(self, run_dir: str) -> RootLease:
         """This run's lease on ``run_dir``, taken (collectively) before the first checkpoint goes there."""
