@@ -22,7 +22,7 @@ bf16): ``z3_plain``, ``z3_main`` (checkpoints when the engine adapter is ready; 
 Data order across world sizes (tests/integrations/test_trainer_data_order.py; 24 samples whose first
 token is their index, global batch 6, 10 steps, checkpoints every 3): ``order2`` (2 ranks x 3,
 uninterrupted), then ``order3`` (3 ranks x 2) and ``order1`` (1 rank x 3 x 2 accumulation steps), both
-resumed from order2's checkpoint-6; ``order1`` also records the refusal of a resume with a global batch
+resumed from order2's checkpoint-6; ``order1`` also records a resume with a global batch
 of 3 and that an iterable dataset keeps the Trainer's sampler. Each rank writes ``taken.rank<r>.json``:
 ``[step, [sample indices]]`` per micro-batch it trained on. The same under ZeRO-3
 (same test file): ``z3_order2`` (2 ranks x 3, uninterrupted, the
@@ -411,12 +411,13 @@ def order_run(
 
 def order1(out: Path) -> None:
     checkpoint = str(out / "order2" / "train" / "checkpoint-6")
-    refused = order_trainer(out / "order1_refused", per_device=3, accumulation=1)
+    # another global batch (3, not 6), accepted as the Trainer accepts it: the data goes on in samples
+    other = order_trainer(out / "order1_other_batch", per_device=3, accumulation=1)
     try:
-        refused.train(resume_from_checkpoint=checkpoint)
-        refusal = None
+        other.train(resume_from_checkpoint=checkpoint)
+        other_batch: Any = other.taken
     except Exception as exc:
-        refusal = f"{type(exc).__name__}: {exc}"
+        other_batch = f"{type(exc).__name__}: {exc}"
 
     class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         def __iter__(self) -> Any:
@@ -425,7 +426,7 @@ def order1(out: Path) -> None:
     streamed = order_trainer(out / "order1_stream", per_device=3, accumulation=1, dataset=Stream())
     streamed.get_train_dataloader()
     run = order_run(out, "order1", per_device=3, accumulation=2, resume=checkpoint)
-    run.result["refusal"] = refusal
+    run.result["other_batch"] = other_batch
     run.result["iterable_keeps_the_trainers_sampler"] = streamed._data is None
     run.finish()
 

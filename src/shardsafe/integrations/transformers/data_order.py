@@ -17,9 +17,12 @@ sampler continues there by itself, so the Trainer must not skip batches as well:
 resumed epoch its ``skip_first_batches`` is a passthrough, its step bookkeeping untouched.
 
 That is equivalent to the uninterrupted run only if every optimizer step takes as many samples as
-before: the global batch (per device x world size x accumulation) must be the one the checkpoint
-was trained with, otherwise the resume is refused (``ignore_data_skip=True`` opts out: the epoch's
-data starts from its beginning, as the Trainer documents that flag).
+before: the global batch (per device x world size x accumulation) the checkpoint was trained with.
+Another one is accepted, as the Trainer accepts it (with a warning): the sampler continues at the
+saved sample position and the Trainer enters the saved epoch skipping nothing, so no sample of the
+epoch is skipped or repeated; the Trainer's own rule (``global_step % steps per epoch`` batches of
+the new size) is not used. ``ignore_data_skip=True`` starts the epoch's data from its beginning,
+as the Trainer documents that flag.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ class DataOrder:
         self._anchor: tuple[int, int, int] | None = None
         self._saved: dict[str, Any] | None = None
         self._resumed_epoch: int | None = None
+        self.other_batch = False  # resumed from a checkpoint trained with another global batch
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.sampler.state_dict()
@@ -138,13 +142,17 @@ class DataOrder:
                 f"{checkpoint}: its 'data' entry is not a ShardsafeTrainer data position ({type(exc).__name__}: {exc})"
             ) from None
         if then["global_batch"] != self.batch["global_batch"]:
-            raise StateMismatchError(
-                f"{checkpoint} was trained with a global batch of {_describe(then)}; this run has "
-                f"{_describe(self.batch)}. "
-                "Keep per_device_train_batch_size x gradient_accumulation_steps x world size equal to resume the same "
-                "data order "
-                "(or pass ignore_data_skip=True to start the epoch's data from its beginning)"
+            # accepted, as the Trainer accepts it: the position is in samples, so the order goes on where it stopped
+            log.warning(
+                "%s was trained with a global batch of %s; this run has %s: the data order continues at the saved "
+                "sample position, each optimizer step now takes %d samples (the step counts, the scheduler's horizon "
+                "and the epoch bookkeeping no longer describe the same training)",
+                checkpoint,
+                _describe(then),
+                _describe(self.batch),
+                self.batch["global_batch"],
             )
+            self.other_batch = True
         try:
             self.sampler.load_state_dict(sampler)
         except ValueError as exc:
@@ -152,6 +160,18 @@ class DataOrder:
                 f"{checkpoint}: the saved data position does not fit this train dataset: {exc}"
             ) from None
         self._resumed_epoch = self.sampler.epoch
+
+    def resumed_epoch(self) -> tuple[int, int] | None:
+        """After a resume from another global batch: (the epoch the Trainer must enter, 0 batches to skip) so that
+        the sampler, not the Trainer's step arithmetic at the new batch, decides where the data goes on; None
+        otherwise (the Trainer's own arithmetic is the sampler's at the same global batch)."""
+        if not self.other_batch or self._resumed_epoch is None:
+            return None
+        state = self.sampler.state_dict()
+        if state["consumed"] >= state["dataset_length"]:  # saved at the end of its epoch: the next one starts fresh
+            self._resumed_epoch = None
+            return state["epoch"] + 1, 0
+        return self._resumed_epoch, 0
 
     def begin_epoch(self, epoch: int, global_step: int) -> bool:
         """Called as the Trainer starts ``epoch``: True if the sampler resumes inside it (the Trainer must then skip

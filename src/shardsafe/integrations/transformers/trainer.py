@@ -470,10 +470,30 @@ class ShardsafeTrainer(ReshardableDataTrainer):
             self._restore_training_state(resume_from_checkpoint)
         return prepared
 
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """The Trainer's, then (resuming) the data position, checked and restored before the Trainer decides where
+        its epoch loop starts: after a resume from another global batch the saved epoch, skipping nothing."""
+        epochs, steps = super()._init_training_state(  # type: ignore[misc]
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is None:
+            return epochs, steps
+        path = resume_from_checkpoint
+        saved = get_comm().on_coordinator(lambda: sorted(open_checkpoint(Path(path))[1]))
+        self._restore_data_order(path, DATA in saved)
+        decided = self._data.resumed_epoch() if self._data is not None else None
+        return decided if decided is not None else (epochs, steps)
+
     def _restore_training_state(self, path: str) -> None:
         comm = get_comm()
         saved = comm.on_coordinator(lambda: sorted(open_checkpoint(Path(path))[1]))
-        self._restore_data_order(path, DATA in saved)
         engine = self._zero3_engine()
         state: dict[str, Any] = {}
         if engine is not None:
