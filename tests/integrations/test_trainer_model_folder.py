@@ -172,3 +172,50 @@ def test_resume_from_an_older_checkpoint_replaces_or_keeps_the_later_ones(
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2"), "moved aside: no longer a checkpoint of the run"
     superseded = next(p for p in out.iterdir() if p.name.startswith("checkpoint-3.superseded-"))
     assert shardsafe.verify(superseded)["metadata"]["shardsafe.trainer"]["run_id"] == new[3], "kept intact"
+
+
+class OrderRecorder(torch.nn.Module):
+    """transformers' test_resume_batch_order model: a buffer that grows with the samples it trains on, and a
+    ``load_state_dict`` that resizes it first (loaded through its own code: issue 37)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(VOCAB))
+        self.register_buffer("data_order", torch.zeros(0, dtype=torch.long))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training:
+            self.data_order = torch.cat([self.data_order, input_ids[:, 0]])
+        return {"loss": self.w[input_ids].pow(2).mean() + self.w.sum() * 0 + 1.0}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        self.data_order = torch.zeros_like(state_dict["data_order"])
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def test_resume_reproduces_the_batch_order_of_a_module_with_its_own_load_code(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from shardsafe.integrations.transformers import ShardsafeTrainer
+
+    def trainer(out: Path) -> Any:
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            str(out),
+            max_steps=6,
+            per_device_train_batch_size=2,
+            save_strategy="steps",
+            save_steps=2,
+            use_cpu=True,
+            report_to=[],
+            disable_tqdm=True,
+            log_level="error",
+        )
+        return ShardsafeTrainer(model=OrderRecorder(), args=args, train_dataset=Tokens())
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    resumed = trainer(tmp_path / "full")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+    assert resumed.model.data_order.tolist() == full.model.data_order.tolist()
+    assert len(full.model.data_order) == 12
