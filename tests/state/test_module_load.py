@@ -135,6 +135,26 @@ def test_which_modules_take_their_own_path() -> None:
     assert custom_roots(wrapped, True) == []  # their prefix hooks keep the in-place path exact
 
 
+def test_wrapped_model_stays_in_place(tmp_path: Path) -> None:
+    """get_model_state_dict's keys drop the wrappers' names: that is no hook-made key (no copy)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build() -> nn.Module:
+        return nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)), torch.compile(nn.Linear(2, 2)))
+
+    torch.manual_seed(0)
+    saved = build()
+    shardsafe.save(tmp_path / "ck", {"model": saved})
+    target = build()
+    calls: list[int] = []
+    original = target.load_state_dict
+    target.load_state_dict = lambda *a, **k: calls.append(1) or original(*a, **k)  # type: ignore[method-assign]
+    shardsafe.load(tmp_path / "ck", {"model": target})
+    assert calls == []  # read in place: the custom path would have called it
+    for a, b in zip(saved.parameters(), target.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_resume_batch_order_model_loads_through_its_override(tmp_path: Path) -> None:
     model = _trained_order_model()
     assert model.data_order.shape == (12,)

@@ -42,7 +42,7 @@ from shardsafe.state.base import (
     type_problems,
     unwrap_module,
 )
-from shardsafe.state.module_load import CustomLoad, CustomRoot, custom_roots
+from shardsafe.state.module_load import CustomLoad, CustomRoot, clean_name, custom_roots
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
@@ -62,13 +62,16 @@ def _module_state(module: nn.Module) -> tuple[dict[str, Any], bool]:
         return dict(unwrap_module(module).state_dict()), False
 
 
-def _made_by_hooks(module: nn.Module, state: dict[str, Any]) -> list[str]:
+def _made_by_hooks(module: nn.Module, state: dict[str, Any], clean: bool) -> list[str]:
     """The entries of ``state`` that are not the module's own parameters and buffers (made by a
-    state-dict hook): only the module's own ``load_state_dict`` can take them back."""
+    state-dict hook): only the module's own ``load_state_dict`` can take them back. ``clean``: the
+    keys are get_model_state_dict's (without the compile / activation-checkpoint wrappers' names)."""
     inner = unwrap_module(module)
     own = {name for name, _ in inner.named_parameters(remove_duplicate=False)} | {
         name for name, _ in inner.named_buffers(remove_duplicate=False)
     }
+    if clean:
+        own = {clean_name(name) for name in own}
     return [k for k in state if k not in own]
 
 
@@ -86,7 +89,7 @@ def _custom_load(value: nn.Module, state: dict[str, Any], clean: bool) -> Custom
     inner = unwrap_module(value)
     roots = custom_roots(inner, clean)
     custom = CustomLoad(roots)
-    made = _made_by_hooks(value, state)
+    made = _made_by_hooks(value, state, clean)
     if made and not all(custom.owns(k) for k in made):
         custom = CustomLoad([CustomRoot("", inner)])
     return custom if custom.roots else None

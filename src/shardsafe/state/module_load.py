@@ -31,7 +31,7 @@ from shardsafe.core.values import TENSOR_REF, decode_value
 from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.base import SavedLayout, is_dtensor, read_target
 
-__all__ = ["CustomLoad", "CustomRoot", "custom_roots", "customises_loading"]
+__all__ = ["CustomLoad", "CustomRoot", "clean_name", "custom_roots", "customises_loading"]
 
 # wrapper modules whose names torch's get_model_state_dict leaves out of the keys it gives
 _WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
