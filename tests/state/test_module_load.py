@@ -231,7 +231,7 @@ def test_mixed_model_custom_subtrees_and_in_place_rest(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- 2 gloo ranks
 
 
-def _order_job(rank: int, world_size: int, path: str, layout: str, save: bool) -> dict[str, Any]:
+def _order_job(rank: int, world_size: int, path: str, layout: str, save: bool, mode: str = "") -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -250,7 +250,13 @@ def _order_job(rank: int, world_size: int, path: str, layout: str, save: bool) -
     if save:
         for step in range(6):
             wrapped(torch.arange(step * 2, step * 2 + 2, dtype=torch.float).repeat(10, 1).T)
-        shardsafe.save(path, {"model": wrapped})
+        shardsafe.save(path, {"model": wrapped, "other": Failing()})
+    elif mode == "undo":  # the module's code runs, then another object refuses: every rank undoes it
+        before = model.fc.weight.full_tensor() if isinstance(model.fc.weight, DTensor) else model.fc.weight.clone()
+        with pytest.raises(StateMismatchError, match="refused on purpose"):
+            shardsafe.load(path, {"model": wrapped, "other": Failing()})
+        after = model.fc.weight.full_tensor() if isinstance(model.fc.weight, DTensor) else model.fc.weight
+        assert model.loads == 1 and model.data_order.shape == (0,) and torch.equal(after, before)
     else:
         shardsafe.load(path, {"model": wrapped})
     weight = model.fc.weight
@@ -268,5 +274,7 @@ def test_custom_module_on_two_ranks_and_resharded(tmp_path: Path, layout: str) -
         assert result["loads"] == 1
         assert torch.equal(result["order"], saved[0]["order"])
         assert torch.equal(result["weight"], saved[0]["weight"])
+    if layout == "fsdp":
+        run_ranks(_order_job, 2, path, layout, False, "undo", work_dir=tmp_path)
     one = _order_job(0, 1, path, "one", False)  # resharded: 2 ranks -> one process
     assert torch.equal(one["order"], saved[0]["order"]) and torch.equal(one["weight"], saved[0]["weight"])
