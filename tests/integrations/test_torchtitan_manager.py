@@ -38,6 +38,7 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("torchdata")
 
 from test_torchtitan import BATCH, SEQ, VOCAB, build  # noqa: E402  (the llama3 client and its CPU adaptations)
+from torchtitan.components.checkpointer import CheckpointManager as TorchtitanDcpManager  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
@@ -94,6 +95,7 @@ def run(
     kill_after: int | None = None,
     record_at: tuple[int, ...] = (),
     seed: int = 0,
+    dcp_manager: bool = False,
 ) -> dict[str, Any]:
     """One torchtitan training job (the Trainer's calls around its checkpointer); see the module docstring.
     A resumed run is built from another ``seed``, so what it holds after the load came from the checkpoint."""
@@ -114,7 +116,7 @@ def run(
         TokenStream(dp_rank, dp_size), dp_rank=dp_rank, dp_world_size=dp_size, batch_size=BATCH // dp_size
     )
     train_state = TrainState()
-    config = ShardsafeCheckpointManager.Config(**checkpoint)
+    config = (TorchtitanDcpManager if dcp_manager else ShardsafeCheckpointManager).Config(**checkpoint)
     checkpointer = config.build(
         dataloader=dataloader,
         model_parts=[model],
@@ -202,6 +204,22 @@ def test_killed_and_resumed_bit_exact(tmp_path: Path, reference: dict[str, Any])
     assert listed.steps() == [4, 6]
     final = (folder / "step-0000000006" / "state.json").read_text()
     assert '"model"' in final and '"optimizer"' not in final and '"rng"' not in final
+
+
+def test_resumes_from_the_dcp_managers_folder(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """A run of torchtitan's own DCP manager (4 steps, interval 2) switched to shardsafe by its Config line:
+    the next run loads the DCP manager's step-4 folder in place, bit for bit (the data position excepted:
+    torchtitan pickles it), then saves shardsafe checkpoints beside it."""
+    dcp_config = {"enable": True, "folder": "ckpt", "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
+    saved = run_ranks(run, 2, "fsdp", str(tmp_path), 4, dcp_config, None, (4,), 0, True, work_dir=tmp_path / "w1")
+    assert (tmp_path / "ckpt" / "step-4" / ".metadata").is_file()
+    checkpoint = {"enable": True, "folder": "ckpt", "interval": 2, "keep_latest_k": 0}
+    resumed = run_ranks(run, 2, "fsdp", str(tmp_path), 6, checkpoint, None, (), 99, work_dir=tmp_path / "w2")
+    for rank, result in enumerate(resumed):
+        assert result["loaded_at"] == 4
+        assert_tensors_equal(result["loaded"], saved[0]["recorded"][4]["state"], f"DCP step-4 -> rank {rank}")
+    assert resumed[0]["lr_epoch"] == reference["lr_epoch"]  # the LR schedule continued from the DCP step
+    assert steps_in(tmp_path / "ckpt") == [6]  # shardsafe's own, next to the DCP manager's step-2 and step-4
 
 
 @pytest.mark.stress

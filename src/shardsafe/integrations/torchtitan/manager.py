@@ -25,7 +25,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
 from shardsafe.core.comm import get_comm
-from shardsafe.errors import CheckpointNotFoundError
+from shardsafe.errors import CheckpointNotFoundError, ShardsafeError
+from shardsafe.integrations.torchtitan.dcp_folders import dcp_manager_steps, load_dcp_manager_folder
 from shardsafe.integrations.torchtitan.state import MODEL, OPTIMIZER, model_part, training_state
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT
 from shardsafe.manager.manager import CheckpointManager
@@ -193,20 +194,45 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         if not self.load_only:
             self.manager.lease.ensure()  # list the steps as the folder's one writer
         steps = self.manager.steps()
+        if not steps:
+            return self._load_dcp_manager_folder(step)
         if step != -1 and step not in steps:
             raise CheckpointNotFoundError(
                 f"checkpoint.load_step={step}: {self.folder} holds no committed shardsafe checkpoint of that step "
                 f"(it holds {steps[-10:]})"
             )
-        if not steps:
-            log.info("shardsafe: no checkpoint in %s, this is a fresh start", self.folder)
-            return False
         target = steps[-1] if step == -1 else step
         if self._model_only(target):
             self.manager.restore({MODEL: self.model}, step=target)
             return True
         loaded = self.manager.restore(self._loadable(), step=None if step == -1 else step)
         log.info("shardsafe: loaded step %s from %s", loaded, self.folder)
+        return True
+
+    def _load_dcp_manager_folder(self, step: int) -> bool:
+        """No shardsafe checkpoint in the folder: resume from the DCP manager's newest ``step-<N>`` there
+        (the run switched managers), read in place and resharded (:mod:`.dcp_folders`); step 0 is its
+        seed checkpoint, the model alone."""
+        found = dcp_manager_steps(self.folder)
+        if step != -1 and step not in found:
+            raise CheckpointNotFoundError(
+                f"checkpoint.load_step={step}: {self.folder} holds no checkpoint of that step "
+                f"(shardsafe's: none; the DCP manager's: {sorted(found)[-10:]})"
+            )
+        if not found:
+            log.info("shardsafe: no checkpoint in %s, this is a fresh start", self.folder)
+            return False
+        target = max(found) if step == -1 else step
+        if f"{OPTIMIZER}_1" in self.state:
+            raise ShardsafeError(
+                f"{found[target]}: resuming several optimizers per model part from the DCP manager's folder is not "
+                "supported; convert it with the DCP manager's own run, or start this run fresh"
+            )
+        model_only = target == 0
+        state = {MODEL: self.model} if model_only else self._loadable()
+        optimizer: torch.optim.Optimizer | None = None if model_only else state.get(OPTIMIZER)
+        log.info("shardsafe: no shardsafe checkpoint in %s; loading the DCP manager's %s", self.folder, found[target])
+        load_dcp_manager_folder(found[target], state, self.model, optimizer)
         return True
 
     def _loadable(self) -> dict[str, Any]:
