@@ -229,7 +229,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
                 "supported; convert it with the DCP manager's own run, or start this run fresh"
             )
         model_only = target == 0
-        state = {MODEL: self.model} if model_only else self._loadable()
+        state: dict[str, Any] = {MODEL: self.model} if model_only else self._loadable()
         optimizer: torch.optim.Optimizer | None = None if model_only else state.get(OPTIMIZER)
         log.info("shardsafe: no shardsafe checkpoint in %s; loading the DCP manager's %s", self.folder, found[target])
         load_dcp_manager_folder(found[target], state, self.model, optimizer)
