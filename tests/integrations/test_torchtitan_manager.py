@@ -251,6 +251,8 @@ def test_config_refusals(tmp_path: Path) -> None:
         ShardsafeCheckpointManager.Config(
             enable=True, initial_load_path="/x", initial_load_in_hf=True, initial_load_in_hf_quantized=True
         )
+    with pytest.raises(ValueError, match="export_dtype"):
+        ShardsafeCheckpointManager.Config(enable=True, export_dtype="bfloat16")
     with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's shared check, kept
         ShardsafeCheckpointManager.Config(enable=True, keep_latest_k=-1)
     model = torch.nn.Linear(2, 2)

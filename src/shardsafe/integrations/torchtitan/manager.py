@@ -86,6 +86,21 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
                     "initial_load_in_hf_quantized is not supported by ShardsafeCheckpointManager (quantized HF "
                     "weights need torchtitan's quantized reader): use torchtitan's CheckpointManager for that load"
                 )
+            not_yet = [
+                name
+                for name, value in (
+                    ("initial_load_path", self.initial_load_path),
+                    ("last_save_in_hf", self.last_save_in_hf),
+                    ("export_dtype", self.export_dtype != "float32"),
+                )
+                if value
+            ]
+            if not_yet:
+                raise ValueError(
+                    f"{not_yet} are not supported by ShardsafeCheckpointManager yet (docs/TORCHTITAN.md): export the "
+                    "last checkpoint with `shardsafe export CKPT OUT --dtype ...`, and start from another checkpoint "
+                    "by placing it in the folder"
+                )
             if self.load_only and self.local_every is not None:
                 raise ValueError("load_only saves nothing, so it has no local tier (local_every)")
 
