@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-tiers bench-convert bench-gpu stress clean
+.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-scale bench-nd bench-tiers bench-convert bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,9 @@ bench-export: $(STAMP)
 
 bench-manager: $(STAMP)
 	$(PY) benchmarks/bench_manager.py
+
+bench-lightning: $(STAMP)
+	$(PY) benchmarks/bench_lightning.py
 
 bench-deepspeed: $(STAMP)
 	$(PY) benchmarks/bench_deepspeed.py --md BENCHMARKS.md
