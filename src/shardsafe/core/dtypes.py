@@ -11,6 +11,7 @@ __all__ = [
     "dtype_from_safetensors_name",
     "dtype_from_torch_text",
     "dtype_name",
+    "dtype_or_none",
     "element_size",
     "is_packed",
     "safetensors_dtype",
@@ -71,6 +72,12 @@ def dtype_from_name(name: object, where: str) -> torch.dtype:
         what = f"a {len(name)}-character string" if isinstance(name, str) else f"a {type(name).__name__}"
         raise FormatError(f"{where}: unknown dtype ({what}; expected one of {', '.join(sorted(_BY_NAME))})")
     return _BY_NAME[name]
+
+
+def dtype_or_none(name: object) -> torch.dtype | None:
+    """The dtype safetensors name ``name`` stands for, None if it is none (the caller then says why
+    with :func:`dtype_from_safetensors_name`): a header parse's per-entry fast path."""
+    return _BY_ST_NAME.get(name) if type(name) is str else None
 
 
 def dtype_from_torch_text(text: str) -> torch.dtype:

@@ -60,6 +60,11 @@ def all_safe_components(names: Iterable[object]) -> bool:
 
 
 def int_list(value: object, where: str, *, max_len: int = MAX_DIMS) -> tuple[int, ...]:
+    """A list of at most ``max_len`` non-negative ints (not bools), as a tuple. Called for every box of
+    every index and header a load reads: the common case is one C-speed pass, the checks below only
+    run to say what is wrong."""
+    if type(value) is list and len(value) <= max_len and all(type(v) is int and v >= 0 for v in value):
+        return tuple(value)
     if not isinstance(value, list) or len(value) > max_len:
         raise FormatError(f"{where}: expected a list of at most {max_len} integers, got {value!r:.80}")
     out = []

@@ -71,10 +71,11 @@ def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> Index
         raise FormatError(f"{where}: index names another rank or file than the manifest ({entry.rank}, {file!r})")
     out: IndexParts = {}
     ranges: list[tuple[int, int, str]] = []
+    expected_of: dict[tuple[int, tuple[int, ...]], dict[tuple[int, ...], tuple[int, ...]]] = {}
     for key, item in expect_field(raw, "chunks", dict, where).items():
         check_tensor_key(key, where)
         boxes = out[key] = {}
-        for chunk in _parse_part(key, item, manifest, file, entry, where):
+        for chunk in _parse_part(key, item, manifest, file, entry, where, expected_of):
             if chunk.offsets in boxes:
                 raise FormatError(f"{where} tensor {key!r:.200}: box at {list(chunk.offsets)} is listed twice")
             boxes[chunk.offsets] = chunk
@@ -89,24 +90,80 @@ def parse_index(data: bytes, manifest: Manifest, file: str, where: str) -> Index
     return out
 
 
-def _parse_part(key: str, item: Any, manifest: Manifest, file: str, entry: FileEntry, where: str) -> list[ChunkEntry]:
-    """The boxes of the part rank ``entry.rank`` writes of tensor ``key`` (one object, or a list of them)."""
-    kwhere = f"{where} tensor {key!r:.200}"
+def _parse_part(
+    key: str,
+    item: Any,
+    manifest: Manifest,
+    file: str,
+    entry: FileEntry,
+    where: str,
+    expected_of: dict[tuple[int, tuple[int, ...]], dict[tuple[int, ...], tuple[int, ...]]],
+) -> list[ChunkEntry]:
+    """The boxes of the part rank ``entry.rank`` writes of tensor ``key`` (one object, or a list of them).
+
+    ``expected_of`` remembers the boxes per (rule, shape): an index lists thousands of tensors that
+    share a few layouts (rules are interned, so their identity is the key while the manifest lives)."""
     tensor = manifest.tensors.get(key)
     if tensor is None or tensor.rule is None:
-        raise FormatError(f"{kwhere}: the manifest lists no layout rule for this tensor")
+        raise FormatError(f"{where} tensor {key!r:.200}: the manifest lists no layout rule for this tensor")
     rule = tensor.rule
-    part = rule.part_of(entry.rank)
-    if rule.writer_of(part) != entry.rank:
-        raise FormatError(
-            f"{kwhere}: rank {entry.rank} holds part {part}, which rank {rule.writer_of(part)} writes under the layout "
-            "rule"
-        )
-    expected = rule.box_shapes(tensor.shape, part)
+    expected = expected_of.get((id(rule), tensor.shape))
+    if expected is None:
+        part = rule.part_of(entry.rank)
+        if rule.writer_of(part) != entry.rank:
+            raise FormatError(
+                f"{where} tensor {key!r:.200}: rank {entry.rank} holds part {part}, which rank "
+                f"{rule.writer_of(part)} writes under the layout rule"
+            )
+        expected = expected_of[(id(rule), tensor.shape)] = rule.box_shapes(tensor.shape, part)
     items = item if isinstance(item, list) else [item]
     if not items or len(items) > len(expected):
-        raise FormatError(f"{kwhere}: lists {len(items)} boxes; part {part} has {len(expected)}")
-    return [_parse_box(kwhere, raw, tensor, expected, manifest, file, entry) for raw in items]
+        raise FormatError(
+            f"{where} tensor {key!r:.200}: lists {len(items)} boxes; part {rule.part_of(entry.rank)} has "
+            f"{len(expected)}"
+        )
+    out = []
+    for raw in items:
+        chunk = _valid_box(raw, tensor, expected, manifest, file, entry)
+        out.append(
+            chunk
+            if chunk is not None
+            else _parse_box(f"{where} tensor {key!r:.200}", raw, tensor, expected, manifest, file, entry)
+        )
+    return out
+
+
+def _valid_box(
+    item: Any,
+    tensor: TensorEntry,
+    expected: dict[tuple[int, ...], tuple[int, ...]],
+    manifest: Manifest,
+    file: str,
+    entry: FileEntry,
+) -> ChunkEntry | None:
+    """A well-formed index entry as a chunk; None if anything is wrong, for :func:`_parse_box` to say
+    what. Every rank that reads from a shard parses its whole index (thousands of boxes): this path
+    builds no message and calls no checker. Ints are checked by type (``True == 1`` and ``1.0 == 1``
+    would otherwise compare equal to the expected box)."""
+    if type(item) is not dict:
+        return None
+    offsets, shape = item.get("offsets"), item.get("shape")
+    if type(offsets) is not list or type(shape) is not list:
+        return None
+    if not all(type(v) is int for v in offsets) or not all(type(v) is int for v in shape):
+        return None
+    box, box_shape = tuple(offsets), tuple(shape)
+    if expected.get(box) != box_shape or box in tensor.overrides:
+        return None
+    begin, end, hashes = item.get("begin"), item.get("end"), item.get("hashes")
+    nbytes = numel(box_shape) * element_size(tensor.dtype)
+    if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != nbytes or end > entry.size:
+        return None
+    if type(hashes) is not list or len(hashes) != num_blocks(nbytes, manifest.hash_block_size):
+        return None
+    if not all(type(h) is str and len(h) <= 64 for h in hashes):
+        return None
+    return ChunkEntry(box, box_shape, file, begin, end, tuple(hashes))
 
 
 def _parse_box(

@@ -12,12 +12,14 @@ import torch
 
 from shardsafe.core.dtypes import (
     dtype_from_safetensors_name,
+    dtype_or_none,
     element_size,
+    is_packed,
     safetensors_dtype,
     safetensors_shape,
     torch_shape,
 )
-from shardsafe.core.fields import MAX_HEADER_BYTES, RESERVED_HEADER_NAME, expect_field, int_list, numel
+from shardsafe.core.fields import MAX_DIMS, MAX_HEADER_BYTES, RESERVED_HEADER_NAME, expect_field, int_list, numel
 from shardsafe.core.jsonsafe import parse_json
 from shardsafe.errors import FormatError
 
@@ -97,14 +99,45 @@ def parse_safetensors_header(
     for name, entry in raw.items():
         if name == RESERVED_HEADER_NAME:
             continue
-        ewhere = f"{where} entry {name!r}"
-        dtype = dtype_from_safetensors_name(expect_field(entry, "dtype", str, ewhere), ewhere)
-        shape = torch_shape(dtype, int_list(expect_field(entry, "shape", list, ewhere), ewhere), ewhere)
-        offsets = int_list(expect_field(entry, "data_offsets", list, ewhere), ewhere, max_len=2)
-        if len(offsets) != 2:
-            raise FormatError(f"{ewhere}: data_offsets must be [begin, end]")
-        begin, end = offsets
-        if end - begin != numel(shape) * element_size(dtype) or base + end > file_size:
-            raise FormatError(f"{ewhere}: data offsets [{begin}, {end}) do not fit its shape or the file")
-        out[name] = (dtype, shape, base + begin, base + end)
+        found = _valid_entry(entry, base, file_size)
+        out[name] = found if found is not None else _checked_entry(name, entry, base, file_size, where)
     return out
+
+
+def _valid_entry(entry: Any, base: int, file_size: int) -> tuple[torch.dtype, tuple[int, ...], int, int] | None:
+    """A well-formed entry's (dtype, shape, absolute begin, end); None if anything is wrong, for
+    :func:`_checked_entry` to say what. A shard's header lists thousands of entries and every rank
+    that reads from the shard parses it: the fast path builds no message and calls no checker."""
+    if type(entry) is not dict:
+        return None
+    dtype = dtype_or_none(entry.get("dtype"))
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if dtype is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return None
+    if is_packed(dtype):  # its shape counts values, not bytes: the checked path converts it
+        return None
+    if len(shape) > MAX_DIMS or not all(type(n) is int and n >= 0 for n in shape):
+        return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or begin < 0 or end < 0 or base + end > file_size:
+        return None
+    dims = tuple(shape)
+    if end - begin != numel(dims) * element_size(dtype):
+        return None
+    return dtype, dims, base + begin, base + end
+
+
+def _checked_entry(
+    name: str, entry: Any, base: int, file_size: int, where: str
+) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """The entry checked field by field: raises the FormatError that names what is wrong."""
+    ewhere = f"{where} entry {name!r}"
+    dtype = dtype_from_safetensors_name(expect_field(entry, "dtype", str, ewhere), ewhere)
+    shape = torch_shape(dtype, int_list(expect_field(entry, "shape", list, ewhere), ewhere), ewhere)
+    offsets = int_list(expect_field(entry, "data_offsets", list, ewhere), ewhere, max_len=2)
+    if len(offsets) != 2:
+        raise FormatError(f"{ewhere}: data_offsets must be [begin, end]")
+    begin, end = offsets
+    if end - begin != numel(shape) * element_size(dtype) or base + end > file_size:
+        raise FormatError(f"{ewhere}: data offsets [{begin}, {end}) do not fit its shape or the file")
+    return (dtype, shape, base + begin, base + end)

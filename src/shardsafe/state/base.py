@@ -317,10 +317,10 @@ def check_layout(key: str, tensor: torch.Tensor) -> None:
     """Refuse a tensor whose values are not one strided block of memory (sparse, nested), that has
     none (meta), or a tensor subclass shardsafe does not store (see :func:`check_subclass`), naming
     the key and the remedy, before anything is written or read. Two cheap tests for plain tensors."""
-    cls = type(tensor)
-    if cls is not torch.Tensor and cls is not nn.Parameter:
-        check_subclass(key, tensor)
     if tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_meta:
+        cls = type(tensor)
+        if cls is not torch.Tensor and cls is not nn.Parameter:
+            check_subclass(key, tensor)
         return
     where = f"tensor {key!r:.200}"
     if tensor.is_nested:
