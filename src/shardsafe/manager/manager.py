@@ -553,9 +553,19 @@ class CheckpointManager:
                 self._hooked.add(id(value))
                 self._hooks.append(value.register_step_pre_hook(self._wait_for_copy))
 
-    def _wait_for_copy(self, *args: Any, **kwargs: Any) -> None:
+    def wait_for_copy(self) -> None:
+        """Block until the state of the save in flight is copied (overlap mode), not until it is written.
+
+        After this the live tensors may change again: a training loop calls it before whatever
+        updates saved state outside ``optimizer.step()`` (whose pre-hook already waits), e.g. a
+        trainer's own step hooks. Returns at once when nothing is being copied (every other mode
+        copies inside :meth:`save`).
+        """
         self._copied.wait()
         self._tier_copied.wait()
+
+    def _wait_for_copy(self, *args: Any, **kwargs: Any) -> None:  # the optimizers' step pre-hook
+        self.wait_for_copy()
 
     # ------------------------------------------------------------------ restore
 

@@ -194,7 +194,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         wait for it in a step pre-hook, but the Trainer calls this before ``optimizers.step()``,
         whose own pre-hooks (MoE load balancing) may update saved buffers first."""
         if self.config.async_mode == "async_with_pinned_mem":
-            self.manager._wait_for_copy()
+            self.manager.wait_for_copy()
 
     def _wait_for_saving(self) -> None:
         try:
