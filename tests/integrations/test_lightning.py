@@ -235,3 +235,58 @@ def test_resume_from_lightnings_own_model_parallel_checkpoint(tmp_path: Path) ->
     _assert_resumed_exactly(resumed, native, "Lightning's DCP -> shardsafe")
     assert resumed["global_step"] == 6
     shardsafe.verify(tmp_path / "ckpts" / "epoch=2-step=6.ckpt")
+
+
+def _load_whole(path: Path | str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A Lightning checkpoint of the strategies loaded here, in one process, into a plain module and AdamW."""
+    module = lit_utils.make_module("plain")
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.05)
+    shardsafe.load(path, {"state_dict": module, "optimizer_0": optimizer}, strict=False)
+    return lit_utils.full_model_state(module), lit_utils.full_optimizer_state(module, optimizer)
+
+
+def test_async_save_commits_while_training_continues(tmp_path: Path) -> None:
+    """async_save=True on 2 FSDP2 ranks, a save every step (top-2 by loss and last.ckpt), each fsync of the
+    save's thread slowed by 20 ms: training starts the next steps while a save is still committing; every
+    kept checkpoint equals the state at its save bit for bit though the model changed since; rotation
+    removed only after the commit (2 best + last, nothing hidden left); after fit (teardown waited) the
+    final last.ckpt is committed."""
+    checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1, "save_last": True}
+    opts = {
+        "checkpoint": checkpoint,
+        "strategy": {"async_save": True},
+        "optim_steps": True,
+        "slow_background_fsync": 0.02,
+    }
+    result = _fit(2, tmp_path, "fsdp", 2, tmp_path / "work", **opts)
+    assert any(result["in_flight"][1:]), result["in_flight"]  # a step began while a save was committing
+    assert not result["in_flight_after_fit"]
+    ckpts = tmp_path / "ckpts"
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert len(names) == 3 and "last.ckpt" in names, names  # nothing hidden left behind either
+    losses = result["losses"]
+    best_two = sorted(range(len(losses)), key=lambda i: losses[i])[:2]
+    assert sorted(n for n in names if n != "last.ckpt") == sorted(f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two)
+    for name in names:
+        shardsafe.verify(ckpts / name)
+        step = 4 if name == "last.ckpt" else int(name.split("step=")[1].split(".")[0])
+        params, optim = _load_whole(ckpts / name)
+        assert_tensors_equal(params, result["steps"][step][0], f"{name} vs the state at its save")
+        assert_optimizer_equal(optim, result["steps"][step][1], f"{name} vs the optimizer at its save")
+
+
+def test_async_save_failure_is_raised_by_the_next_save_and_keeps_the_previous(tmp_path: Path) -> None:
+    """The save of step 3 fails in the background on rank 1 (EIO after its shard is written): the next save
+    raises SaveError on every rank, nothing of step 3 is visible, and ModelCheckpoint's removal of step 2,
+    queued behind the failed save, never ran: the last good checkpoint stays loadable."""
+    opts = {
+        "checkpoint": {"every_n_train_steps": 1, "save_top_k": 1},
+        "strategy": {"async_save": True},
+        "fail_from": (2, "save:after-write@1"),
+    }
+    result = launch(lit_utils.fit_run, 2, str(tmp_path), "fsdp", 2, opts, work_dir=tmp_path / "work", timeout=300)
+    assert not result.ok
+    for log in result.logs:
+        assert "SaveError: background save failed" in log and "injected I/O error" in log, log[-3000:]
+    assert _visible(tmp_path / "ckpts") == ["epoch=0-step=2.ckpt"]
+    shardsafe.verify(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")

@@ -12,6 +12,7 @@ same samples per step.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +91,16 @@ def _data(world_size: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // world_size, shuffle=False)
 
 
-def _record() -> Any:
+def _record(optim_steps: bool = False, fail_from: tuple[int, str] | None = None) -> Any:
     L = _lightning()
 
     class Record(L.Callback):
         """Global losses per step, whole states at the start and the end of the fit."""
 
-        def __init__(self) -> None:
+        def __init__(self, optim_steps: bool = False, fail_from: tuple[int, str] | None = None) -> None:
+            self.fail_from = fail_from  # (global step, SHARDSAFE_FAIL_AT): saves fail from that step on
+            self.optim_steps = optim_steps  # also the whole optimizer state after each step (in ``steps``)
+            self.in_flight: list[bool] = []  # at each step's start: was an async save still committing?
             self.losses: list[float] = []
             self.start: Any = None
             self.end: Any = None
@@ -112,15 +116,23 @@ def _record() -> Any:
         def on_train_end(self, trainer: Any, module: Any) -> None:
             self.end = self._state(trainer, module)
 
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            self.in_flight.append(bool(getattr(trainer.strategy, "save_in_flight", False)))
+            if self.fail_from and trainer.global_step == self.fail_from[0]:
+                trainer.strategy.wait_for_save()  # the saves before this step are unaffected
+                os.environ["SHARDSAFE_FAIL_AT"] = self.fail_from[1]
+
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = outputs["loss"].detach().clone()
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(loss)
                 loss /= dist.get_world_size()
             self.losses.append(float(loss))
-            self.steps[trainer.global_step] = full_model_state(module)
+            self.steps[trainer.global_step] = (
+                self._state(trainer, module) if self.optim_steps else full_model_state(module)
+            )
 
-    return Record()
+    return Record(optim_steps, fail_from)
 
 
 def strategy_for(layout: str, world_size: int, **kwargs: Any) -> Any:
@@ -136,18 +148,38 @@ def strategy_for(layout: str, world_size: int, **kwargs: Any) -> Any:
     return cls(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo", **kwargs)
 
 
+def _slow_background_fsync(seconds: float) -> None:
+    """Every fsync of the async save's thread takes ``seconds`` longer (a slow disk), so training visibly
+    runs on while a save commits; the training thread's own calls are not slowed."""
+    import threading
+
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if threading.current_thread().name == "shardsafe-lightning-save":
+            time.sleep(seconds)
+        real(fd)
+
+    os.fsync = fsync  # type: ignore[assignment]
+
+
 def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Fit ``epochs`` epochs. ``opts``: ``ckpt_path`` (resume), ``checkpoint`` (ModelCheckpoint arguments; it
     saves into root/ckpts), ``hparams`` (more LightningModule arguments), ``module_layout`` (the model's
     layout when the strategy's name says otherwise), ``crash_at`` (SHARDSAFE_CRASH_AT in this rank),
-    ``validate`` (a ckpt_path for trainer.validate after the fit: the loaded state is returned)."""
+    ``validate`` (a ckpt_path for trainer.validate after the fit: the loaded state is returned), ``strategy``
+    (more strategy arguments: ``async_save``), ``optim_steps`` (``steps`` holds (params, optimizer) after each
+    step), ``slow_background_fsync`` (seconds added to each fsync of the async save's thread), ``fail_from``
+    ((global step, SHARDSAFE_FAIL_AT): the saves made from that step on fail there)."""
     L = _lightning()
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     os.environ.setdefault("NODE_RANK", "0")
     if opts.get("crash_at"):
         os.environ["SHARDSAFE_CRASH_AT"] = opts["crash_at"]
-    record = _record()
+    if opts.get("slow_background_fsync"):
+        _slow_background_fsync(float(opts["slow_background_fsync"]))
+    record = _record(bool(opts.get("optim_steps")), opts.get("fail_from"))
     callbacks: list[Any] = [record]
     mc = None
     if opts.get("checkpoint") is not None:
@@ -157,7 +189,7 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=strategy_for(layout, world_size),
+        strategy=strategy_for(layout, world_size, **opts.get("strategy", {})),
         max_epochs=epochs,
         callbacks=callbacks,
         logger=False,
@@ -182,6 +214,8 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "in_flight": record.in_flight,
+        "in_flight_after_fit": bool(getattr(trainer.strategy, "save_in_flight", False)),
     }
     if opts.get("validate"):
         trainer.validate(module, dataloaders=data, ckpt_path=opts["validate"], verbose=False)

@@ -33,6 +33,7 @@ from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import MANIFEST_NAME, Manifest
 from shardsafe.core.values import check_state_tree, encode_value
 from shardsafe.errors import CheckpointExistsError, FormatError, ShardsafeError
+from shardsafe.integrations.lightning.background import BackgroundSaves
 from shardsafe.interop.dcp_convert import dcp_state_tree
 from shardsafe.interop.dcp_metadata import METADATA_NAME, is_dcp_folder
 from shardsafe.interop.dcp_reader import DcpCheckpoint, DcpChunkReader, dcp_manifest
@@ -146,13 +147,17 @@ class LightningCheckpoints:
         optimizers: list[torch.optim.Optimizer],
         *,
         comm: Comm | None = None,
+        background: BackgroundSaves | None = None,
     ) -> None:
         """Collective: ``checkpoint`` (Lightning's dict) as one shardsafe checkpoint folder at ``path``.
 
         The model and optimizers are saved from ``model`` and ``optimizers`` (each rank its shards);
         ``checkpoint``'s other entries from rank 0. With no ``optimizer_states`` in ``checkpoint``
-        (``save_weights_only``), the optimizers are left out."""
+        (``save_weights_only``), the optimizers are left out. With ``background`` (``async_save=True``)
+        the call returns once the state is copied; the folder is committed by its thread."""
         comm = comm or get_comm()
+        if background is not None:
+            background.wait()  # the previous save committed (this run's ``written``) before deciding anything
         run = self.run_id(comm)
         rest = comm.on_coordinator(lambda: checked_rest(checkpoint), default=FormatError)
         state: dict[str, Any] = {MODEL_KEY: model}
@@ -168,8 +173,14 @@ class LightningCheckpoints:
             "global_step": rest.get("global_step"),
             "epoch": rest.get("epoch"),
         }
-        save(target, state, overwrite=overwrite, metadata={META_KEY: meta}, process_group=comm.group)
-        self.written.add(where(target))
+        key = where(target)
+        if background is None:
+            save(target, state, overwrite=overwrite, metadata={META_KEY: meta}, process_group=comm.group)
+            self.written.add(key)
+            return
+        background.save(
+            target, state, comm, overwrite=overwrite, metadata={META_KEY: meta}, committed=lambda: self.written.add(key)
+        )
 
     def may_replace(self, target: Path | RemoteDir) -> bool:
         """Whether a save at ``target`` replaces what is there (False: nothing is); raises if another run's."""

@@ -13,15 +13,21 @@ and optimizers in place themselves, so Lightning's ``load_model_state_dict`` /
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
+from shardsafe.errors import SaveError
+from shardsafe.integrations.lightning.background import BackgroundSaves
 from shardsafe.integrations.lightning.checkpoints import LightningCheckpoints
 
 __all__ = ["ShardsafeDDPStrategy", "ShardsafeModelParallelStrategy"]
+
+log = logging.getLogger(__name__)
 
 
 def _refuse_storage_options(strategy: Any, storage_options: Any) -> None:
@@ -32,10 +38,17 @@ def _refuse_storage_options(strategy: Any, storage_options: Any) -> None:
         )
 
 
+def _background(async_save: bool) -> BackgroundSaves | None:
+    if not isinstance(async_save, bool):
+        raise ValueError(f"async_save must be True or False, not {async_save!r}")
+    return BackgroundSaves() if async_save else None
+
+
 class _ShardsafeCheckpointing:
     """The checkpoint methods both strategies share (a mixin before Lightning's class in the bases)."""
 
     _shardsafe: LightningCheckpoints
+    _background: BackgroundSaves | None
     model: Any
     optimizers: list[Any]
     lightning_module: Any
@@ -50,19 +63,47 @@ class _ShardsafeCheckpointing:
         shardsafe checkpoint folder at ``filepath`` (rank 0's choice)."""
         _refuse_storage_options(self, storage_options)
         path = self.broadcast(os.fspath(filepath))
-        self._shardsafe.save(path, checkpoint, self.model, list(self.optimizers))
+        self._shardsafe.save(path, checkpoint, self.model, list(self.optimizers), background=self._background)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: the model and optimizers loaded in place (any world size and layout); returns the rest of
         Lightning's checkpoint dict (loops, callbacks, schedulers, ...), as ``ModelParallelStrategy`` does."""
+        self.wait_for_save()  # resuming reads what the last save committed
         path = self.broadcast(os.fspath(checkpoint_path))
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
         return self._shardsafe.load(path, self.model, list(self.optimizers), strict=strict)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's rotation: rank 0 retires the folder if this run wrote it (never another run's)."""
-        if self.is_global_zero:
-            self._shardsafe.remove(os.fspath(filepath))
+        if not self.is_global_zero:
+            return
+        path = os.fspath(filepath)
+        if self._background is None:
+            self._shardsafe.remove(path)
+        else:  # after the save ModelCheckpoint just made has committed; not at all if it failed
+            self._background.after_commit(lambda: self._shardsafe.remove(path))
+
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether an async save (``async_save=True``) is still being written and committed."""
+        return self._background is not None and self._background.in_flight
+
+    def wait_for_save(self) -> None:
+        """Block until the async save in flight (if any) is committed; raise its error (``SaveError``)."""
+        if self._background is not None:
+            self._background.wait()
+
+    def teardown(self) -> None:
+        """Lightning's teardown, after the save in flight has committed. Its error is raised, unless the run
+        is already ending on another exception (then it is logged, so it does not hide that one)."""
+        try:
+            self.wait_for_save()
+        except SaveError:
+            if sys.exc_info()[0] is None:
+                super().teardown()  # type: ignore[misc]
+                raise
+            log.exception("shardsafe: the async checkpoint save in flight failed while the run ended on an error")
+        super().teardown()  # type: ignore[misc]
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -81,17 +122,20 @@ class _ShardsafeCheckpointing:
 
 class ShardsafeModelParallelStrategy(_ShardsafeCheckpointing, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel applied in ``configure_model``), saving
-    and loading shardsafe checkpoints. Same arguments."""
+    and loading shardsafe checkpoints. Same arguments, and ``async_save=True``: a save returns once the state
+    is copied to host memory and commits in the background (background.py: the manager's guarantees)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._shardsafe = LightningCheckpoints()
+        self._background = _background(async_save)
 
 
 class ShardsafeDDPStrategy(_ShardsafeCheckpointing, DDPStrategy):
     """Lightning's ``DDPStrategy``, saving and loading shardsafe checkpoints (every rank takes part; the
-    replicated weights are written once). Same arguments."""
+    replicated weights are written once). Same arguments, and ``async_save`` as for the model-parallel one."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._shardsafe = LightningCheckpoints()
+        self._background = _background(async_save)
