@@ -37,11 +37,12 @@ from torch.utils.data import IterableDataset
 pytest.importorskip("torchtitan")
 pytest.importorskip("torchdata")
 
-from test_torchtitan import BATCH, SEQ, VOCAB, build  # noqa: E402  (the llama3 client and its CPU adaptations)
+from test_torchtitan import BATCH, SEQ, VOCAB, build, tiny_config  # noqa: E402  (the llama3 client, CPU adaptations)
 from torchtitan.components.checkpointer import CheckpointManager as TorchtitanDcpManager  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
 
 import nd_utils  # noqa: E402
 import shardsafe  # noqa: E402
@@ -96,9 +97,11 @@ def run(
     record_at: tuple[int, ...] = (),
     seed: int = 0,
     dcp_manager: bool = False,
+    hf_assets: str | None = None,
 ) -> dict[str, Any]:
     """One torchtitan training job (the Trainer's calls around its checkpointer); see the module docstring.
-    A resumed run is built from another ``seed``, so what it holds after the load came from the checkpoint."""
+    A resumed run is built from another ``seed``, so what it holds after the load came from the checkpoint.
+    The ``sd_adapter`` is torchtitan's llama3 one, with ``hf_assets`` as its ``hf_assets_path``."""
     model, _, dp_mesh = build(layout, world_size, seed=seed)
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     optimizers = OptimizersContainer.Config(
@@ -123,9 +126,13 @@ def run(
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
         states={"train_state": train_state},
-        sd_adapter=None,
+        sd_adapter=Llama3StateDictAdapter(tiny_config(), hf_assets),
         base_folder=base,
     )
+    if config.create_seed_checkpoint:  # torchtitan's train.py: this save instead of training
+        checkpointer.save(curr_step=0, last_step=True)
+        checkpointer.close()
+        return {"seed": whole(model, optimizers)}
     checkpointer.load(step=config.load_step)
     loaded_at = train_state.step
     loaded = whole(model, optimizers) if checkpoint.get("enable") else None
@@ -251,8 +258,8 @@ def test_config_refusals(tmp_path: Path) -> None:
         ShardsafeCheckpointManager.Config(
             enable=True, initial_load_path="/x", initial_load_in_hf=True, initial_load_in_hf_quantized=True
         )
-    with pytest.raises(ValueError, match="export_dtype"):
-        ShardsafeCheckpointManager.Config(enable=True, export_dtype="bfloat16")
+    with pytest.raises(ValueError, match="absolute"):  # torchtitan's shared check, kept
+        ShardsafeCheckpointManager.Config(enable=True, initial_load_path="relative/step-4")
     with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's shared check, kept
         ShardsafeCheckpointManager.Config(enable=True, keep_latest_k=-1)
     model = torch.nn.Linear(2, 2)
@@ -261,6 +268,10 @@ def test_config_refusals(tmp_path: Path) -> None:
     config = ShardsafeCheckpointManager.Config(enable=True, exclude_from_loading=["optimzer"])
     with pytest.raises(ValueError, match="optimzer"):
         config.build(model_parts=[model], base_folder=str(tmp_path), **kwargs)
+    with pytest.raises(ValueError, match="sd_adapter"):  # as the DCP manager refuses it
+        ShardsafeCheckpointManager.Config(enable=True, last_save_in_hf=True).build(
+            model_parts=[model], base_folder=str(tmp_path), **kwargs
+        )
     with pytest.raises(shardsafe.ShardsafeError, match="model parts"):
         ShardsafeCheckpointManager.Config(enable=True).build(
             model_parts=[model, torch.nn.Linear(2, 2)], base_folder=str(tmp_path), **kwargs

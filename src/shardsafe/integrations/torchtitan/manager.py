@@ -15,8 +15,10 @@ every field with torchtitan's DCP manager.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -24,14 +26,20 @@ from torchtitan.components.checkpointer.base import BaseCheckpointManager
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from shardsafe.core.comm import get_comm
+from shardsafe.api.load import load
+from shardsafe.api.location import location
+from shardsafe.core.format import dtype_from_name, dtype_name
 from shardsafe.errors import CheckpointNotFoundError, ShardsafeError
 from shardsafe.integrations.torchtitan.dcp_folders import dcp_manager_steps, load_dcp_manager_folder
-from shardsafe.integrations.torchtitan.state import MODEL, OPTIMIZER, model_part, training_state
+from shardsafe.integrations.torchtitan.hf_weights import TensorHolder, export_hf_folder, load_hf_weights
+from shardsafe.integrations.torchtitan.state import EXPORT_DTYPE, MODEL, OPTIMIZER, model_part, training_state
+from shardsafe.interop.dcp_metadata import is_dcp_folder
 from shardsafe.manager.lease import DEFAULT_LEASE_TIMEOUT
 from shardsafe.manager.manager import CheckpointManager
 from shardsafe.manager.nodes import DEFAULT_LOCAL_DIR
 from shardsafe.protocol.commit import open_checkpoint
+from shardsafe.state.adapters import model_state
+from shardsafe.storage.remote import RemoteDir
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,21 +93,6 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
                 raise ValueError(
                     "initial_load_in_hf_quantized is not supported by ShardsafeCheckpointManager (quantized HF "
                     "weights need torchtitan's quantized reader): use torchtitan's CheckpointManager for that load"
-                )
-            not_yet = [
-                name
-                for name, value in (
-                    ("initial_load_path", self.initial_load_path),
-                    ("last_save_in_hf", self.last_save_in_hf),
-                    ("export_dtype", self.export_dtype != "float32"),
-                )
-                if value
-            ]
-            if not_yet:
-                raise ValueError(
-                    f"{not_yet} are not supported by ShardsafeCheckpointManager yet (docs/TORCHTITAN.md): export the "
-                    "last checkpoint with `shardsafe export CKPT OUT --dtype ...`, and start from another checkpoint "
-                    "by placing it in the folder"
                 )
             if self.load_only and self.local_every is not None:
                 raise ValueError("load_only saves nothing, so it has no local tier (local_every)")
@@ -180,13 +173,32 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
 
     def _save_last_step(self, curr_step: int) -> None:
         """The final save, synchronous as the DCP manager's: the whole state, or (``last_save_model_only``)
-        the model alone in ``export_dtype``, in a shardsafe checkpoint that loads into any layout."""
+        the model alone in ``export_dtype``, in a shardsafe checkpoint that loads into any layout; with
+        ``last_save_in_hf`` that checkpoint is also exported through ``sd_adapter`` as a Hugging Face
+        model folder ``<folder>/step-<N>``, where the DCP manager writes it."""
         if not self.config.last_save_model_only:
             self.manager.save(curr_step, self.state, force=True)
         else:
-            self.manager.save(curr_step, {MODEL: self.model}, force=True)
+            self.manager.save(curr_step, self._final_model_state(), force=True)
         self.manager.wait()
         self.save_future = None
+        if self.config.last_save_in_hf:
+            checkpoint, out = self.manager.step_path(curr_step), Path(self.folder) / f"step-{curr_step}"
+            assert isinstance(checkpoint, Path)  # the Config refuses last_save_in_hf with an object-store folder
+            self.manager.comm.on_coordinator(
+                lambda: export_hf_folder(checkpoint, out, self.sd_adapter, self.export_dtype)
+            )
+            log.info("shardsafe: the last step's model, in Hugging Face format: %s", out)
+
+    def _final_model_state(self) -> dict[str, Any]:
+        """The model in ``export_dtype``: the module itself when it is in that dtype already, else its
+        state dict cast (DTensors stay sharded) under the module's names, plus a note of the dtype
+        that a later model-only load reads (:meth:`_load_model`)."""
+        native = model_state(self.model)
+        if all(not t.is_floating_point() or t.dtype == self.export_dtype for t in native.values()):
+            return {MODEL: self.model}
+        cast = {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in native.items()}
+        return {MODEL: TensorHolder(cast), EXPORT_DTYPE: dtype_name(self.export_dtype)}
 
     def _maybe_wait_for_staging(self) -> None:
         """async: the copy was made inside save(), nothing to wait for. async_with_pinned_mem
@@ -217,8 +229,9 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
                 f"(it holds {steps[-10:]})"
             )
         target = steps[-1] if step == -1 else step
-        if self._model_only(target):
-            self.manager.restore({MODEL: self.model}, step=target)
+        model_only, export_dtype = self._saved_as(self.manager.step_path(target))
+        if model_only or target == 0:
+            self._load_model(lambda state: self.manager.restore(state, step=target), export_dtype)
             return True
         loaded = self.manager.restore(self._loadable(), step=None if step == -1 else step)
         log.info("shardsafe: loaded step %s from %s", loaded, self.folder)
@@ -235,29 +248,103 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
                 f"(shardsafe's: none; the DCP manager's: {sorted(found)[-10:]})"
             )
         if not found:
-            log.info("shardsafe: no checkpoint in %s, this is a fresh start", self.folder)
-            return False
+            return self._initial_load()
         target = max(found) if step == -1 else step
-        if f"{OPTIMIZER}_1" in self.state:
+        log.info("shardsafe: no shardsafe checkpoint in %s; loading the DCP manager's %s", self.folder, found[target])
+        self._load_dcp(found[target], model_only=target == 0)
+        return True
+
+    def _load_dcp(self, folder: Path, model_only: bool) -> None:
+        """A DCP manager's ``step-<N>`` folder, read in place and resharded: the model alone, or everything
+        this run loads but the data position (pickled there)."""
+        if not model_only and f"{OPTIMIZER}_1" in self.state:
             raise ShardsafeError(
-                f"{found[target]}: resuming several optimizers per model part from the DCP manager's folder is not "
-                "supported; convert it with the DCP manager's own run, or start this run fresh"
+                f"{folder}: resuming several optimizers per model part from the DCP manager's folder is not "
+                "supported; load the model only (initial_load_model_only), or convert it with the DCP manager's "
+                "own run"
             )
-        model_only = target == 0
         state: dict[str, Any] = {MODEL: self.model} if model_only else self._loadable()
         optimizer: torch.optim.Optimizer | None = None if model_only else state.get(OPTIMIZER)
-        log.info("shardsafe: no shardsafe checkpoint in %s; loading the DCP manager's %s", self.folder, found[target])
-        load_dcp_manager_folder(found[target], state, self.model, optimizer)
+        load_dcp_manager_folder(folder, state, self.model, optimizer)
+
+    def _initial_load(self) -> bool:
+        """The folder holds no checkpoint: start from ``initial_load_path`` as the DCP manager does (the model
+        alone unless ``initial_load_model_only=False``): a Hugging Face folder (``initial_load_in_hf``; the
+        adapter's ``hf_assets_path`` when no path is given), a DCP manager ``step-<N>`` folder, or a
+        shardsafe checkpoint (this manager's ``step-<10 digits>``). Later runs resume from ``folder``."""
+        config = self.config
+        path = config.initial_load_path
+        if config.initial_load_in_hf:
+            path = path or getattr(self.sd_adapter, "hf_assets_path", None)
+            if not path:
+                raise ValueError(
+                    "checkpoint.initial_load_in_hf: no checkpoint.initial_load_path, and the sd_adapter has no "
+                    "hf_assets_path to load the Hugging Face weights from"
+                )
+        if not path:
+            log.info("shardsafe: no checkpoint in %s, this is a fresh start", self.folder)
+            return False
+        log.info("shardsafe: no checkpoint in %s; initial load from %s", self.folder, path)
+        local = Path(path)
+        if config.initial_load_in_hf:
+            if not local.is_dir():
+                raise ValueError(f"checkpoint.initial_load_path is not a Hugging Face model folder: {path}")
+            load_hf_weights(self.model, path, self.sd_adapter, self.manager.comm.group)
+        elif "://" not in path and is_dcp_folder(local):
+            self._load_dcp(local, model_only=config.initial_load_model_only)
+        else:
+            self._initial_load_shardsafe(path)
         return True
+
+    def _initial_load_shardsafe(self, path: str) -> None:
+        """``initial_load_path`` as a shardsafe checkpoint (local or an object-store URL)."""
+        group = self.manager.comm.group
+        try:
+            model_only, export_dtype = self._saved_as(location(path))
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"checkpoint.initial_load_path={path}: {exc}. It must name one checkpoint: a shardsafe "
+                "step-<10 digits> folder, a DCP manager step-<N> folder, or a Hugging Face model folder with "
+                "checkpoint.initial_load_in_hf=True"
+            ) from exc
+        if self.config.initial_load_model_only or model_only:
+            self._load_model(lambda state: load(path, state, process_group=group), export_dtype)
+        else:
+            load(path, self._loadable(), process_group=group)
 
     def _loadable(self) -> dict[str, Any]:
         return {k: v for k, v in self.state.items() if k not in self.config.exclude_from_loading}
 
-    def _model_only(self, step: int) -> bool:
-        """Whether the checkpoint of ``step`` holds the model alone (a seed checkpoint, a final
-        ``last_save_model_only`` save): then only the model is loaded, as the DCP manager does for step 0."""
-        path = self.manager.step_path(step)
-        return bool(get_comm().on_coordinator(lambda: OPTIMIZER not in open_checkpoint(path)[1]))
+    def _saved_as(self, path: Path | RemoteDir) -> tuple[bool, str | None]:
+        """Whether the checkpoint at ``path`` holds the model alone (a seed checkpoint, a final
+        ``last_save_model_only`` save: then only the model is loaded, as the DCP manager does for step 0),
+        and the dtype it was cast to (``export_dtype``), if any."""
+
+        def read() -> tuple[bool, str | None]:
+            tree = open_checkpoint(path)[1]
+            note = tree.get(EXPORT_DTYPE)
+            dtype = note.get("state") if isinstance(note, dict) else None
+            return OPTIMIZER not in tree, dtype if isinstance(dtype, str) else None
+
+        return self.manager.comm.on_coordinator(read)
+
+    def _load_model(self, load_into: Callable[[dict[str, Any]], Any], export_dtype: str | None) -> None:
+        """Load the model alone with ``load_into``; a model saved in another ``export_dtype`` is read
+        strictly (every name, shape and that dtype) into tensors of the model's layout in that dtype,
+        then copied into the model, cast (the load stays all-or-nothing)."""
+        if export_dtype is None:
+            load_into({MODEL: self.model})
+            return
+        dtype = dtype_from_name(export_dtype, f"{EXPORT_DTYPE} entry")
+        native = model_state(self.model)
+        holder = TensorHolder(
+            {
+                k: torch.empty_like(v, dtype=dtype) if v.is_floating_point() else torch.empty_like(v)
+                for k, v in native.items()
+            }
+        )
+        load_into({MODEL: holder})
+        self.model.load_state_dict(dict(holder.named_buffers()), strict=True)
 
     # ------------------------------------------------------------------ close
 

@@ -26,6 +26,7 @@ from shardsafe.state.rng import RNGState
 
 __all__ = [
     "DATALOADER",
+    "EXPORT_DTYPE",
     "LR_SCHEDULER",
     "MODEL",
     "OPTIMIZER",
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG = "model", "optimizer", "lr_scheduler", "dataloader", "rng"
+EXPORT_DTYPE = "export_dtype"  # a final model-only checkpoint saved in another dtype notes it here
 
 
 def model_part(model_parts: list[nn.Module]) -> nn.Module:
@@ -127,7 +129,7 @@ def training_state(
     states: dict[str, Any],
 ) -> dict[str, Any]:
     """The full shardsafe state of one rank, in the names of torchtitan's DCP manager (plus ``rng``)."""
-    clash = sorted({MODEL, LR_SCHEDULER, DATALOADER, RNG, OPTIMIZER} & set(states))
+    clash = sorted({MODEL, LR_SCHEDULER, DATALOADER, RNG, OPTIMIZER, EXPORT_DTYPE} & set(states))
     if clash:
         raise ShardsafeError(f"states {clash} clash with the names the checkpoint manager gives torchtitan's objects")
     tree: dict[str, Any] = {MODEL: model, **optimizer_entries(optimizers)}
