@@ -32,6 +32,7 @@ from shardsafe.manager.catalog import list_checkpoints  # noqa: E402
 from shardsafe.manager.gc import collect_garbage  # noqa: E402
 from shardsafe.manager.manager import CheckpointManager  # noqa: E402
 from shardsafe.state.rng import RNGState  # noqa: E402
+from shardsafe.state.subclasses import register_tensor_subclass, unregister_tensor_subclass  # noqa: E402
 
 __all__ = [
     "CheckpointExistsError",
@@ -61,7 +62,9 @@ __all__ = [
     "load",
     "load_pretrained",
     "push",
+    "register_tensor_subclass",
     "save",
     "save_pretrained",
+    "unregister_tensor_subclass",
     "verify",
 ]

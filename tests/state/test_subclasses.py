@@ -1,8 +1,9 @@
 """The tensor-subclass policy (docs/FORMAT.md, "Tensor subclasses"), with torchao's real classes:
 a wrapper of a plain tensor (float8 training weights) stores its value and loads back exactly;
-quantized subclasses (NF4Tensor, MXTensor) and subclasses with their own dispatch and no
-``__tensor_flatten__`` are refused at save, naming the key and the remedy, nothing written; a plain
-Python subclass of torch.Tensor is a plain tensor."""
+a quantized subclass not allowlisted (here: torchao's NF4Tensor taken off the list) and subclasses
+with their own dispatch and no ``__tensor_flatten__`` are refused at save, naming the key and the
+remedy, nothing written; a plain Python subclass of torch.Tensor is a plain tensor. Allowlisted
+quantized subclasses, stored by their parts: test_subclass_parts.py."""
 
 from __future__ import annotations
 
@@ -63,26 +64,12 @@ def test_plain_python_subclass_is_a_plain_tensor(tmp_path: Path) -> None:
     assert torch.equal(into, torch.arange(6.0))
 
 
-def _nf4() -> torch.Tensor:
-    from torchao.quantization import to_nf4
-
-    return to_nf4(torch.randn(64, 64, dtype=torch.bfloat16), 64, 16)
-
-
-def _mx() -> torch.Tensor:
-    from torchao.prototype.mx_formats.mx_tensor import MXTensor
-
-    return MXTensor.to_mx(torch.randn(32, 64, dtype=torch.bfloat16), torch.float8_e4m3fn, 32)
-
-
 @pytest.mark.parametrize(
     "make, message",
     [
-        (_nf4, r"'model/weight': a torchao\..*NF4Tensor is a quantized tensor subclass .* dequantize"),
-        (_mx, r"'model/weight': a torchao\..*MXTensor is a quantized tensor subclass"),
         (lambda: OwnDispatch(torch.ones(64, 64)), r"OwnDispatch .*no __tensor_flatten__.* plain tensor"),
     ],
-    ids=["nf4", "mx", "own-dispatch"],
+    ids=["own-dispatch"],
 )
 def test_refused_at_save_nothing_written(tmp_path: Path, make: Any, message: str) -> None:
     value = make()

@@ -19,7 +19,7 @@ from typing import Any
 from shardsafe.api.checkpoint import verify
 from shardsafe.cli.formatting import format_bytes, natural_key, plural, printable, table
 from shardsafe.core.format import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, dtype_name
-from shardsafe.core.values import decode_value
+from shardsafe.core.values import SubclassRecord, decode_value, subclass_records
 from shardsafe.errors import FormatError
 from shardsafe.interop.dcp_metadata import is_dcp_folder
 from shardsafe.interop.dcp_reader import DcpCheckpoint, format_dcp
@@ -96,11 +96,18 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         {"name": MANIFEST_NAME, "kind": "manifest", "rank": None, "size": (folder / MANIFEST_NAME).lstat().st_size}
     )
     real_shapes = _engine_shapes(tree, state_where)
+    records = _subclasses(tree, state_where)
+    part_of = {f"{r.path}/{n}": r.cls for r in records for n in r.inner}
     tensors = [
         {"key": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": _chunk_count(t), "bytes": t.nbytes}
         | _layout(t, manifest.files)
         | ({"param_shape": list(real_shapes[key])} if key in real_shapes else {})
+        | ({"subclass": part_of[key]} if key in part_of else {})
         for key, t in sorted(manifest.tensors.items(), key=lambda item: natural_key(item[0]))
+    ]
+    subclasses = [
+        {"key": r.path, "class": r.cls, "shape": list(r.shape), "inner": list(r.inner)}
+        for r in sorted(records, key=lambda r: natural_key(r.path))
     ]
     external = sorted(
         {c.checkpoint for t in manifest.tensors.values() for c in t.chunks if c.checkpoint is not None}, key=natural_key
@@ -118,11 +125,21 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         "total_bytes": sum(f["size"] for f in files),
         "shard_files": len(manifest.files),
         "tensors": tensors,
+        "subclasses": subclasses,
         "files": files,
         "state": [_describe_entry(name, entry, manifest, state_where) for name, entry in tree.items()],
         "referenced_checkpoints": external,
         "metadata": manifest.metadata,
     }
+
+
+def _subclasses(tree: dict[str, Any], where: str) -> list[SubclassRecord]:
+    """The tensor subclasses stored by their parts (``__subclass__`` records), in every entry."""
+    out: list[SubclassRecord] = []
+    for name, entry in tree.items():
+        if isinstance(entry, dict):
+            out += subclass_records([entry.get("state"), entry.get("ranks")], f"{where}: entry {name!r}").values()
+    return out
 
 
 def _created(value: float, where: str) -> datetime:
@@ -239,6 +256,20 @@ def _layout_text(t: dict[str, Any]) -> str:
     )
 
 
+def _subclass_lines(subclasses: list[dict[str, Any]]) -> list[str]:
+    """The table of tensor subclasses stored by their parts (none: no lines)."""
+    if not subclasses:
+        return []
+    return [
+        "",
+        f"tensor subclasses ({len(subclasses)}), rebuilt on load from the tensors <key>/<inner>",
+        *table(
+            ["key", "class", "shape", "inner tensors"],
+            [[s["key"], s["class"], _shape(s["shape"]), ", ".join(s["inner"])] for s in subclasses],
+        ),
+    ]
+
+
 def format_inspection(info: dict[str, Any]) -> str:
     """The human form of :func:`describe_checkpoint` (every name from the files printed escaped)."""
     created = datetime.fromtimestamp(info["created"], tz=timezone.utc).astimezone()
@@ -271,6 +302,7 @@ def format_inspection(info: dict[str, Any]) -> str:
             ],
             right={3, 4},
         ),
+        *_subclass_lines(info.get("subclasses", [])),
         "",
         f"files ({len(info['files'])})",
         *table(

@@ -1,29 +1,39 @@
 """The state tree: nested Python values <-> JSON with tagged tensors, tuples, non-string keys, dtypes.
 
 ``state.json`` holds one entry per state name, ``{"kind": ..., "state": <encoded value>}`` (or
-``"ranks": [...]`` for per-rank values). :func:`encode_value` and :func:`decode_value` are exact
+``"ranks": [...]`` for per-rank values). A tensor subclass stored by its parts (an allowlisted
+quantized class, state/subclasses.py) is one ``{"__subclass__": {...}}`` record: its class name, outer
+shape and stride, its inner tensors by reference and its flatten context as JSON; here it decodes
+to a :class:`SubclassRecord`, which the state layer rebuilds. :func:`encode_value` and :func:`decode_value` are exact
 inverses for what they accept (types included); :func:`check_state_tree` is what every reader
 requires of a tree, and :func:`encode_state` runs it on the bytes a save is about to write.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shardsafe.core.dtypes import dtype_from_name, dtype_name
-from shardsafe.core.format import STATE_NAME, Manifest, check_tensor_key
+from shardsafe.core.format import MAX_DIMS, STATE_NAME, Manifest, check_tensor_key
 from shardsafe.core.jsonsafe import MAX_JSON_DEPTH, check_json_string, dump_json, parse_json
 from shardsafe.errors import FormatError, SaveError
 
 __all__ = [
+    "DTYPE_TAG",
+    "SUBCLASS_TAG",
+    "SubclassRecord",
     "TENSOR_REF",
+    "TUPLE_TAG",
     "check_state_tree",
     "decode_value",
     "encode_state",
     "encode_value",
     "merge_values",
+    "subclass_entry",
+    "subclass_records",
     "state_tensor_keys",
 ]
 
@@ -31,7 +41,101 @@ TENSOR_REF = "__tensor__"
 TUPLE_TAG = "__tuple__"
 PAIRS_TAG = "__pairs__"
 DTYPE_TAG = "__dtype__"
-_TAGS = (TENSOR_REF, TUPLE_TAG, PAIRS_TAG, DTYPE_TAG)
+SUBCLASS_TAG = "__subclass__"
+_TAGS = (TENSOR_REF, TUPLE_TAG, PAIRS_TAG, DTYPE_TAG, SUBCLASS_TAG)
+_RECORD_FIELDS = frozenset({"class", "shape", "stride", "inner", "context"})
+MAX_CLASS_NAME = 300
+
+
+@dataclass(frozen=True)
+class SubclassRecord:
+    """A stored tensor subclass, decoded: ``inner`` holds what the lookup gave for each inner
+    tensor (loaded tensors, or stand-ins while checking); ``context`` is still JSON (its types are
+    decoded by the class's registration, state/subclasses.py). ``path`` is the tensor's own key:
+    the inner tensors are stored as ``<path>/<inner name>``."""
+
+    path: str
+    cls: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    inner: dict[str, Any]
+    context: Any
+
+
+def subclass_entry(
+    cls: str, shape: tuple[int, ...], stride: tuple[int, ...], inner_keys: dict[str, str], context: Any
+) -> dict[str, Any]:
+    """The ``state.json`` record of a tensor subclass stored by its parts (``context`` already JSON)."""
+    return {
+        SUBCLASS_TAG: {
+            "class": cls,
+            "shape": list(shape),
+            "stride": list(stride),
+            "inner": {name: {TENSOR_REF: key} for name, key in inner_keys.items()},
+            "context": context,
+        }
+    }
+
+
+def _int_list(value: Any, where: str, what: str) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_DIMS
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 62 for n in value)
+    ):
+        raise FormatError(f"{where}: a tensor subclass record's {what} is not a list of at most {MAX_DIMS} sizes")
+    return tuple(value)
+
+
+def _subclass_record(raw: Any, tensor_lookup: Any, where: str) -> SubclassRecord:
+    """A ``__subclass__`` record, checked field by field (it comes from the file)."""
+    if not isinstance(raw, dict) or set(raw) != _RECORD_FIELDS:
+        raise FormatError(f"{where}: a tensor subclass record needs exactly the fields {sorted(_RECORD_FIELDS)}")
+    cls, inner = raw["class"], raw["inner"]
+    if not isinstance(cls, str) or not 0 < len(cls) <= MAX_CLASS_NAME:
+        raise FormatError(f"{where}: a tensor subclass record's class is not a name")
+    shape = _int_list(raw["shape"], where, "shape")
+    stride = _int_list(raw["stride"], where, "stride")
+    if len(stride) != len(shape):
+        raise FormatError(f"{where}: a tensor subclass record's stride {list(stride)} does not fit its shape")
+    if not isinstance(inner, dict) or not inner:
+        raise FormatError(f"{where}: the {cls!r:.100} record has no inner tensors")
+    path: str | None = None
+    values: dict[str, Any] = {}
+    for name, ref in inner.items():
+        key = ref.get(TENSOR_REF) if isinstance(ref, dict) and len(ref) == 1 else None
+        if not isinstance(key, str) or not name or "/" in name or not key.endswith("/" + name):
+            raise FormatError(
+                f"{where}: the {cls!r:.100} record's inner tensor {name!r:.100} is not a reference to "
+                "<tensor key>/<inner name>"
+            )
+        own = key[: -len(name) - 1]
+        if path is not None and own != path:
+            raise FormatError(f"{where}: the {cls!r:.100} record's inner tensors belong to different keys")
+        path = own
+        values[name] = tensor_lookup(key)
+    assert path is not None
+    return SubclassRecord(path, cls, shape, stride, values, raw["context"])
+
+
+def subclass_records(value: Any, where: str = STATE_NAME) -> dict[str, SubclassRecord]:
+    """Every subclass record inside an encoded value, by its tensor's key (inner tensors not looked up)."""
+    found: dict[str, SubclassRecord] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for item in v:
+                walk(item)
+        elif isinstance(v, dict):
+            if len(v) == 1 and SUBCLASS_TAG in v:
+                record = _subclass_record(v[SUBCLASS_TAG], lambda key: None, where)
+                found[record.path] = record
+                return
+            for item in v.values():
+                walk(item)
+
+    walk(value)
+    return found
 
 
 def encode_value(value: Any, path: str, tensor_ref: Any, depth: int = 0) -> Any:
@@ -51,7 +155,8 @@ def encode_value(value: Any, path: str, tensor_ref: Any, depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, torch.Tensor):
-        return {TENSOR_REF: tensor_ref(path, value)}
+        ref = tensor_ref(path, value)  # a key, or a whole subclass record (see subclass_entry)
+        return ref if isinstance(ref, dict) else {TENSOR_REF: ref}
     if isinstance(value, torch.dtype):
         return {DTYPE_TAG: dtype_name(value)}
     if isinstance(value, (tuple, torch.Size)):
@@ -94,6 +199,8 @@ def decode_value(value: Any, tensor_lookup: Any, where: str = STATE_NAME) -> Any
             return tuple(decode_value(v, tensor_lookup, where) for v in inner)
         if tag == DTYPE_TAG:
             return dtype_from_name(inner, where)
+        if tag == SUBCLASS_TAG:
+            return _subclass_record(inner, tensor_lookup, where)
         if tag == PAIRS_TAG and isinstance(inner, list):
             out = {}
             for pair in inner:

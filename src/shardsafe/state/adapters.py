@@ -43,6 +43,7 @@ from shardsafe.state.base import (
     unwrap_module,
 )
 from shardsafe.state.module_load import CustomLoad, CustomRoot, clean_name, custom_roots
+from shardsafe.state.subclasses import rebuild_records
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
@@ -117,9 +118,10 @@ class ModuleAdapter:
         custom = _custom_load(value, state, clean)
         bound = Bound(name, value, self, context=custom)
         if custom is None:
-            bind_tensors(bound.targets, state, name)
+            bind_tensors(bound.targets, state, name, subclasses=bound.subclasses)
             return bound
-        bind_tensors(bound.targets, {k: v for k, v in state.items() if not custom.owns(k)}, name)
+        own = {k: v for k, v in state.items() if not custom.owns(k)}
+        bind_tensors(bound.targets, own, name, subclasses=bound.subclasses)
         before = set(bound.targets)
         custom.bind(name, _state_of(ctx), state, ctx.layout, clean, bound.targets)
         bound.early.update(set(bound.targets) - before)
@@ -165,7 +167,7 @@ class TensorAdapter(ModuleAdapter):
 
     def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound:
         bound = Bound(name, value, self)
-        bind_tensors(bound.targets, value, name)
+        bind_tensors(bound.targets, value, name, subclasses=bound.subclasses)
         return bound
 
 
@@ -219,7 +221,7 @@ class StatefulAdapter:
         return type_problems(bound.value.state_dict(), saved, f"{bound.name!r}: state")
 
     def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep:
-        state = decode_value(_state_of(ctx), lookup, f"state.json {bound.name!r}")
+        state = rebuild_records(decode_value(_state_of(ctx), lookup, f"state.json {bound.name!r}"))
         _checked_state(bound.value, state, bound.name)
         return _load_step(bound.name, bound.value, state)
 
@@ -263,7 +265,7 @@ class PerRankAdapter(StatefulAdapter):
         return []
 
     def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep:
-        state = decode_value(self._mine(bound, ctx), lookup, f"state.json {bound.name!r}")
+        state = rebuild_records(decode_value(self._mine(bound, ctx), lookup, f"state.json {bound.name!r}"))
         _checked_state(bound.value, state, bound.name)
         return _load_step(bound.name, bound.value, state)
 
@@ -292,7 +294,7 @@ class ValueAdapter:
         return []
 
     def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep:
-        decoded = decode_value(_state_of(ctx), lookup, f"state.json {bound.name!r}")
+        decoded = rebuild_records(decode_value(_state_of(ctx), lookup, f"state.json {bound.name!r}"))
         state = ctx.state
 
         def apply() -> None:

@@ -29,9 +29,10 @@ from shardsafe.core.dtypes import dtype_name, is_packed, safetensors_shape
 from shardsafe.core.format import MAX_DIMS, MAX_NUMEL, Manifest, check_tensor_key, numel
 from shardsafe.core.plan import LocalChunk
 from shardsafe.core.rule import LayoutRule, Placement
-from shardsafe.core.values import encode_value
+from shardsafe.core.values import SubclassRecord, encode_value, subclass_entry
 from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.protocol.transfer import ReadTarget
+from shardsafe.state.subclasses import SubclassSpec, class_name, encode_context, spec_for_type
 
 __all__ = [
     "Bound",
@@ -63,6 +64,8 @@ __all__ = [
     "pieces",
     "read_target",
     "snapshot",
+    "subclass_of",
+    "subclass_parts",
     "tensor_summary",
     "type_problems",
     "unwrap_module",
@@ -115,6 +118,8 @@ class Bound:
     # keys of ``targets`` whose values user code takes in the load's third phase (a module's own
     # load_state_dict): read by this rank in the first pass, not after (see api/load.py)
     early: set[str] = field(default_factory=set)
+    # live tensor subclasses read in place by their inner tensors: key -> (class name, encoded context)
+    subclasses: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,8 @@ def check_subclass(key: str, tensor: torch.Tensor) -> None:
     (by its local tensor, checked the same way), and a wrapper whose ``__tensor_flatten__`` names an
     inner tensor of the outer's shape and dtype (torchao's float8 training weights): its value is
     that tensor's. Refused: a subclass with its own dispatch and no ``__tensor_flatten__``, and a
-    quantized one (no inner tensor is its value: NF4Tensor, MXTensor), with the remedy."""
+    quantized one (no inner tensor is its value: NF4Tensor, MXTensor) unless its class is
+    allowlisted (state/subclasses.py: then it is stored by its inner tensors), with the remedy."""
     if is_dtensor(tensor):
         local = getattr(tensor, "_local_tensor", None)
         if isinstance(local, torch.Tensor) and type(local) is not torch.Tensor:
@@ -362,15 +368,88 @@ def check_subclass(key: str, tensor: torch.Tensor) -> None:
             f"{where}: a {name} (a tensor subclass with its own dispatch and no __tensor_flatten__) cannot be "
             "stored; store a plain tensor of its values instead"
         )
+    if spec_for_type(cls) is not None:
+        return  # allowlisted: stored by its inner tensors (subclass_parts)
     names, _ = flatten()
     for inner_name in names:
         inner = getattr(tensor, inner_name, None)
         if isinstance(inner, torch.Tensor) and inner.shape == tensor.shape and inner.dtype == tensor.dtype:
             return  # a wrapper of a plain tensor (torchao float8 training): its value is stored
     raise FormatError(
-        f"{where}: a {name} is a quantized tensor subclass (its inner tensors {list(names)[:6]} are not its "
-        "values), which shardsafe does not store; save the weights it was made from, or a dequantized copy "
-        "(e.g. t.dequantize() / t.get_original_weight()), and quantize again after loading"
+        f"{where}: a {name} is a tensor subclass whose inner tensors {list(names)[:6]} are not its values, and "
+        "its class is not allowlisted for storing by parts; if you trust its __tensor_unflatten__, call "
+        "shardsafe.register_tensor_subclass(<the class>) before saving and loading, or save the weights it was made "
+        "from or a dequantized copy (e.g. t.dequantize() / t.get_original_weight()) and convert again after loading"
+    )
+
+
+def subclass_of(tensor: torch.Tensor) -> SubclassSpec | None:
+    """The allowlist entry of a tensor (or a DTensor's local tensor) stored by its inner tensors;
+    None for everything else (two type tests for plain tensors)."""
+    cls: type = type(tensor)
+    if cls is torch.Tensor or cls is nn.Parameter:
+        return None
+    if is_dtensor(tensor):
+        cls = type(getattr(tensor, "_local_tensor", None))
+        if cls is torch.Tensor or cls is nn.Parameter:
+            return None
+    if getattr(cls, "__tensor_flatten__", None) is None:
+        return None
+    return spec_for_type(cls)
+
+
+def subclass_parts(
+    key: str, tensor: torch.Tensor, spec: SubclassSpec
+) -> tuple[dict[str, torch.Tensor], Any, tuple[int, ...], tuple[int, ...]]:
+    """(inner tensors by name, encoded context, outer shape, outer stride) of an allowlisted subclass
+    tensor, at its global shape: for a DTensor, each inner tensor is a DTensor on the same mesh, split
+    along its dim 0 where the outer is ``Shard(0)`` and the class lists it as sharded, else
+    replicated, and the context is the whole tensor's (``with_shape``)."""
+    where = f"tensor {key!r:.200}: its {spec.name}"
+    shape, stride = tuple(int(n) for n in tensor.shape), tuple(int(n) for n in tensor.stride())
+    local: Any = tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    names, context = local.__tensor_flatten__()
+    inner = {str(n): getattr(local, n) for n in names}
+    for n, t in inner.items():
+        if type(t) is not torch.Tensor:
+            raise FormatError(f"{where}: inner tensor {n!r} is a {class_name(type(t))}, not a plain tensor")
+    if is_dtensor(tensor):
+        if spec.with_shape is not None:
+            context = spec.with_shape(context, shape, stride)
+        inner = {n: _inner_dtensor(where, tensor, t, n in spec.sharded) for n, t in inner.items()}
+    return inner, encode_context(context, spec, where), shape, stride
+
+
+def _inner_dtensor(where: str, outer: Any, inner: torch.Tensor, sharded: bool) -> torch.Tensor:
+    """``inner`` (a rank's inner tensor of a subclass DTensor) as a DTensor of the whole inner tensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    placements: list[Any] = []
+    size = list(inner.shape)
+    for mesh_dim, p in enumerate(outer.placements):
+        if isinstance(p, Replicate):
+            placements.append(Replicate())
+        elif type(p) is Shard and p.dim in (0, -outer.dim()):
+            parts = outer.device_mesh.size(mesh_dim)
+            if outer.shape[0] % parts:
+                raise FormatError(
+                    f"{where} is split unevenly ({outer.shape[0]} rows over {parts} ranks): its inner tensors are "
+                    "stored only for even splits"
+                )
+            if sharded and size:
+                placements.append(Shard(0))
+                size[0] *= parts
+            else:
+                placements.append(Replicate())
+        else:
+            raise FormatError(
+                f"{where} is a DTensor with placements {tuple(outer.placements)}: a tensor subclass is stored by its "
+                "parts only under Shard(0) and Replicate"
+            )
+    contiguous = torch.empty(size, device="meta").stride()
+    return DTensor.from_local(
+        inner, outer.device_mesh, placements, run_check=False, shape=torch.Size(size), stride=contiguous
     )
 
 
@@ -481,7 +560,13 @@ def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
     unique = unique_paths(name)
     cache = _ACTIVE_CACHE.get()
 
-    def ref(path: str, tensor: torch.Tensor) -> str:
+    def ref(path: str, tensor: torch.Tensor) -> str | dict[str, Any]:
+        spec = subclass_of(tensor)
+        if spec is not None:  # stored by its inner tensors, each an ordinary stored tensor
+            unique(path)
+            inner, context, shape, stride = subclass_parts(path, tensor, spec)
+            keys = {n: ref(f"{path}/{n}", t) for n, t in inner.items()}
+            return subclass_entry(spec.name, shape, stride, keys, context)  # type: ignore[arg-type]
         unique(path)
         if cache is not None:
             ident, cached = cache.lookup(path, tensor)
@@ -503,14 +588,30 @@ def encode_with_chunks(value: Any, name: str, chunks: list[LocalChunk]) -> Any:
     return encode_value(value, name, ref)
 
 
-def bind_tensors(targets: dict[str, ReadTarget], value: Any, name: str, fresh: bool = False) -> None:
+def bind_tensors(
+    targets: dict[str, ReadTarget],
+    value: Any,
+    name: str,
+    fresh: bool = False,
+    subclasses: dict[str, tuple[str, Any]] | None = None,
+) -> None:
     """Every tensor in ``value`` as an in-place read target, keyed as :func:`encode_with_chunks` names it
-    (``fresh``: tensors this load created, see :class:`ReadTarget`)."""
+    (``fresh``: tensors this load created, see :class:`ReadTarget`). An allowlisted subclass tensor is
+    read in place by its inner tensors; its class and context go to ``subclasses`` (to be compared
+    with the checkpoint's record)."""
     unique = unique_paths(name)
 
     def ref(path: str, tensor: torch.Tensor) -> str:
         unique(path)
-        targets[path] = read_target(path, tensor, fresh)
+        spec = subclass_of(tensor)
+        if spec is None:
+            targets[path] = read_target(path, tensor, fresh)
+            return path
+        inner, context, _, _ = subclass_parts(path, tensor, spec)
+        for n, t in inner.items():
+            targets[f"{path}/{n}"] = read_target(f"{path}/{n}", t, fresh)
+        if subclasses is not None:
+            subclasses[path] = (spec.name, context)
         return path
 
     encode_value(value, name, ref)
@@ -552,7 +653,7 @@ def kind_of(value: Any) -> str:
         return "bool"
     if isinstance(value, (int, float)):
         return "number"
-    if isinstance(value, (torch.Tensor, StoredTensor)):
+    if isinstance(value, (torch.Tensor, StoredTensor, SubclassRecord)):
         return "tensor"
     if isinstance(value, (list, tuple)):
         return "sequence"

@@ -30,6 +30,7 @@ from torch import nn
 from shardsafe.core.values import TENSOR_REF, decode_value
 from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.base import SavedLayout, is_dtensor, read_target
+from shardsafe.state.subclasses import rebuild_records
 
 __all__ = ["CustomLoad", "CustomRoot", "clean_name", "custom_roots", "customises_loading"]
 
@@ -201,7 +202,7 @@ class CustomLoad:
 
     def apply(self, strict: bool) -> None:
         for root in self.roots:
-            values = _with_versions(root.values, root.module)
+            values = _with_versions(rebuild_records(root.values), root.module)
             if strict:
                 root.module.load_state_dict(values)
             else:

@@ -35,6 +35,7 @@ from shardsafe.state.base import (
 )
 from shardsafe.state.deepspeed_engine import ENGINE_ADAPTER
 from shardsafe.state.optimizer import OptimizerAdapter
+from shardsafe.state.subclasses import subclass_problems
 
 __all__ = [
     "ADAPTERS",
@@ -301,6 +302,7 @@ def check_binding(binding: LoadBinding, manifest: Manifest, tree: dict[str, Any]
                 problems += [f"missing in checkpoint: {k}" for k in sorted(bound.targets.keys() - saved)]
             for key in sorted(bound.targets.keys() & saved):
                 problems += _compare_tensor(key, manifest, bound.targets[key], strict)
+            problems += subclass_problems(tree[name].get("state"), bound.subclasses, bound.targets.keys(), saved)
         problems += adapter.check(bound, binding.contexts[name], manifest)
     return problems
 

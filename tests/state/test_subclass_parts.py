@@ -1,0 +1,284 @@
+"""Quantized tensor subclasses stored by their parts (docs/FORMAT.md, "Tensor subclasses"), with
+torchao's real NF4Tensor and MXTensor: inner tensors stored as ordinary tensors plus a JSON record,
+read back in place (bit-exact) or rebuilt through the allowlist; a class not allowlisted, an
+unknown name in a checkpoint, a context JSON cannot hold and a plain model are refused with the
+remedy; QLoRA-style FSDP2 (NF4 base weights under fully_shard, 2 gloo ranks) round-trips and
+reshards to and from one process."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe.cli.inspect import describe_checkpoint
+from shardsafe.errors import FormatError, StateMismatchError
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+torchao = pytest.importorskip("torchao")
+
+from dist_utils import run_ranks  # noqa: E402
+
+NF4_INNER = ("quantized_data", "scaler_mean", "quantization_factor", "quantized_scalers", "nf4")
+
+
+def _nf4(seed: int, rows: int = 64) -> torch.Tensor:
+    from torchao.quantization import to_nf4
+
+    torch.manual_seed(seed)
+    return to_nf4(torch.randn(rows, 64, dtype=torch.bfloat16), 64, 16)
+
+
+def _mx(seed: int) -> torch.Tensor:
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    torch.manual_seed(seed)
+    return MXTensor.to_mx(torch.randn(32, 64, dtype=torch.bfloat16), torch.float8_e4m3fn, 32)
+
+
+class QLoRA(nn.Module):
+    """A frozen NF4 base weight with a trainable low-rank update (torchtune's LoRALinear, small)."""
+
+    def __init__(self, seed: int, rows: int = 64) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_nf4(seed, rows), requires_grad=False)
+        self.lora_a = nn.Linear(64, 4, bias=False, dtype=torch.bfloat16)
+        self.lora_b = nn.Linear(4, rows, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+
+
+def _bits(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every inner tensor of a subclass tensor, as raw bytes (float8 NaNs compare as bits)."""
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return {n: getattr(t, n).reshape(-1).contiguous().view(torch.uint8).clone() for n in names}
+
+
+def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert type(a) is type(b)
+    left, right = _bits(a), _bits(b)
+    assert left.keys() == right.keys()
+    for n in left:
+        assert torch.equal(left[n], right[n]), n
+
+
+def test_nf4_and_mx_in_place_bit_exact_and_inspected(tmp_path: Path) -> None:
+    model = nn.ParameterDict({"nf4": nn.Parameter(_nf4(0), False), "mx": nn.Parameter(_mx(0), False)})
+    shardsafe.save(tmp_path / "ck", {"model": model})
+    record = json.loads((tmp_path / "ck" / "state.json").read_text())["model"]["state"]["nf4"]["__subclass__"]
+    assert record["inner"]["quantized_data"] == {"__tensor__": "model/nf4/quantized_data"}
+    assert record["shape"] == [64, 64] and record["context"]["block_size"] == 64
+
+    other = nn.ParameterDict({"nf4": nn.Parameter(_nf4(1), False), "mx": nn.Parameter(_mx(1), False)})
+    inner_before = other["nf4"].quantized_data
+    shardsafe.load(tmp_path / "ck", {"model": other})
+    assert other["nf4"].quantized_data is inner_before  # read in place, into the live inner tensors
+    _assert_same_bits(other["nf4"], model["nf4"])
+    _assert_same_bits(other["mx"], model["mx"])
+    assert torch.equal(other["nf4"].get_original_weight(), model["nf4"].get_original_weight())
+
+    info = describe_checkpoint(tmp_path / "ck")
+    shown = {t["key"]: t.get("subclass") for t in info["tensors"]}
+    assert shown["model/nf4/quantized_data"].endswith("NF4Tensor")
+    assert shown["model/mx/scale"].endswith("MXTensor")
+    assert {s["key"]: s["class"].rsplit(".", 1)[1] for s in info["subclasses"]} == {
+        "model/nf4": "NF4Tensor",
+        "model/mx": "MXTensor",
+    }
+    assert shardsafe.verify(tmp_path / "ck")["tensors"] == 7
+
+
+def test_rebuilt_in_values_and_custom_modules(tmp_path: Path) -> None:
+    """Where nothing live holds the tensor (a plain value, a module's own load_state_dict), it is
+    rebuilt through __tensor_unflatten__."""
+    weight = _nf4(2)
+    shardsafe.save(tmp_path / "ck", {"extra": {"base": weight, "step": 3}})
+    state: dict[str, Any] = {"extra": None}
+    shardsafe.load(tmp_path / "ck", state)
+    _assert_same_bits(state["extra"]["base"], weight)
+    assert state["extra"]["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "into, message",
+    [
+        (lambda: nn.ParameterDict({"w": nn.Parameter(torch.zeros(64, 64))}), r"model/w: the checkpoint holds a .*NF4"),
+        (
+            lambda: nn.ParameterDict({"w": nn.Parameter(_nf4(0, rows=32), False)}),
+            r"model/w: the checkpoint's .*NF4Tensor was made with .* same settings",
+        ),
+        (
+            lambda: nn.ParameterDict({"w": nn.Parameter(_mx(0), False)}),
+            r"model/w: a .*NF4Tensor in the checkpoint, a .*MXTensor here",
+        ),
+    ],
+    ids=["plain-model", "other-shape", "other-class"],
+)
+def test_mismatches_refused_model_untouched(tmp_path: Path, into: Any, message: str) -> None:
+    shardsafe.save(tmp_path / "ck", {"model": nn.ParameterDict({"w": nn.Parameter(_nf4(0), False)})})
+    model = into()
+    before = {k: v.clone() for k, v in model.state_dict().items() if type(v) is torch.Tensor}
+    with pytest.raises(StateMismatchError, match=message):
+        shardsafe.load(tmp_path / "ck", {"model": model})
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_plain_checkpoint_into_quantized_model_refused(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "ck", {"model": nn.ParameterDict({"w": nn.Parameter(torch.zeros(64, 64))})})
+    with pytest.raises(StateMismatchError, match=r"model/w: a plain tensor in the checkpoint, a .*NF4Tensor here"):
+        shardsafe.load(tmp_path / "ck", {"model": nn.ParameterDict({"w": nn.Parameter(_nf4(0), False)})})
+
+
+# ----------------------------------------------------------------------------- the allowlist
+
+
+class Packed(torch.Tensor):
+    """A user's quantized subclass: int8 codes and one scale; context holds an Enum and a dataclass."""
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: torch.Tensor, meta: Any) -> Any:
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32)
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, meta: Any) -> None:
+        self.codes, self.scale, self.meta = codes, scale, meta
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["codes", "scale"], {"meta": self.meta}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: Any, size: Any, stride: Any) -> Packed:
+        return Packed(inner["codes"], inner["scale"], ctx["meta"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise NotImplementedError(func)
+
+
+@dataclass(frozen=True)
+class Meta:
+    bits: int
+    note: str
+
+
+def test_user_class_allowlisted_unknown_name_and_context_refused(tmp_path: Path) -> None:
+    value = Packed(torch.arange(6, dtype=torch.int8), torch.tensor(0.5), Meta(8, "x"))
+    with pytest.raises(FormatError, match=r"'t/w': a .*Packed is a tensor subclass .*register_tensor_subclass"):
+        shardsafe.save(tmp_path / "refused", {"t": {"w": value}})
+    assert not (tmp_path / "refused").exists()
+    try:
+        shardsafe.register_tensor_subclass(Packed)  # Meta not listed: the context cannot be stored
+        with pytest.raises(FormatError, match=r"'t/w': its .*Packed: context\['meta'\] is a .*Meta.*context_types"):
+            shardsafe.save(tmp_path / "refused", {"t": {"w": value}})
+        assert not (tmp_path / "refused").exists()
+        shardsafe.register_tensor_subclass(Packed, context_types=[Meta])
+        shardsafe.save(tmp_path / "ck", {"t": {"w": value}})
+        state: dict[str, Any] = {"t": None}
+        shardsafe.load(tmp_path / "ck", state)
+        got = state["t"]["w"]
+        assert type(got) is Packed and got.meta == Meta(8, "x") and torch.equal(got.codes, value.codes)
+    finally:
+        shardsafe.unregister_tensor_subclass(Packed)
+    state = {"t": None}
+    with pytest.raises(FormatError, match=r"'t/w': .*Packed', a tensor subclass .*register_tensor_subclass"):
+        shardsafe.load(tmp_path / "ck", state)
+    assert state == {"t": None}
+
+
+def test_hostile_record_refused(tmp_path: Path) -> None:
+    """A record naming a class to import, or malformed, is a FormatError naming the key; nothing is imported."""
+    shardsafe.save(tmp_path / "ck", {"t": {"w": _nf4(0)}})
+    path = tmp_path / "ck" / "state.json"
+    tree = json.loads(path.read_text())
+    record = tree["t"]["state"]["w"]["__subclass__"]
+    record["class"] = "os.system"
+    path.write_text(json.dumps(tree))
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    import xxhash
+
+    manifest["state"] |= {"size": path.stat().st_size, "hash": xxhash.xxh3_64_hexdigest(path.read_bytes())}
+    (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match=r"'t/w': the checkpoint stores it as a 'os.system'.*never imported"):
+        shardsafe.load(tmp_path / "ck", {"t": None})
+
+
+# ----------------------------------------------------------------------------- FSDP2, 2 gloo ranks
+
+
+def _qlora_job(rank: int, world_size: int, load_from: str, save_to: str, seed: int) -> dict[str, Any]:
+    """Build the QLoRA model (FSDP2 on more than one rank), train it two steps or load it, save it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(QLoRA(seed), QLoRA(seed + 1))
+    if world_size > 1:
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    if load_from:
+        shardsafe.load(load_from, {"model": model, "optim": optim})
+    else:
+        for _ in range(2):
+            model(torch.randn(3, 64, dtype=torch.bfloat16)).float().sum().backward()
+            optim.step()
+            optim.zero_grad()
+    if save_to:
+        shardsafe.save(save_to, {"model": model, "optim": optim})
+    out: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        out[name] = _bits(local) if hasattr(local, "__tensor_flatten__") else _whole(p)
+    out["y"] = model(torch.ones(2, 64, dtype=torch.bfloat16)).detach().float()
+    return out
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+def _whole_nf4(parts: list[dict[str, Any]], name: str) -> dict[str, torch.Tensor]:
+    """The whole NF4 tensor's inner bytes from the ranks' parts (sharded ones concatenated)."""
+    sharded = {"quantized_scalers", "quantization_factor", "quantized_data"}  # torchao's FSDP2 split
+    first = parts[0][name]
+    return {n: torch.cat([p[name][n] for p in parts]) if n in sharded else first[n] for n in first}
+
+
+def _assert_results(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if isinstance(value, dict):
+            assert all(torch.equal(value[n], got[name][n]) for n in value), name
+        else:
+            assert torch.equal(value, got[name]), name
+
+
+def test_qlora_fsdp2_round_trip_and_reshard(tmp_path: Path) -> None:
+    """Saved by 2 ranks (trained LoRA weights, AdamW state, NF4 base weights as DTensors of NF4
+    parts), loaded by one process (every NF4 tensor whole, bit-exact) and saved again there, then
+    loaded by 2 ranks: each rank's NF4 part, LoRA weights and the output equal the first run's."""
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    saved = run_ranks(_qlora_job, 2, "", two, 0, work_dir=tmp_path)
+    single = _qlora_job(0, 1, two, one, 9)
+    assert torch.equal(single["y"], saved[0]["y"])
+    for name in ("0.weight", "1.weight"):
+        _assert_results(single[name], _whole_nf4(saved, name))
+    back = run_ranks(_qlora_job, 2, one, "", 5, work_dir=tmp_path)
+    for before, after in zip(saved, back):
+        _assert_results(after, before)
