@@ -5,6 +5,7 @@ refused at save; another run's checkpoints are never replaced or deleted."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ import lit_utils  # noqa: E402
 
 import shardsafe  # noqa: E402
 from dist_utils import assert_optimizer_equal, assert_tensors_equal, launch, run_ranks  # noqa: E402
+
+pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
 
 EVERY_EPOCH = {"every_n_epochs": 1, "save_top_k": -1, "save_last": True}
 
@@ -290,3 +293,41 @@ def test_async_save_failure_is_raised_by_the_next_save_and_keeps_the_previous(tm
         assert "SaveError: background save failed" in log and "injected I/O error" in log, log[-3000:]
     assert _visible(tmp_path / "ckpts") == ["epoch=0-step=2.ckpt"]
     shardsafe.verify(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")
+
+
+def test_rotation_on_s3_and_a_new_run_never_deletes_the_previous_runs(s3_bucket: str, tmp_path: Path) -> None:
+    """ModelCheckpoint with an s3:// dirpath (a real S3 API, moto on 127.0.0.1), 2 FSDP2 ranks: save_top_k=2 by
+    loss every step and save_last leave the 2 best and last.ckpt, each verifying, no retired prefix left. A second
+    run in the same dirpath resumes from the first run's last.ckpt (step 4: params and moments bit-exact): its
+    restored best_k_models name the first run's checkpoints, and it deletes none of them (Lightning #21813);
+    its own checkpoints do rotate (the 2 best of its steps stay)."""
+    from shardsafe.storage.remote import RemoteDir
+
+    root = f"s3://{s3_bucket}/run"
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1, "save_last": True}
+    first = _fit(2, root, "fsdp", 2, tmp_path / "w1", checkpoint=checkpoint, env=env, optim_steps=True)
+    ckpts = RemoteDir(f"{root}/ckpts")
+    before = sorted(ckpts.list())
+    losses = first["losses"]
+    best_two = sorted(range(4), key=lambda i: losses[i])[:2]
+    assert before == sorted(["last.ckpt", *(f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two)]), before
+    for name in before:
+        shardsafe.verify(f"{root}/ckpts/{name}")
+    resume_from = f"{root}/ckpts/last.ckpt"
+    checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1}
+    second = _fit(2, root, "fsdp", 4, tmp_path / "w2", checkpoint=checkpoint, env=env, ckpt_path=resume_from)
+    model, optim = second["start"]
+    assert_tensors_equal(model, first["steps"][4][0], "s3 resume: params")
+    assert_optimizer_equal(optim, first["steps"][4][1], "s3 resume: optimizer")
+    losses = first["losses"] + second["losses"]
+    assert sorted(losses[4:])[1] < min(losses[:4]), losses  # the second run's rotation did try to drop both
+    ckpts.fs.invalidate_cache()  # s3fs keeps this process's earlier listing; the ranks wrote since
+    after = sorted(ckpts.list())
+    for name in before:
+        assert name in after, (before, after)
+        shardsafe.verify(f"{root}/ckpts/{name}")
+    best_two = sorted(range(4, 8), key=lambda i: losses[i])[:2]
+    assert sorted(n for n in after if n not in before) == sorted(
+        f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two
+    ), (losses, after)

@@ -170,11 +170,13 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
     ``validate`` (a ckpt_path for trainer.validate after the fit: the loaded state is returned), ``strategy``
     (more strategy arguments: ``async_save``), ``optim_steps`` (``steps`` holds (params, optimizer) after each
     step), ``slow_background_fsync`` (seconds added to each fsync of the async save's thread), ``fail_from``
-    ((global step, SHARDSAFE_FAIL_AT): the saves made from that step on fail there)."""
+    ((global step, SHARDSAFE_FAIL_AT): the saves made from that step on fail there), ``env`` (environment
+    variables to set first)."""
     L = _lightning()
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     os.environ.setdefault("NODE_RANK", "0")
+    os.environ.update(opts.get("env", {}))  # the S3 endpoint: ranks fork from a server started before the fixture
     if opts.get("crash_at"):
         os.environ["SHARDSAFE_CRASH_AT"] = opts["crash_at"]
     if opts.get("slow_background_fsync"):
