@@ -42,7 +42,14 @@ from shardsafe.state.base import (
     type_problems,
     unwrap_module,
 )
-from shardsafe.state.module_load import CustomLoad, CustomRoot, clean_name, custom_roots
+from shardsafe.state.module_load import (
+    CustomLoad,
+    CustomRoot,
+    clean_name,
+    custom_roots,
+    module_versions,
+    saved_versions,
+)
 from shardsafe.state.subclasses import rebuild_records
 
 
@@ -109,8 +116,10 @@ class ModuleAdapter:
 
     def describe(self, name: str, value: Any, ctx: SaveContext) -> Described:
         chunks: list[Any] = []
+        state = encode_with_chunks(model_state(value), name, chunks)
+        # the modules' _version (state_dict()._metadata), for their own _load_from_state_dict
         return Described(
-            {"kind": self.kind, "state": encode_with_chunks(model_state(value), name, chunks)}, chunks=chunks
+            {"kind": self.kind, "state": state, "versions": module_versions(unwrap_module(value))}, chunks=chunks
         )
 
     def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound:
@@ -123,6 +132,7 @@ class ModuleAdapter:
         own = {k: v for k, v in state.items() if not custom.owns(k)}
         bind_tensors(bound.targets, own, name, subclasses=bound.subclasses)
         before = set(bound.targets)
+        custom.versions = saved_versions(ctx.saved, f"state.json {name!r}")
         custom.bind(name, _state_of(ctx), state, ctx.layout, clean, bound.targets)
         bound.early.update(set(bound.targets) - before)
         return bound

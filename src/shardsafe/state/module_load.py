@@ -28,11 +28,20 @@ import torch
 from torch import nn
 
 from shardsafe.core.values import TENSOR_REF, decode_value
+from shardsafe.errors import FormatError
 from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.base import SavedLayout, is_dtensor, read_target
 from shardsafe.state.subclasses import rebuild_records
 
-__all__ = ["CustomLoad", "CustomRoot", "clean_name", "custom_roots", "customises_loading"]
+__all__ = [
+    "CustomLoad",
+    "CustomRoot",
+    "clean_name",
+    "custom_roots",
+    "customises_loading",
+    "module_versions",
+    "saved_versions",
+]
 
 # wrapper modules whose names torch's get_model_state_dict leaves out of the keys it gives
 _WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -167,6 +176,9 @@ class CustomLoad:
     def __init__(self, roots: list[CustomRoot]) -> None:
         self.roots = roots
         self._made: dict[str, torch.Tensor] = {}  # stored key -> the new tensor it is read into
+        # the checkpoint's module versions (clean name -> _version; absent: 1), None for a checkpoint
+        # written before they were saved (then the live classes' versions are handed on)
+        self.versions: dict[str, int] | None = None
 
     def owns(self, key: str) -> bool:
         return any(root.owns(key) for root in self.roots)
@@ -202,7 +214,7 @@ class CustomLoad:
 
     def apply(self, strict: bool) -> None:
         for root in self.roots:
-            values = _with_versions(rebuild_records(root.values), root.module)
+            values = _with_versions(rebuild_records(root.values), root, self.versions)
             if strict:
                 root.module.load_state_dict(values)
             else:
@@ -254,13 +266,40 @@ def _is_ref(encoded: Any) -> bool:
     return isinstance(encoded, dict) and len(encoded) == 1 and TENSOR_REF in encoded
 
 
-def _with_versions(values: dict[str, Any], module: nn.Module) -> dict[str, Any]:
-    """``values`` as torch's state_dict() gives them: with ``_metadata`` holding each module's
-    ``_version`` (the live classes' versions: a module that upgrades older layouts by version must
-    not take the checkpoint for an old one)."""
+def module_versions(module: nn.Module) -> dict[str, int]:
+    """What a save records of the modules' ``_version`` (torch's ``state_dict()._metadata``): every
+    module whose version is not 1 (nn.Module's), by clean name (a load takes an absent one as 1)."""
+    return {
+        clean_name(name): m._version
+        for name, m in module.named_modules(remove_duplicate=False)
+        if getattr(m, "_version", 1) != 1
+    }
+
+
+def saved_versions(entry: Any, where: str) -> dict[str, int] | None:
+    """A module entry's ``versions`` (None when the checkpoint has none: written before they were saved)."""
+    versions = entry.get("versions") if isinstance(entry, dict) else None
+    if versions is None:
+        return None
+    if not isinstance(versions, dict) or not all(
+        type(v) is int and -(1 << 62) < v < 1 << 62 for v in versions.values()
+    ):
+        raise FormatError(f"{where}: 'versions' must map module names to integer versions")
+    return versions
+
+
+def _with_versions(values: dict[str, Any], root: CustomRoot, versions: dict[str, int] | None) -> dict[str, Any]:
+    """``values`` as torch's state_dict() gives them, with ``_metadata`` holding each module's
+    ``_version``: the checkpoint's (so a module's own ``_load_from_state_dict`` migrates what an older
+    version of its class saved), or, for a checkpoint written before versions were saved, the live
+    classes' (a module that upgrades older layouts by version must not take it for an old one)."""
     out: Any = OrderedDict(values)
     metadata: OrderedDict[str, dict[str, int]] = OrderedDict()
-    for name, m in module.named_modules(remove_duplicate=False):
-        metadata[name] = {"version": m._version}
+    for name, m in root.module.named_modules(remove_duplicate=False):
+        if versions is None:
+            metadata[name] = {"version": m._version}
+        else:
+            full = clean_name(f"{root.prefix}.{name}" if root.prefix and name else root.prefix or name)
+            metadata[name] = {"version": versions.get(full, 1)}
     out._metadata = metadata  # type: ignore[attr-defined]
     return out
