@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-scale bench-nd bench-tiers bench-convert bench-gpu stress clean
+.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-torchtitan bench-scale bench-nd bench-tiers bench-convert bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,9 @@ bench-manager: $(STAMP)
 
 bench-lightning: $(STAMP)
 	$(PY) benchmarks/bench_lightning.py
+
+bench-torchtitan: $(STAMP)
+	$(PY) benchmarks/bench_torchtitan.py --md BENCHMARKS.md
 
 bench-deepspeed: $(STAMP)
 	$(PY) benchmarks/bench_deepspeed.py --md BENCHMARKS.md

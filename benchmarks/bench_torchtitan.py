@@ -1,0 +1,301 @@
+"""torchtitan's checkpointer seam: ``ShardsafeCheckpointManager`` against torchtitan's own DCP ``CheckpointManager``.
+
+    .venv/bin/python benchmarks/bench_torchtitan.py --md BENCHMARKS.md      # make bench-torchtitan
+
+One 4-rank gloo job (CPU) holds torchtitan's llama3 (test_torchtitan's recipe and CPU adaptations, at the size
+given by ``--dim/--layers/--vocab``) laid out by torchtitan's own ``parallelize_llama`` on dp_shard=2 x tp=2, its
+``OptimizersContainer`` (AdamW), ``LRSchedulersContainer`` and a ``ParallelAwareDataloader``; both managers are
+built from their Config exactly as the Trainer builds its checkpointer (``config.build(dataloader=...,
+model_parts=..., optimizers=..., lr_schedulers=..., states={"train_state": ...}, sd_adapter=None,
+base_folder=...)``) and driven by the Trainer's calls: per step forward/backward, ``maybe_wait_for_staging()``,
+``optimizers.step()``, ``save(step)``. Per round, each manager (the order alternating between rounds):
+
+* ``async_mode="disabled"``: the time ``save`` takes (everything written; DCP does not fsync, shardsafe does);
+* ``"async"`` and ``"async_with_pinned_mem"``: the time the training loop is **blocked** by the checkpointer
+  in a step that saves, ``maybe_wait_for_staging()`` + ``save()`` (which first waits for the previous save's
+  write, as both managers do).
+* Two saving steps per manager and mode: the first sets things up (DCP's planning caches and background
+  thread, shardsafe's lease, writer thread and staging buffers) and is reported apart; the second is the
+  steady state of a long run;
+* resume: after ``sync; echo 3 > /proc/sys/vm/drop_caches`` (when permitted: reported), ``load(step)`` of the
+  ``disabled`` checkpoint into the job's live objects, as a restarted Trainer's ``load`` does.
+
+DCP's ``async_with_pinned_mem`` needs an accelerator (its ``DefaultStager`` asserts "Non-blocking copy requires
+that the current accelerator is available"), so without one only shardsafe's is measured.
+
+Times are the slowest rank's; medians over rounds. ``--md`` writes (replaces) only this script's section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.data import IterableDataset
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE.parent / "tests" / "integrations"), str(HERE.parent / "tests")]
+from common import drop_file_cache, load_average, write_section  # noqa: E402
+
+HEADING = "## torchtitan checkpoint managers (4 ranks, dp_shard=2 x tp=2)"
+MODES = ("disabled", "async", "async_with_pinned_mem")
+LIBS = ("dcp", "shardsafe")
+
+
+class RandomTokens(IterableDataset):
+    """Token ids from a seeded generator, split by data-parallel rank; its state is the samples it gave."""
+
+    def __init__(self, dp_rank: int, dp_size: int, vocab: int, seq: int) -> None:
+        self.dp_rank, self.dp_size, self.vocab, self.seq, self.given = dp_rank, dp_size, vocab, seq, 0
+
+    def __iter__(self) -> Any:
+        while True:
+            generator = torch.Generator().manual_seed(self.given * self.dp_size + self.dp_rank)
+            self.given += 1
+            tokens = torch.randint(0, self.vocab, (self.seq + 1,), generator=generator)
+            yield {"input": tokens[:-1]}, tokens[1:]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"given": self.given}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.given = state["given"]
+
+
+class Step:
+    """The Trainer's step and tokens seen (its ``state_dict``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
+
+def _slowest(seconds: float) -> float:
+    value = torch.tensor([seconds])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+class Job:
+    """One rank's torchtitan training pieces, and the Trainer's loop around a checkpointer."""
+
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        import test_torchtitan as tt
+        from torchtitan.components.dataloader import ParallelAwareDataloader
+        from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+        from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+        tt.DIM, tt.HEADS, tt.LAYERS, tt.VOCAB, tt.SEQ = args.dim, args.heads, args.layers, args.vocab, args.seq
+        self.model, _, dp_mesh = tt.build("2d", 4, seed=0)
+        self.dp_mesh = dp_mesh
+        adamw = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+        self.optimizers = OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=adamw)],
+            implementation="for-loop",
+        ).build(model_parts=[self.model])
+        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+            optimizers=self.optimizers, training_steps=10_000
+        )
+        dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+        dataset = RandomTokens(dp_rank, dp_size, args.vocab, args.seq)
+        self.dataloader = ParallelAwareDataloader(
+            dataset, dp_rank=dp_rank, dp_world_size=dp_size, batch_size=args.batch
+        )
+        self.batches = iter(self.dataloader)
+        self.train_state = Step()
+        self.root = root
+        self.forward_backward()
+        self.optimizers.step()  # AdamW state exists before the first save
+
+    def forward_backward(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        inputs, labels = next(self.batches)
+        logits = self.model(inputs["input"])
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+
+    def checkpointer(self, lib: str, mode: str, folder: str) -> Any:
+        from torchtitan.components.checkpointer import CheckpointManager
+
+        from shardsafe.integrations.torchtitan import ShardsafeCheckpointManager
+
+        cls = ShardsafeCheckpointManager if lib == "shardsafe" else CheckpointManager
+        config = cls.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, async_mode=mode)
+        return config.build(
+            dataloader=self.dataloader,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self.train_state},
+            sd_adapter=None,
+            base_folder=str(self.root),
+        )
+
+    def saving_step(self, checkpointer: Any) -> float:
+        """One training step that saves; the seconds the checkpointer blocked it (this rank)."""
+        self.train_state.step += 1
+        self.forward_backward()
+        start = time.perf_counter()
+        checkpointer.maybe_wait_for_staging()
+        blocked = time.perf_counter() - start
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        start = time.perf_counter()
+        checkpointer.save(self.train_state.step)
+        return blocked + time.perf_counter() - start
+
+    def measure(self, lib: str, mode: str, folder: str) -> dict[str, float]:
+        """This manager in this mode: its saving steps, then (disabled) a cold resume of its checkpoint."""
+        dist.barrier()
+        checkpointer = self.checkpointer(lib, mode, folder)
+        times = [_slowest(self.saving_step(checkpointer)) for _ in range(2)]
+        checkpointer.maybe_wait_for_saving()
+        out = {"first": times[0], "steady": times[-1]}
+        if mode == "disabled":
+            cold = torch.tensor([1.0])
+            if dist.get_rank() == 0:  # the whole page cache as root; else this checkpoint's files (fadvise)
+                cold[0] = float(drop_file_cache(self.root / folder) <= 0)
+            dist.broadcast(cold, 0)
+            start = time.perf_counter()
+            checkpointer.load(step=self.train_state.step)
+            out["resume"] = _slowest(time.perf_counter() - start)
+            out["cold"] = float(cold)
+        checkpointer.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.root / folder, ignore_errors=True)
+        return out
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        job = Job(args, Path(args.dir))
+        results: dict[str, Any] = {lib: {mode: [] for mode in MODES} for lib in LIBS}
+        for round_ in range(args.rounds):
+            for lib in LIBS if round_ % 2 == 0 else LIBS[::-1]:
+                for mode in MODES:
+                    if lib == "dcp" and mode == "async_with_pinned_mem" and not torch.accelerator.is_available():
+                        continue  # DCP's DefaultStager asserts "Non-blocking copy requires ... accelerator"
+                    results[lib][mode].append(job.measure(lib, mode, f"{lib}-{mode}-{round_}"))
+        if rank == 0:
+            out["results"] = results
+            out["params"] = sum(p.numel() for p in job.model.parameters())  # a DTensor's numel is the whole one
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _median(runs: list[dict[str, float]], key: str) -> float | None:
+    return statistics.median(r[key] for r in runs) if runs else None
+
+
+ROWS = (  # label, mode, measurement
+    ("save, `disabled` (second save of the manager)", "disabled", "steady"),
+    ("save, `disabled`, first save of the manager", "disabled", "first"),
+    ("blocked per saving step, `async`, steady", "async", "steady"),
+    ("blocked per saving step, `async_with_pinned_mem`, steady", "async_with_pinned_mem", "steady"),
+    ("blocked, first `async` save", "async", "first"),
+    ("blocked, first `async_with_pinned_mem` save", "async_with_pinned_mem", "first"),
+    ("resume, `load`", "disabled", "resume"),
+)
+
+
+def _cell(value: float | None) -> str:
+    return f"{value:.3f} s" if value is not None else "n/a (DCP's stager needs an accelerator)"
+
+
+def report(results: dict[str, Any], params: int, args: argparse.Namespace, load: str, seconds: float) -> str:
+    state_mb = params * 4 * 3 / 1e6  # fp32 weights + AdamW's two moments
+    cold = all(r["cold"] for lib in LIBS for r in results[lib]["disabled"])
+    lines = [
+        HEADING,
+        "",
+        f"`make bench-torchtitan` (benchmarks/bench_torchtitan.py), {time.strftime('%Y-%m-%d', time.gmtime())}: "
+        f"torchtitan's llama3 (dim {args.dim}, {args.layers} layers, vocab {args.vocab}: {params / 1e6:.1f} M "
+        f"parameters, {state_mb:.0f} MB with AdamW's moments) on dp_shard=2 x tp=2 at 4 gloo ranks (CPU), "
+        f"both managers built from their Config as the Trainer builds them, in the same job; medians of "
+        f"{args.rounds} rounds, slowest rank; loads from a {'cold' if cold else 'WARM (drop_caches refused)'} "
+        f"page cache. Load average (1/5/15 min) at the end: {load}; the whole run took {seconds:.0f} s.",
+        "",
+        "| | torchtitan DCP CheckpointManager | ShardsafeCheckpointManager | shardsafe / DCP |",
+        "|---|---|---|---|",
+    ]
+    for label, mode, key in ROWS:
+        a, b = _median(results["dcp"][mode], key), _median(results["shardsafe"][mode], key)
+        ratio = f"{b / a:.2f}x" if a and b is not None else "-"
+        lines.append(f"| {label} | {_cell(a)} | {_cell(b)} | {ratio} |")
+    lines += [
+        "",
+        "Ratios are shardsafe's time over DCP's (below 1: shardsafe faster). Targets (issue 40): blocked time "
+        "<= 0.7x, resume >= 1.5x faster (a ratio <= 0.67x).",
+        "",
+        "All rounds (steady / first / resume, s): "
+        + "; ".join(
+            f"{lib} {mode} "
+            + ", ".join("/".join(f"{r[k]:.3f}" for k in ("steady", "first", "resume") if k in r) for r in runs)
+            for lib in LIBS
+            for mode, runs in results[lib].items()
+            if runs
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--md", type=Path, help="write (replace) this script's section of this Markdown file")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1, help="samples per data-parallel rank and step")
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    args = parser.parse_args()
+    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-torchtitan-", dir=os.environ.get("BENCH_DIR"))
+    start = time.perf_counter()
+    try:
+        with mp.Manager() as manager:
+            out = manager.dict()
+            mp.spawn(_rank, (4, _free_port(), args, out), nprocs=4)
+            results, params = out["results"], out["params"]
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    text = report(results, params, args, load_average(), time.perf_counter() - start)
+    print(text)
+    if args.md is not None:
+        write_section(args.md, HEADING, text)
+
+
+if __name__ == "__main__":
+    main()
