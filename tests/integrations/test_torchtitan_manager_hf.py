@@ -12,6 +12,7 @@ unparallelised model ("one"); the loads whose per-rank reads are the point run o
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,8 @@ def test_initial_load_from_dcp_and_shardsafe_checkpoints(tmp_path: Path) -> None
     """initial_load_path as the DCP manager reads it, when ``folder`` is empty: a DCP manager step folder (model
     only, the default), a shardsafe checkpoint in full (initial_load_model_only=False: the step continues); a
     final model-only save in bfloat16 resumed from its folder; bad paths refused with the model untouched."""
-    in_process(tmp_path, 2, {"enable": True, "folder": "dcp", "interval": 2, "keep_latest_k": 0}, dcp_manager=True)
+    dcp = {"enable": True, "folder": "dcp", "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
+    in_process(tmp_path, 2, dcp, dcp_manager=True)
     dcp_step = tmp_path / "dcp" / "step-2"
     assert (dcp_step / ".metadata").is_file()
     full = {"enable": True, "folder": "a", "interval": 2, "last_save_model_only": False}
@@ -162,6 +164,12 @@ def test_initial_load_from_dcp_and_shardsafe_checkpoints(tmp_path: Path) -> None
     later = in_process(tmp_path, 3, {"enable": True, "folder": "c", "interval": 10}, seed=7)
     assert later["loaded_at"] == 0  # a model-only checkpoint: the model alone, cast back to float32
     assert_tensors_equal(later["loaded"], rounded(ended["recorded"][2]["state"], torch.bfloat16), "bf16 final")
+
+    # the DCP manager's checkpoint of the last step in the folder: last_save_in_hf would replace it; refused first
+    shutil.copytree(dcp_step, tmp_path / "e" / "step-3")
+    with pytest.raises(shardsafe.ShardsafeError, match="is a DCP manager checkpoint"):
+        in_process(tmp_path, 3, {"enable": True, "folder": "e", "last_save_in_hf": True}, seed=7)
+    assert steps_in(tmp_path / "e") == [] and (tmp_path / "e" / "step-3" / ".metadata").is_file()
 
     for bad, match in (
         ({"initial_load_path": str(tmp_path / "a")}, "must name one checkpoint"),  # the manager folder, not a step

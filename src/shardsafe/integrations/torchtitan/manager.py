@@ -176,6 +176,12 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         the model alone in ``export_dtype``, in a shardsafe checkpoint that loads into any layout; with
         ``last_save_in_hf`` that checkpoint is also exported through ``sd_adapter`` as a Hugging Face
         model folder ``<folder>/step-<N>``, where the DCP manager writes it."""
+        out = Path(self.folder) / f"step-{curr_step}"
+        if self.config.last_save_in_hf and is_dcp_folder(out):  # before anything is written
+            raise ShardsafeError(
+                f"{out} is a DCP manager checkpoint; last_save_in_hf would replace it with the Hugging Face export. "
+                "Move it away, or save the last step without last_save_in_hf"
+            )
         if not self.config.last_save_model_only:
             self.manager.save(curr_step, self.state, force=True)
         else:
@@ -183,7 +189,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         self.manager.wait()
         self.save_future = None
         if self.config.last_save_in_hf:
-            checkpoint, out = self.manager.step_path(curr_step), Path(self.folder) / f"step-{curr_step}"
+            checkpoint = self.manager.step_path(curr_step)
             assert isinstance(checkpoint, Path)  # the Config refuses last_save_in_hf with an object-store folder
             self.manager.comm.on_coordinator(
                 lambda: export_hf_folder(checkpoint, out, self.sd_adapter, self.export_dtype)
