@@ -75,6 +75,25 @@ def test_export_keeps_bytes(tmp_path: Path) -> None:
             assert torch.equal(_bytes(f.get_tensor(key)), _bytes(value)), key
 
 
+def test_export_cast_leaves_fp4_and_scales_as_stored(tmp_path: Path) -> None:
+    """export_hf(dtype=...) casts the floating-point weights; packed FP4 values and E8M0 scales (the
+    parts of a block-scaled weight, meaningless cast alone; FP4 torch cannot cast) keep their bytes."""
+    weights = {
+        "blocks.0.w": _random(torch.float4_e2m1fn_x2, (4, 8), 1),
+        "blocks.0.s": _random(torch.float8_e8m0fnu, (4, 1), 2),
+        "norm.weight": torch.randn(8, dtype=torch.bfloat16),
+    }
+    shardsafe.save(tmp_path / "ck", {"model": weights})
+    config = {"model_type": "llama", "quantization_config": {"quant_method": "mxfp4"}}
+    out = shardsafe.export_hf(tmp_path / "ck", tmp_path / "hf", config=config, dtype="float16", progress=False)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("norm.weight"), weights["norm.weight"].half())
+        for key in ("blocks.0.w", "blocks.0.s"):
+            got = f.get_tensor(key)
+            assert got.dtype == weights[key].dtype and torch.equal(_bytes(got), _bytes(weights[key])), key
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+
+
 def test_fp4_split_inside_a_byte_is_refused() -> None:
     """A safetensors F4 entry whose last dim is an odd count of values would split a byte."""
     assert torch_shape(torch.float4_e2m1fn_x2, (3, 8), "x") == (3, 4)

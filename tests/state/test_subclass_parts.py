@@ -19,7 +19,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe.cli.inspect import describe_checkpoint
-from shardsafe.errors import FormatError, StateMismatchError
+from shardsafe.errors import FormatError, ShardsafeError, StateMismatchError
 
 logging.getLogger("torchao").setLevel(logging.ERROR)
 torchao = pytest.importorskip("torchao")
@@ -96,6 +96,9 @@ def test_nf4_and_mx_in_place_bit_exact_and_inspected(tmp_path: Path) -> None:
         "model/mx": "MXTensor",
     }
     assert shardsafe.verify(tmp_path / "ck")["tensors"] == 7
+    with pytest.raises(ShardsafeError, match=r"export: 2 tensor\(s\) of 'model' are tensor subclasses .*NF4"):
+        shardsafe.export_hf(tmp_path / "ck", tmp_path / "hf", config={"model_type": "llama"}, progress=False)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_rebuilt_in_values_and_custom_modules(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "dtype_name",
     "dtype_or_none",
     "element_size",
+    "is_cast_on_export",
     "is_packed",
     "safetensors_dtype",
     "safetensors_shape",
@@ -105,6 +106,17 @@ def dtype_from_safetensors_name(name: object, where: str) -> torch.dtype:
             f"{where}: unknown dtype (safetensors name, {what}; expected one of {', '.join(sorted(_BY_ST_NAME))})"
         )
     return _BY_ST_NAME[name]
+
+
+# block-scaled formats' parts: packed FP4 values and E8M0 scales mean nothing without each other, so a
+# floating-point cast of a model's weights (export's dtype=) leaves them as stored
+_NOT_CAST = frozenset(getattr(torch, a) for a in ("float4_e2m1fn_x2", "float8_e8m0fnu") if hasattr(torch, a))
+
+
+def is_cast_on_export(dtype: torch.dtype) -> bool:
+    """Whether an export's floating-point cast (``dtype=``) applies to tensors stored as ``dtype``:
+    floating-point ones, except packed FP4 and the E8M0 scale type (kept as stored)."""
+    return dtype.is_floating_point and dtype not in _NOT_CAST
 
 
 def is_packed(dtype: torch.dtype) -> bool:

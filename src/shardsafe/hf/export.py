@@ -28,6 +28,7 @@ import torch
 
 from shardsafe.api.source import DTYPE_CHOICES, TensorInfo, TensorSource
 from shardsafe.core.comm import Comm
+from shardsafe.core.dtypes import is_cast_on_export
 from shardsafe.core.format import (
     MAX_JSON_BYTES,
     HeaderEntry,
@@ -37,6 +38,7 @@ from shardsafe.core.format import (
     numel,
     parse_json,
 )
+from shardsafe.core.values import subclass_records
 from shardsafe.errors import FormatError, ShardsafeError
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE, check_model_folder
 from shardsafe.hf.weights_file import METADATA_KEY, show_name
@@ -188,9 +190,26 @@ def plan_shards(
     return ShardPlan([(SHARD_FILE.format(index=i + 1, count=len(groups)), g) for i, g in enumerate(groups)])
 
 
+def _refuse_subclasses(source: Any) -> None:
+    """A model folder holds plain weights: a tensor subclass stored by its parts (an NF4 base weight)
+    is refused, naming it, rather than exported as its inner tensors under ``<name>/<inner>``."""
+    tree, key = getattr(source, "tree", None), getattr(source, "key", None)
+    entry = tree.get(key) if isinstance(tree, dict) and isinstance(key, str) else None
+    records = subclass_records(entry.get("state"), "state.json") if isinstance(entry, dict) else {}
+    if records:
+        path, record = next(iter(records.items()))
+        raise ShardsafeError(
+            f"export: {len(records)} tensor(s) of {key!r} are tensor subclasses stored by their parts ({path!r}: a "
+            f"{record.cls}); a model folder holds plain weights: load the checkpoint into the model, replace them by "
+            "dequantized weights (NF4: t.get_original_weight()) and export with save_pretrained"
+        )
+
+
 def output_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """Floating-point tensors are cast to ``dtype``; integer and bool tensors keep theirs."""
-    return dtype if dtype is not None and stored.is_floating_point else stored
+    """Floating-point tensors are cast to ``dtype``; integer and bool tensors keep theirs, and so do
+    packed FP4 values and E8M0 scales (block-scaled parts: a cast of either alone would be meaningless,
+    and torch cannot cast packed FP4 at all)."""
+    return dtype if dtype is not None and is_cast_on_export(stored) else stored
 
 
 # ----------------------------------------------------------------------------- writing
@@ -415,6 +434,7 @@ def export_hf(
     try:
         if final in (getattr(source, "model_folder", None), getattr(source, "folder", None)):
             raise ShardsafeError(f"{final}: the output folder must not be the source")
+        _refuse_subclasses(source)
         files = source.config_files()
         cfg, config_json = _load_config(config, files)
         if own and not source.aliases_recorded and cfg is not None:
