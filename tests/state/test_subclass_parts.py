@@ -242,6 +242,12 @@ def _qlora_job(rank: int, world_size: int, load_from: str, save_to: str, seed: i
             optim.zero_grad()
     if save_to:
         shardsafe.save(save_to, {"model": model, "optim": optim})
+    if save_to and world_size > 1:  # a class registered without sharded_inner: its parts cannot be placed
+        from torch.distributed.tensor import Shard
+
+        split = DTensor.from_local(_mx(rank), mesh, [Shard(0)], run_check=False)
+        with pytest.raises(FormatError, match=r"'mx': its .*MXTensor is split over ranks .*sharded_inner"):
+            shardsafe.save(save_to + "-mx", {"mx": split})
     out: dict[str, Any] = {}
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p

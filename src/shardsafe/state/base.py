@@ -414,6 +414,11 @@ def subclass_parts(
         if type(t) is not torch.Tensor:
             raise FormatError(f"{where}: inner tensor {n!r} is a {class_name(type(t))}, not a plain tensor")
     if is_dtensor(tensor):
+        if not spec.sharded and tuple(local.shape) != shape:
+            raise FormatError(
+                f"{where} is split over ranks as a DTensor, and its registration names no inner tensors that split "
+                "with it (register_tensor_subclass(..., sharded_inner=...)); gather it (full_tensor()) to save it"
+            )
         if spec.with_shape is not None:
             context = spec.with_shape(context, shape, stride)
         inner = {n: _inner_dtensor(where, tensor, t, n in spec.sharded) for n, t in inner.items()}
