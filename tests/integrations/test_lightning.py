@@ -297,7 +297,7 @@ def test_async_save_failure_is_raised_by_the_next_save_and_keeps_the_previous(tm
 
 def test_rotation_on_s3_and_a_new_run_never_deletes_the_previous_runs(s3_bucket: str, tmp_path: Path) -> None:
     """ModelCheckpoint with an s3:// dirpath (a real S3 API, moto on 127.0.0.1), 2 FSDP2 ranks: save_top_k=2 by
-    loss every step and save_last leave the 2 best and last.ckpt, each verifying, no retired prefix left. A second
+    loss every step and save_last leave the 2 best and last.ckpt (verified below), no retired prefix left. A second
     run in the same dirpath resumes from the first run's last.ckpt (step 4: params and moments bit-exact): its
     restored best_k_models name the first run's checkpoints, and it deletes none of them (Lightning #21813);
     its own checkpoints do rotate (the 2 best of its steps stay)."""
@@ -312,8 +312,6 @@ def test_rotation_on_s3_and_a_new_run_never_deletes_the_previous_runs(s3_bucket:
     losses = first["losses"]
     best_two = sorted(range(4), key=lambda i: losses[i])[:2]
     assert before == sorted(["last.ckpt", *(f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two)]), before
-    for name in before:
-        shardsafe.verify(f"{root}/ckpts/{name}")
     resume_from = f"{root}/ckpts/last.ckpt"
     checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1}
     second = _fit(2, root, "fsdp", 4, tmp_path / "w2", checkpoint=checkpoint, env=env, ckpt_path=resume_from)
@@ -331,3 +329,33 @@ def test_rotation_on_s3_and_a_new_run_never_deletes_the_previous_runs(s3_bucket:
     assert sorted(n for n in after if n not in before) == sorted(
         f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two
     ), (losses, after)
+
+
+@pytest.fixture(scope="module")
+def first12(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """2 FSDP2 ranks, a global batch of 12 (so 3 ranks split it evenly): 2 epochs with a checkpoint each, and
+    the same training uninterrupted for 4 epochs (the reference)."""
+    root = tmp_path_factory.mktemp("lightning-first12")
+    saved = _fit(2, root, "fsdp", 2, root / "work", checkpoint=EVERY_EPOCH, global_batch=12)
+    reference = _fit(2, root / "reference", "fsdp", 4, root / "work-ref", global_batch=12)
+    return root, saved, reference
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize(("world", "layout"), [(3, "fsdp"), (4, "fsdp-tp")])
+def test_resume_on_other_ranks_and_2d_layout(
+    first12: tuple[Path, dict[str, Any], dict[str, Any]], world: int, layout: str, tmp_path: Path
+) -> None:
+    """2 FSDP2 ranks -> 3 FSDP2 ranks (uneven shards), and -> FSDP2 x TP on 4 ranks (dp=2, tp=2: fc1 column-wise,
+    fc2 row-wise, each then sharded over dp): params and AdamW moments bit-exact at the start, and the continued
+    losses equal the uninterrupted 2-rank run's (to float rounding: 3 ranks or a TP matmul sum in another order)."""
+    root, saved, reference = first12
+    root = _copy(root, tmp_path / "run")
+    ckpt = str(root / "ckpts" / "last.ckpt")
+    resumed = _fit(world, root, layout, 4, tmp_path / "work", ckpt_path=ckpt, global_batch=12)
+    # fc1.weight: a 2-D DTensor (dp: FSDP2's strided shard of TP's shard, tp: Shard(0)) / 1-D (dp: Shard(0))
+    assert len(resumed["placements"]) == (2 if layout == "fsdp-tp" else 1), resumed["placements"]
+    _assert_resumed_exactly(resumed, saved, f"2 FSDP2 ranks -> {world} ranks {layout}")
+    assert resumed["global_step"] == 8
+    assert resumed["losses"] == pytest.approx(reference["losses"][4:], rel=1e-5)
+    assert resumed["lr"] == reference["lr"]

@@ -1,12 +1,13 @@
 """A small LightningModule and a Trainer run for the Lightning integration tests (imported by the ranks).
 
 ``fit_run`` trains on the ranks that call it (already in a gloo process group: dist_utils.run_ranks),
-with FSDP2 (``layout="fsdp"``), tensor parallel (``"tp"``), a plain module (``"plain"``) under
-``ShardsafeModelParallelStrategy``, or DDP (``"ddp"``) under ``ShardsafeDDPStrategy`` (``"ddp-native"`` /
-``"mp-native"``: Lightning's own strategies). It returns what the tests compare: the global loss of
-every step, and the whole model and optimizer state at the start (after a resume) and at the end.
-The global batch is 8 at any world size and an epoch is 2 steps, so runs on 1 and 2 ranks see the
-same samples per step.
+with FSDP2 (``layout="fsdp"``), tensor parallel (``"tp"``), both (``"fsdp-tp"``: tp=2), a plain
+module (``"plain"``) under ``ShardsafeModelParallelStrategy``, or DDP (``"ddp"``) under
+``ShardsafeDDPStrategy`` (``"ddp-native"`` / ``"mp-native"``: Lightning's own strategies). It returns
+what the tests compare: the global loss of every step, and the whole model and optimizer state at the
+start (after a resume) and at the end.
+The global batch is 8 (``global_batch``: 12 for 3 ranks) at any world size and an epoch is 2 steps, so
+runs on any number of ranks see the same samples per step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import full_model_state, full_optimizer_state
 
-GLOBAL_BATCH, SAMPLES = 8, 16
+GLOBAL_BATCH = 8
 
 
 def _lightning() -> Any:
@@ -66,6 +67,11 @@ def make_module(layout: str, **hparams: Any) -> Any:
             elif self.hparams.layout == "tp":
                 mesh = self.device_mesh["tensor_parallel"]
                 parallelize_module(self.net, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            elif self.hparams.layout == "fsdp-tp":  # 2-D: tensor parallel inside, FSDP2 over the data-parallel dim
+                tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+                parallelize_module(self.net, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+                fully_shard(self.net.fc1, mesh=dp)
+                fully_shard(self.net, mesh=dp)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -85,10 +91,12 @@ def make_module(layout: str, **hparams: Any) -> Any:
     return TinyModule(layout, **hparams)
 
 
-def _data(world_size: int) -> DataLoader:
+def _data(data_parallel: int, global_batch: int = GLOBAL_BATCH) -> DataLoader:
+    """Two steps an epoch of ``global_batch`` samples, split over the ``data_parallel`` ranks."""
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(SAMPLES, 8, generator=gen), torch.randn(SAMPLES, 1, generator=gen)
-    return DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // world_size, shuffle=False)
+    samples = 2 * global_batch
+    x, y = torch.randn(samples, 8, generator=gen), torch.randn(samples, 1, generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=global_batch // data_parallel, shuffle=False)
 
 
 def _record(optim_steps: bool = False, fail_from: tuple[int, str] | None = None) -> Any:
@@ -135,6 +143,15 @@ def _record(optim_steps: bool = False, fail_from: tuple[int, str] | None = None)
     return Record(optim_steps, fail_from)
 
 
+def _mesh(layout: str, world_size: int) -> tuple[int, int]:
+    """(data parallel, tensor parallel) sizes of ``layout`` on ``world_size`` ranks."""
+    if layout == "tp":
+        return 1, world_size
+    if layout == "fsdp-tp":
+        return world_size // 2, 2
+    return world_size, 1
+
+
 def strategy_for(layout: str, world_size: int, **kwargs: Any) -> Any:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -144,7 +161,7 @@ def strategy_for(layout: str, world_size: int, **kwargs: Any) -> Any:
         cls = ShardsafeDDPStrategy if layout == "ddp" else DDPStrategy
         return cls(process_group_backend="gloo", **kwargs)
     cls = ModelParallelStrategy if layout == "mp-native" else ShardsafeModelParallelStrategy
-    dp, tp = (1, world_size) if layout == "tp" else (world_size, 1)
+    dp, tp = _mesh(layout, world_size)
     return cls(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo", **kwargs)
 
 
@@ -164,14 +181,17 @@ def _slow_background_fsync(seconds: float) -> None:
 
 
 def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opts: dict[str, Any]) -> dict[str, Any]:
-    """Fit ``epochs`` epochs. ``opts``: ``ckpt_path`` (resume), ``checkpoint`` (ModelCheckpoint arguments; it
-    saves into root/ckpts), ``hparams`` (more LightningModule arguments), ``module_layout`` (the model's
-    layout when the strategy's name says otherwise), ``crash_at`` (SHARDSAFE_CRASH_AT in this rank),
-    ``validate`` (a ckpt_path for trainer.validate after the fit: the loaded state is returned), ``strategy``
-    (more strategy arguments: ``async_save``), ``optim_steps`` (``steps`` holds (params, optimizer) after each
-    step), ``slow_background_fsync`` (seconds added to each fsync of the async save's thread), ``fail_from``
-    ((global step, SHARDSAFE_FAIL_AT): the saves made from that step on fail there), ``env`` (environment
-    variables to set first)."""
+    """Fit ``epochs`` epochs. ``opts``:
+
+    - ``ckpt_path`` (resume), ``checkpoint`` (ModelCheckpoint arguments; it saves into root/ckpts),
+    - ``hparams`` (more LightningModule arguments), ``module_layout`` (the model's layout when the
+      strategy's name says otherwise), ``global_batch`` (default 8; 12 for runs on 3 ranks),
+    - ``crash_at`` (SHARDSAFE_CRASH_AT in this rank), ``fail_from`` ((global step, SHARDSAFE_FAIL_AT):
+      the saves made from that step on fail there), ``env`` (environment variables to set first),
+    - ``validate`` (a ckpt_path for trainer.validate after the fit: the loaded state is returned),
+    - ``strategy`` (more strategy arguments: ``async_save``), ``optim_steps`` (``steps`` holds (params,
+      optimizer) after each step), ``slow_background_fsync`` (seconds added to each fsync of the async
+      save's thread)."""
     L = _lightning()
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -204,7 +224,8 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
     )
     module_layout = opts.get("module_layout") or layout.replace("-native", "").replace("mp", "fsdp")
     module = make_module(module_layout, **opts.get("hparams", {}))
-    data = _data(1 if layout == "tp" else world_size)  # tensor-parallel ranks all see the whole batch
+    # the tensor-parallel ranks of one data-parallel group all see its whole batch
+    data = _data(_mesh(layout, world_size)[0], opts.get("global_batch", GLOBAL_BATCH))
     trainer.fit(module, train_dataloaders=data, ckpt_path=opts.get("ckpt_path"))
     out: dict[str, Any] = {
         "losses": record.losses,
@@ -216,6 +237,7 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "placements": [str(p) for p in getattr(module.net.fc1.weight, "placements", ())],
         "in_flight": record.in_flight,
         "in_flight_after_fit": bool(getattr(trainer.strategy, "save_in_flight", False)),
     }
