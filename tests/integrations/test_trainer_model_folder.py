@@ -4,7 +4,6 @@ CPU; DDP and ZeRO-3 are checked in test_trainer.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,49 +14,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import shardsafe  # noqa: E402
+from hf_trainer_utils import OrderRecorder, small_trainer  # noqa: E402
 from shardsafe.hf.guard import check_model_folder  # noqa: E402
-
-SEQ, VOCAB = 4, 32
-
-
-class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self) -> None:
-        self.x = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(3))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
-def _trainer(out: Path, max_steps: int, **kwargs: Any) -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-
-    from shardsafe.integrations.transformers import ShardsafeTrainer
-
-    own = {k: kwargs.pop(k) for k in ("keep_later_checkpoints",) if k in kwargs}  # ShardsafeTrainer's, not the args'
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=8))
-    args = TrainingArguments(
-        str(out),
-        max_steps=max_steps,
-        per_device_train_batch_size=2,
-        save_strategy="steps",
-        save_steps=1,
-        use_cpu=True,
-        report_to=[],
-        disable_tqdm=True,
-        log_level="error",
-        **kwargs,
-    )
-    return ShardsafeTrainer(model=model, args=args, train_dataset=Tokens(), **own)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     out = tmp_path_factory.mktemp("model_folder") / "out"
-    trainer = _trainer(out, max_steps=2)
+    trainer = small_trainer(out, max_steps=2)
     trainer.train()
     return out, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
@@ -65,16 +29,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, t
 def test_checkpoint_loads_with_from_pretrained_and_pipeline(
     trained: tuple[Path, dict[str, torch.Tensor]], caplog: pytest.LogCaptureFixture
 ) -> None:
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, pipeline
 
     out, final = trained
     folder = out / "checkpoint-2"
+    # one process: laid out as the Trainer's checkpoint, the weights in model.safetensors (no index needed)
     assert sorted(p.name for p in folder.iterdir()) == [
         "config.json",
         "generation_config.json",
         "manifest.json",
-        "model-00000.safetensors",
-        "model.safetensors.index.json",
+        "model.safetensors",
         "shard-00000.safetensors",
         "state.json",
         "trainer_state.json",
@@ -82,8 +47,8 @@ def test_checkpoint_loads_with_from_pretrained_and_pipeline(
     ]
     summary = shardsafe.verify(folder)  # the weights file is the checkpoint's own, hashed by its manifest
     assert summary["state_entries"] == ["data", "model", "optimizer", "rng", "scheduler", "trainer_files"]
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(final) and set(index["weight_map"].values()) == {"model-00000.safetensors"}
+    opened = load_file(folder / "model.safetensors")  # what scripts do with a Trainer checkpoint, by hand
+    assert sorted(opened) == sorted(final) and all(torch.equal(opened[k], final[k]) for k in final)
     with caplog.at_level("WARNING"):
         loaded = AutoModelForCausalLM.from_pretrained(folder)
     assert "UNEXPECTED" not in caplog.text and "MISSING" not in caplog.text, "the weights file holds the model only"
@@ -105,10 +70,10 @@ def test_checkpoint_pushes_as_a_model_and_resumes(
     assert url.endswith("pushed")
     pushed = AutoModelForCausalLM.from_pretrained(tmp_path / "pushed")
     assert torch.equal(pushed.lm_head.weight, final["lm_head.weight"])
-    resumed = _trainer(out, max_steps=3)
+    resumed = small_trainer(out, max_steps=3)
     resumed.train(resume_from_checkpoint=True)  # the checkpoint still resumes
     assert resumed.state.global_step == 3
-    assert (out / "checkpoint-3" / "model.safetensors.index.json").is_file()
+    assert (out / "checkpoint-3" / "model.safetensors").is_file()
 
 
 def test_a_damaged_weights_file_is_refused(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
@@ -120,12 +85,12 @@ def test_a_damaged_weights_file_is_refused(trained: tuple[Path, dict[str, torch.
     out, _ = trained
     copy = tmp_path / "checkpoint-2"
     shutil.copytree(out / "checkpoint-2", copy)
-    with open(copy / "model-00000.safetensors", "r+b") as f:
+    with open(copy / "model.safetensors", "r+b") as f:
         f.seek(-4, 2)
         f.write(b"\xff\xff\xff\xff")
     with pytest.raises((IntegrityError, ShardsafeError)):
         shardsafe.verify(copy)
-    with open(copy / "model-00000.safetensors", "r+b") as f:
+    with open(copy / "model.safetensors", "r+b") as f:
         f.truncate(f.seek(0, 2) - 8)
     with pytest.raises(ModelFolderError):
         check_model_folder(copy)
@@ -136,7 +101,7 @@ def test_no_checkpoint_is_the_trainers_value_error(tmp_path: Path) -> None:
     message's key phrase."""
     from shardsafe.errors import CheckpointNotFoundError
 
-    trainer = _trainer(tmp_path / "out", max_steps=1)
+    trainer = small_trainer(tmp_path / "out", max_steps=1)
     with pytest.raises(ValueError, match="No valid checkpoint found in output directory") as info:
         trainer.train(resume_from_checkpoint=True)
     assert isinstance(info.value, CheckpointNotFoundError)
@@ -154,18 +119,18 @@ def test_resume_from_an_older_checkpoint_replaces_or_keeps_the_later_ones(
     from transformers.trainer_utils import get_last_checkpoint
 
     out = tmp_path / "out"
-    first = _trainer(out, max_steps=3)
+    first = small_trainer(out, max_steps=3)
     first.train()
     old = {s: shardsafe.verify(out / f"checkpoint-{s}")["metadata"]["shardsafe.trainer"]["run_id"] for s in (1, 2, 3)}
     with caplog.at_level("WARNING"):
-        again = _trainer(out, max_steps=3)
+        again = small_trainer(out, max_steps=3)
         again.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     assert "the later checkpoints checkpoint-2, checkpoint-3 will be replaced" in caplog.text
     new = {s: shardsafe.verify(out / f"checkpoint-{s}")["metadata"]["shardsafe.trainer"]["run_id"] for s in (1, 2, 3)}
     assert new[1] == old[1] and new[2] == new[3] != old[2], "steps 2 and 3 are this run's now"
-    assert (out / "checkpoint-3" / "model.safetensors.index.json").is_file()
+    assert (out / "checkpoint-3" / "model.safetensors").is_file()
 
-    kept = _trainer(out, max_steps=2, keep_later_checkpoints=True)
+    kept = small_trainer(out, max_steps=2, keep_later_checkpoints=True)
     kept.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     aside = sorted(p.name.split(".superseded-")[0] for p in out.iterdir() if ".superseded-" in p.name)
     assert aside == ["checkpoint-2", "checkpoint-3"]
@@ -174,44 +139,9 @@ def test_resume_from_an_older_checkpoint_replaces_or_keeps_the_later_ones(
     assert shardsafe.verify(superseded)["metadata"]["shardsafe.trainer"]["run_id"] == new[3], "kept intact"
 
 
-class OrderRecorder(torch.nn.Module):
-    """transformers' test_resume_batch_order model: a buffer that grows with the samples it trains on, and a
-    ``load_state_dict`` that resizes it first (loaded through its own code: issue 37)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(VOCAB))
-        self.register_buffer("data_order", torch.zeros(0, dtype=torch.long))
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.training:
-            self.data_order = torch.cat([self.data_order, input_ids[:, 0]])
-        return {"loss": self.w[input_ids].pow(2).mean() + self.w.sum() * 0 + 1.0}
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        self.data_order = torch.zeros_like(state_dict["data_order"])
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-
 def test_resume_reproduces_the_batch_order_of_a_module_with_its_own_load_code(tmp_path: Path) -> None:
-    from transformers import TrainingArguments
-
-    from shardsafe.integrations.transformers import ShardsafeTrainer
-
     def trainer(out: Path) -> Any:
-        torch.manual_seed(0)
-        args = TrainingArguments(
-            str(out),
-            max_steps=6,
-            per_device_train_batch_size=2,
-            save_strategy="steps",
-            save_steps=2,
-            use_cpu=True,
-            report_to=[],
-            disable_tqdm=True,
-            log_level="error",
-        )
-        return ShardsafeTrainer(model=OrderRecorder(), args=args, train_dataset=Tokens())
+        return small_trainer(out, max_steps=6, model=OrderRecorder, save_steps=2)
 
     full = trainer(tmp_path / "full")
     full.train()

@@ -36,7 +36,7 @@ from shardsafe.core.rule import LayoutRule, spread_writers
 from shardsafe.core.values import encode_state
 from shardsafe.errors import SaveError, ShardsafeError
 from shardsafe.protocol.commit import CommitTarget, agree_and_publish, new_manifest, prepare_save
-from shardsafe.protocol.shard_write import ReuseMap, is_plain, plain_file_name, write_rank_file
+from shardsafe.protocol.shard_write import ReuseMap, is_plain, write_rank_file
 from shardsafe.state.base import KIND_PER_RANK
 from shardsafe.state.registry import DescribeCache, SaveView, describe_for_save, merge_trees
 from shardsafe.storage.location import as_location, public_path
@@ -194,7 +194,7 @@ def write_checkpoint(
     rank its own; the manager's local tier, whose ranks write into their own node's folder);
     default: :func:`~shardsafe.protocol.commit.prepare_save` of ``final``. ``plain_names``: a key
     prefix (``"model/"``) whose whole tensors the shard headers name without it, by the model's own
-    names, in a file of their own per rank (:func:`~shardsafe.protocol.shard_write.plain_file_name`;
+    names, in a file of their own per rank (:meth:`~shardsafe.protocol.commit.CommitTarget.plain_name`;
     the Trainer's checkpoints are model folders this way)."""
     problem: Exception | None = None
     try:
@@ -232,7 +232,7 @@ def _write_own_file(
 ) -> Outcome[RankResult]:
     """Write this rank's file (and the index of its split parts); the outcome, a failure included, is what
     the rank brings to the agreement, which every rank must reach. With ``plain_names``, the whole
-    tensors under that prefix go into a second file of the rank's, alone (:func:`plain_file_name`)."""
+    tensors under that prefix go into a second file of the rank's, alone (``target.plain_name``)."""
     try:
         file_record, index_record, plain_record = None, None, None
         entries: list[tuple[str, ChunkEntry]] = []
@@ -240,7 +240,7 @@ def _write_own_file(
         if plain:
             assert plain_names is not None
             mine = [c for c in mine if not (is_plain(c, plain_names) and c.key not in split_keys)]
-            name = plain_file_name(target.shard_name(comm.rank))
+            name = target.plain_name(comm.rank)
             named = write_rank_file(target, comm.rank, plain, HASH_BLOCK_SIZE, None, plain_names, name=name)
             entries += [(c.key, e) for c, e in named.entries]
             plain_record = (name, named.size)

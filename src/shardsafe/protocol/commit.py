@@ -50,6 +50,7 @@ from shardsafe.core.format import (
 )
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError
+from shardsafe.protocol.shard_write import plain_file_name
 from shardsafe.protocol.temppath import TemporaryPath
 from shardsafe.storage.local import read_small_file, safe_child, write_small_file
 from shardsafe.storage.location import as_location
@@ -100,6 +101,13 @@ class CommitTarget(ABC):
     @abstractmethod
     def shard_name(self, rank: int) -> str:
         """Every rank: the name of ``rank``'s shard file. Never raises."""
+
+    def plain_name(self, rank: int) -> str:
+        """Every rank: the name of ``rank``'s file of plainly named whole tensors (``save(plain_names=...)``),
+        written with :meth:`write_shard` like a shard; by default its shard's name with ``model-`` for ``shard-``.
+        A target may name it as a model loader expects (the Trainer's one-process checkpoints: ``model.safetensors``).
+        Never raises."""
+        return plain_file_name(self.shard_name(rank))
 
     @abstractmethod
     def write_shard(

@@ -48,6 +48,7 @@ __all__ = [
     "WEIGHTS",
     "checkpoint_path",
     "checkpoint_steps",
+    "keep_only_best",
     "latest_checkpoint",
     "rotate_checkpoints",
     "write_trainer_files",
@@ -145,9 +146,25 @@ def rotate_checkpoints(
         best_step = TRAINER_NAMING.parse(Path(best).name)
     keep_last = limit if best_step is None or best_step in steps[-limit:] else limit - 1
     kept = choose_kept([CheckpointInfo(s, checkpoint_path(run_dir, s), 0) for s in steps], keep_last, best=best_step)
-    doomed = [s for s in steps if s not in kept.steps]
-    for step in doomed:
+    return _retire_steps(run_dir, [s for s in steps if s not in kept.steps], fence)
+
+
+def keep_only_best(run_dir: Path, best: str | None, fence: Callable[[str], None] | None = None) -> list[int]:
+    """The Trainer's end of training with ``save_total_limit=1`` (coordinator): every committed checkpoint of
+    ``run_dir`` but ``best`` is deleted, the newest included (nothing if ``best`` is not one of them). Returns the
+    steps deleted; each goes as :func:`rotate_checkpoints` deletes."""
+    if best is None or Path(best).absolute().parent != Path(run_dir).absolute():
+        return []
+    steps = checkpoint_steps(Path(run_dir))
+    best_step = TRAINER_NAMING.parse(Path(best).name)
+    if best_step not in steps:
+        return []
+    return _retire_steps(Path(run_dir), [s for s in steps if s != best_step], fence)
+
+
+def _retire_steps(run_dir: Path, steps: list[int], fence: Callable[[str], None] | None) -> list[int]:
+    for step in steps:
         if fence is not None:
             fence(f"delete checkpoint-{step}")  # the lease check, at the last moment
         retire(checkpoint_path(run_dir, step))
-    return doomed
+    return steps

@@ -116,6 +116,7 @@ class DataOrder:
         self._saved: dict[str, Any] | None = None
         self._resumed_epoch: int | None = None
         self.other_batch = False  # resumed from a checkpoint trained with another global batch
+        self._trainer_skip: tuple[int, int] | None = None  # (epoch, samples) the Trainer skips itself on a fallback
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.sampler.state_dict()
@@ -141,6 +142,16 @@ class DataOrder:
             raise StateMismatchError(
                 f"{checkpoint}: its 'data' entry is not a ShardsafeTrainer data position ({type(exc).__name__}: {exc})"
             ) from None
+        changed = _changed_dataset(sampler, self.sampler.state_dict())
+        if changed:
+            # the saved position is a place in another order: the Trainer's own rule, as without a data position
+            log.warning(
+                "%s was trained on another train dataset (%s): its data position does not apply; the Trainer's rule "
+                "does (it skips the batches of global_step's place in the epoch, at this run's batch size)",
+                checkpoint,
+                changed,
+            )
+            return
         if then["global_batch"] != self.batch["global_batch"]:
             # accepted, as the Trainer accepts it: the position is in samples, so the order goes on where it stopped
             log.warning(
@@ -173,14 +184,22 @@ class DataOrder:
             return state["epoch"] + 1, 0
         return self._resumed_epoch, 0
 
+    def trainer_skips(self, epoch: int, micro_batches: int) -> None:
+        """The Trainer resumes by its own rule (no usable saved position): it enters ``epoch`` skipping
+        ``micro_batches`` batches on each rank, so the positions saved in that epoch count those samples too."""
+        if self._resumed_epoch is None:
+            self._trainer_skip = (epoch, micro_batches * self.batch["per_device"] * self.batch["world_size"])
+
     def begin_epoch(self, epoch: int, global_step: int) -> bool:
         """Called as the Trainer starts ``epoch``: True if the sampler resumes inside it (the Trainer must then skip
         nothing)."""
         resumes = self._resumed_epoch == epoch
         self._resumed_epoch = None
+        skipped = self._trainer_skip[1] if self._trainer_skip is not None and self._trainer_skip[0] == epoch else 0
+        self._trainer_skip = None
         # keeps a restored position of this epoch; accelerate's set_epoch may not reach the sampler
         self.sampler.set_epoch(epoch)
-        self._anchor = (epoch, global_step, self.sampler.state_dict()["consumed"] if resumes else 0)
+        self._anchor = (epoch, global_step, self.sampler.state_dict()["consumed"] if resumes else skipped)
         return resumes
 
 
@@ -224,6 +243,15 @@ class ReshardableDataTrainer(Trainer):
             return
         load(path, {DATA: self._data})
         self._data.resume(path, ignore_data_skip=self.args.ignore_data_skip)
+
+
+def _changed_dataset(saved: Any, now: dict[str, Any]) -> str:
+    """How the train dataset differs from the one a saved sampler state walked ("" if not, or if the state is
+    malformed: the sampler's own check then refuses it)."""
+    if not isinstance(saved, dict):
+        return ""
+    keys = ("dataset_length", "shuffle")
+    return ", ".join(f"{k} {saved[k]!r}, now {now[k]!r}" for k in keys if k in saved and saved[k] != now[k])
 
 
 def reshardable_train_dataloader(trainer: Any) -> tuple[Any, DataOrder]:

@@ -34,7 +34,7 @@ from shardsafe.api.source import TensorInfo
 from shardsafe.core.comm import Comm
 from shardsafe.core.format import Manifest
 from shardsafe.hf.export import output_dtype
-from shardsafe.hf.guard import INDEX_FILE
+from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE
 from shardsafe.hf.pretrained import tied_aliases
 from shardsafe.protocol.commit import CommitTarget, LocalCommit
 from shardsafe.storage.local import safe_child, write_small_file
@@ -70,16 +70,28 @@ def model_index(manifest: Manifest, prefix: str) -> dict[str, Any] | None:
 
 class ModelIndexCommit(CommitTarget):
     """A local save's commit that first writes the model index and the trainer files into the hidden folder, so
-    they are published with the checkpoint, in its one rename (every call but :meth:`commit` is the inner
-    target's)."""
+    they are published with the checkpoint, in its one rename (every call but :meth:`plain_name` and :meth:`commit`
+    is the inner target's).
 
-    def __init__(self, inner: LocalCommit, prefix: str | None, files: dict[str, str]) -> None:
+    With ``single_file`` (one process: one rank holds the whole model) the model's file is named
+    ``model.safetensors`` and no index is written: the folder is then laid out as the plain Trainer's
+    one-process checkpoint, so scripts that open ``checkpoint-N/model.safetensors`` directly (and not
+    through ``from_pretrained``) work too.
+    """
+
+    def __init__(
+        self, inner: LocalCommit, prefix: str | None, files: dict[str, str], *, single_file: bool = False
+    ) -> None:
         self.inner = inner
         self.prefix = prefix
         self.files = files
+        self.single_file = single_file
 
     def shard_name(self, rank: int) -> str:
         return self.inner.shard_name(rank)
+
+    def plain_name(self, rank: int) -> str:
+        return SINGLE_FILE if self.single_file else self.inner.plain_name(rank)
 
     def write_shard(
         self, name: str, prefix: bytes, tensors: Iterable[torch.Tensor], block_size: int, rank: int
@@ -99,10 +111,11 @@ class ModelIndexCommit(CommitTarget):
                 continue  # never one of the checkpoint's own files
             write_small_file(safe_child(self.inner.tmp, name), text.encode(), self.inner.fsync)
         index = model_index(manifest, self.prefix) if self.prefix else None
-        if index is not None:
+        single = index is not None and set(index["weight_map"].values()) == {SINGLE_FILE}  # needs no index
+        if index is not None and not single:
             data = (json.dumps(index, indent=2) + "\n").encode()
             write_small_file(self.inner.tmp / INDEX_FILE, data, self.inner.fsync)
-        elif self.prefix:
+        elif index is None and self.prefix:
             log.warning("shardsafe: the model in this checkpoint is not stored whole; no %s written", INDEX_FILE)
         self.inner.commit(state_bytes, manifest, rank)
 

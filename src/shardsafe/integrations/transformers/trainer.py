@@ -46,6 +46,7 @@ from shardsafe.integrations.transformers.checkpoints import (
     NoValidCheckpointError,
     checkpoint_path,
     checkpoint_steps,
+    keep_only_best,
     latest_checkpoint,
     rotate_checkpoints,
     write_trainer_files,
@@ -157,7 +158,7 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         target = prepare_save(comm, where, overwrite=True)
         published_with_files = isinstance(target, LocalCommit)
         if isinstance(target, LocalCommit):  # the index and trainer files go into the hidden folder, before the rename
-            target = ModelIndexCommit(target, plain, state.get(FILES, {}))
+            target = ModelIndexCommit(target, plain, state.get(FILES, {}), single_file=comm.world_size == 1)
         try:
             write_checkpoint(
                 where,
@@ -489,7 +490,11 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         saved = get_comm().on_coordinator(lambda: sorted(open_checkpoint(Path(path))[1]))
         self._restore_data_order(path, DATA in saved)
         decided = self._data.resumed_epoch() if self._data is not None else None
-        return decided if decided is not None else (epochs, steps)
+        if decided is not None:
+            return decided
+        if self._data is not None:
+            self._data.trainer_skips(epochs, steps)
+        return epochs, steps
 
     def _restore_training_state(self, path: str) -> None:
         comm = get_comm()
@@ -539,16 +544,30 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         self._load_from_checkpoint(best, self.model_wrapped)
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
-        """The Trainer's, except that it keeps the newest checkpoint.
+        """The Trainer's, with its end-of-training deletion done by shardsafe.
 
         With ``save_total_limit=1`` and a best checkpoint, the Trainer deletes every other
-        checkpoint here, the newest included (on each saving process, with ``rmtree``); rotation
-        already kept exactly the best and the newest, so the limit is hidden from it meanwhile.
+        checkpoint here, the newest included, with ``rmtree`` on each saving process (a crash
+        leaves half a folder). The limit is hidden from it meanwhile, and the coordinator deletes
+        the same checkpoints as rotation does (one rename each, under the run's lease, committed
+        shardsafe checkpoints only) before the Trainer's ``on_train_end``.
         """
-        if self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None:
-            with save_total_limit_hidden(self.args):
-                return super()._finalize_training(trial, num_train_samples, start_time)
-        return super()._finalize_training(trial, num_train_samples, start_time)
+        if not (self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None):
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        run_dir = run_output_dir(self, trial)
+        key = str(Path(run_dir).absolute())
+        lease = self._leases.get(key)
+        best = self.state.best_model_checkpoint
+
+        def delete() -> None:
+            try:
+                keep_only_best(Path(run_dir), best, fence=lease.fence if lease is not None else None)
+            except Exception as exc:  # training is done and its checkpoints committed: logged, as rotation
+                log.warning("shardsafe: deleting the checkpoints of %s but the best failed: %s", run_dir, exc)
+
+        get_comm().on_coordinator(delete)  # every rank waits for it
+        with save_total_limit_hidden(self.args):
+            return super()._finalize_training(trial, num_train_samples, start_time)
 
     # ------------------------------------------------------------------ model folders
 
