@@ -58,6 +58,19 @@ class QLoRA(nn.Module):
         return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
 
 
+class Hooked(nn.Module):
+    """An NF4 base weight in a module with its own _load_from_state_dict (loaded through its code)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_nf4(seed), requires_grad=False)
+        self.calls = 0
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        self.calls += 1
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
 def _bits(t: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every inner tensor of a subclass tensor, as raw bytes (float8 NaNs compare as bits)."""
     names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
@@ -110,6 +123,13 @@ def test_rebuilt_in_values_and_custom_modules(tmp_path: Path) -> None:
     shardsafe.load(tmp_path / "ck", state)
     _assert_same_bits(state["extra"]["base"], weight)
     assert state["extra"]["step"] == 3
+
+    saved = nn.Sequential(Hooked(0), nn.Linear(4, 4))
+    shardsafe.save(tmp_path / "module", {"model": saved})
+    model = nn.Sequential(Hooked(1), nn.Linear(4, 4))
+    shardsafe.load(tmp_path / "module", {"model": model})
+    assert model[0].calls == 1 and type(model[0].weight).__name__ == "NF4Tensor"
+    _assert_same_bits(model[0].weight, saved[0].weight)
 
 
 @pytest.mark.parametrize(
@@ -199,23 +219,6 @@ def test_user_class_allowlisted_unknown_name_and_context_refused(tmp_path: Path)
     assert state == {"t": None}
 
 
-def test_hostile_record_refused(tmp_path: Path) -> None:
-    """A record naming a class to import, or malformed, is a FormatError naming the key; nothing is imported."""
-    shardsafe.save(tmp_path / "ck", {"t": {"w": _nf4(0)}})
-    path = tmp_path / "ck" / "state.json"
-    tree = json.loads(path.read_text())
-    record = tree["t"]["state"]["w"]["__subclass__"]
-    record["class"] = "os.system"
-    path.write_text(json.dumps(tree))
-    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
-    import xxhash
-
-    manifest["state"] |= {"size": path.stat().st_size, "hash": xxhash.xxh3_64_hexdigest(path.read_bytes())}
-    (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FormatError, match=r"'t/w': the checkpoint stores it as a 'os.system'.*never imported"):
-        shardsafe.load(tmp_path / "ck", {"t": None})
-
-
 # ----------------------------------------------------------------------------- FSDP2, 2 gloo ranks
 
 
@@ -291,3 +294,62 @@ def test_qlora_fsdp2_round_trip_and_reshard(tmp_path: Path) -> None:
     back = run_ranks(_qlora_job, 2, one, "", 5, work_dir=tmp_path)
     for before, after in zip(saved, back):
         _assert_results(after, before)
+
+
+def _edit_record(path: Path, edit: Any) -> None:
+    """Edit the 't/w' record in state.json and make the manifest vouch for it, as an attacker can."""
+    import xxhash
+
+    state = path / "state.json"
+    tree = json.loads(state.read_text())
+    edit(tree["t"]["state"]["w"]["__subclass__"])
+    state.write_text(json.dumps(tree))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["state"] |= {"size": state.stat().st_size, "hash": xxhash.xxh3_64_hexdigest(state.read_bytes())}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _meta(record: dict[str, Any]) -> dict[str, Any]:
+    return record["context"]["tensor_meta"]["__object__"][1]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.update({"class": "os.system"}), r"'t/w': .*stores it as a 'os.system'.*never imported"),
+        (lambda r: r.pop("stride"), r"a tensor subclass record needs exactly the fields"),
+        (lambda r: r.update({"shape": [64, -1]}), r"record's shape is not a list of at most 16 sizes"),
+        (lambda r: r.update({"stride": [1]}), r"stride \[1\] does not fit its shape"),
+        (lambda r: r["inner"].update({"nf4": {"__tensor__": "t/w/quantized_data"}}), r"inner tensor 'nf4' is not a"),
+        (lambda r: r.update({"inner": {}}), r"record has no inner tensors"),
+        (lambda r: r["context"].update({"block_size": {"__enum__": ["os.system", "x"]}}), r"holds a 'os.system'"),
+        (lambda r: _meta(r).update({"dtype": {"__dtype__": "pickle"}}), r"dtype"),
+        (lambda r: _meta(r).update({"evil": 1}), r"SubclassTensorArgs.* does not take its stored fields"),
+        (lambda r: _meta(r).update({"original_shape": {"__size__": [1, "x"]}}), r"malformed __size__"),
+        (
+            lambda r: _meta(r).update({"original_shape": {"__size__": [8, 8]}}),
+            r"'t/w': .*NF4Tensor rebuilt from its parts is not a tensor of shape \[64, 64\]",
+        ),
+    ],
+    ids=[
+        "class-to-import",
+        "missing-field",
+        "negative-size",
+        "stride-rank",
+        "inner-elsewhere",
+        "no-inner",
+        "enum-not-listed",
+        "bad-dtype",
+        "extra-field",
+        "bad-size",
+        "lying-context",
+    ],
+)
+def test_hostile_records_refused(tmp_path: Path, edit: Any, message: str) -> None:
+    """A record from a file is checked field by field; nothing is imported; each is a FormatError."""
+    shardsafe.save(tmp_path / "ck", {"t": {"w": _nf4(0)}})
+    _edit_record(tmp_path / "ck", edit)
+    state: dict[str, Any] = {"t": None}
+    with pytest.raises(FormatError, match=message):
+        shardsafe.load(tmp_path / "ck", state)
+    assert state == {"t": None}

@@ -230,8 +230,9 @@ class CustomLoad:
             for m in root.module.modules():
                 held.append((m, dict(m._parameters), dict(m._buffers)))
                 for t in (*m._parameters.values(), *m._buffers.values()):
-                    if t is not None and id(t) not in values:
-                        values[id(t)] = (t, t.detach().clone())
+                    for part in _memory_of(t) if t is not None else ():
+                        if id(part) not in values:
+                            values[id(part)] = (part, part.detach().clone())
 
         def undo() -> None:
             for m, params, buffers in held:
@@ -260,6 +261,17 @@ class CustomLoad:
             return tensor
 
         return allocate
+
+
+def _memory_of(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s values: itself, a DTensor's local tensor, or a tensor
+    subclass's inner tensors (an NF4 weight's clone() would quantize again, with other settings)."""
+    local: Any = tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if type(local) in (torch.Tensor, nn.Parameter) or flatten is None:
+        return [local]
+    names, _ = flatten()
+    return [part for name in names for part in _memory_of(getattr(local, name))]
 
 
 def _is_ref(encoded: Any) -> bool:
