@@ -359,3 +359,58 @@ def test_resume_on_other_ranks_and_2d_layout(
     assert resumed["global_step"] == 8
     assert resumed["losses"] == pytest.approx(reference["losses"][4:], rel=1e-5)
     assert resumed["lr"] == reference["lr"]
+
+
+def _step_of(path: Path | str) -> int:
+    """The global step a checkpoint of the strategies holds (its manifest's metadata)."""
+    from shardsafe.api.checkpoint import location
+    from shardsafe.integrations.lightning.checkpoints import META_KEY
+    from shardsafe.manager.catalog import read_manifest
+
+    return int(read_manifest(location(str(path))).metadata[META_KEY]["global_step"])
+
+
+@pytest.mark.parametrize("symlinks", [True, False])
+def test_save_last_link_on_folders(tmp_path: Path, symlinks: bool) -> None:
+    """save_last="link" with top-2 rotation every step, 2 FSDP2 ranks. With symlinks, last.ckpt is a relative
+    symlink to the newest saved checkpoint; where os.symlink fails (Lightning then calls shutil.copy, which
+    cannot copy a folder) it is a copy of it, published whole (a hidden folder renamed into place, replaced
+    atomically at each new link). Either way last.ckpt loads bit-exact as that step's params and moments, and
+    nothing hidden is left."""
+    checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1, "save_last": "link"}
+    result = _fit(
+        2, tmp_path, "fsdp", 2, tmp_path / "work", checkpoint=checkpoint, optim_steps=True, no_symlinks=not symlinks
+    )
+    ckpts = tmp_path / "ckpts"
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert len(names) == 3 and "last.ckpt" in names, names
+    last = ckpts / "last.ckpt"
+    step = _step_of(last)
+    losses = result["losses"]
+    top = [i + 1 for i in range(4) if sorted(losses[: i + 1]).index(losses[i]) < 2]  # the steps top-2 saved
+    assert step == top[-1], (step, losses)
+    if symlinks:
+        assert last.is_symlink() and os.readlink(last) == f"epoch={(step - 1) // 2}-step={step}.ckpt"
+    else:
+        assert not last.is_symlink() and last.is_dir()
+    shardsafe.verify(last)
+    params, optim = _load_whole(last)
+    assert_tensors_equal(params, result["steps"][step][0], "last.ckpt params")
+    assert_optimizer_equal(optim, result["steps"][step][1], "last.ckpt optimizer")
+
+
+def test_kill_mid_removal_leaves_nothing_that_looks_loadable(tmp_path: Path) -> None:
+    """ModelCheckpoint(save_top_k=1) every step; rank 0 is SIGKILLed while it deletes step 1 (renamed hidden, its
+    manifest gone, data files left): only step 2 is visible and it verifies; the half-deleted folder is hidden,
+    fails verification, and `shardsafe gc` removes it."""
+    opts = {"checkpoint": {"every_n_train_steps": 1, "save_top_k": 1}, "crash_at": "retention:mid-delete@0"}
+    result = launch(lit_utils.fit_run, 2, str(tmp_path), "fsdp", 2, opts, work_dir=tmp_path / "work", timeout=300)
+    assert not result.ok and result.exitcodes[0] == -9, result.describe()
+    ckpts = tmp_path / "ckpts"
+    assert _visible(ckpts) == ["epoch=0-step=2.ckpt"]
+    shardsafe.verify(ckpts / "epoch=0-step=2.ckpt")
+    hidden = [p for p in ckpts.iterdir() if p.name.startswith(".")]
+    assert len(hidden) == 1 and "deleting" in hidden[0].name and any(hidden[0].iterdir()), hidden
+    with pytest.raises(shardsafe.ShardsafeError):
+        shardsafe.verify(hidden[0])
+    assert shardsafe.collect_garbage(ckpts) == hidden

@@ -180,6 +180,16 @@ def _slow_background_fsync(seconds: float) -> None:
     os.fsync = fsync  # type: ignore[assignment]
 
 
+def _no_symlinks() -> None:
+    """os.symlink fails as on a filesystem without symlinks (ModelCheckpoint's save_last="link" falls back)."""
+    import errno
+
+    def symlink(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EPERM, "symlinks are not supported here (test)")
+
+    os.symlink = symlink
+
+
 def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Fit ``epochs`` epochs. ``opts``:
 
@@ -191,7 +201,7 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
     - ``validate`` (a ckpt_path for trainer.validate after the fit: the loaded state is returned),
     - ``strategy`` (more strategy arguments: ``async_save``), ``optim_steps`` (``steps`` holds (params,
       optimizer) after each step), ``slow_background_fsync`` (seconds added to each fsync of the async
-      save's thread)."""
+      save's thread), ``no_symlinks`` (os.symlink fails, as on a filesystem without them)."""
     L = _lightning()
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -199,6 +209,8 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
     os.environ.update(opts.get("env", {}))  # the S3 endpoint: ranks fork from a server started before the fixture
     if opts.get("crash_at"):
         os.environ["SHARDSAFE_CRASH_AT"] = opts["crash_at"]
+    if opts.get("no_symlinks"):
+        _no_symlinks()
     if opts.get("slow_background_fsync"):
         _slow_background_fsync(float(opts["slow_background_fsync"]))
     record = _record(bool(opts.get("optim_steps")), opts.get("fail_from"))

@@ -81,11 +81,15 @@ class BackgroundSaves:
             self._at_exit = True
 
     def after_commit(self, job: Callable[[], object]) -> None:
-        """Run ``job`` on the thread once the save in flight (if any) has committed; skipped if it failed."""
+        """Run ``job`` on the thread once the save in flight (if any) has committed; skipped if it failed.
+        Its own failure is raised as the save's would be."""
 
         def run() -> None:
             if self._error is None:
-                job()
+                try:
+                    job()
+                except BaseException as exc:
+                    self._error = exc
 
         self._worker.submit(run)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from shardsafe.api.checkpoint import load, location, save
 from shardsafe.api.load import load_from
 from shardsafe.core.comm import Comm, get_comm
 from shardsafe.core.format import MANIFEST_NAME, Manifest
+from shardsafe.core.jsonsafe import MAX_JSON_BYTES
 from shardsafe.core.values import check_state_tree, encode_value
 from shardsafe.errors import CheckpointExistsError, FormatError, ShardsafeError
 from shardsafe.integrations.lightning.background import BackgroundSaves
@@ -40,6 +42,8 @@ from shardsafe.interop.dcp_reader import DcpCheckpoint, DcpChunkReader, dcp_mani
 from shardsafe.interop.unpickler import load_pt
 from shardsafe.manager.catalog import read_manifest, where
 from shardsafe.manager.retention import retire
+from shardsafe.protocol.temppath import TemporaryPath
+from shardsafe.storage.local import fsync_file, read_small_file
 from shardsafe.storage.location import as_location
 from shardsafe.storage.remote import RemoteDir
 
@@ -121,6 +125,24 @@ def _cloned(value: Any) -> Any:
 
 def _target(path: str | os.PathLike[str]) -> Path | RemoteDir:
     return location(path)
+
+
+def _same_manifest(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` hold the same committed checkpoint (their manifests name and hash every file)."""
+    try:
+        return read_small_file(a / MANIFEST_NAME, MAX_JSON_BYTES) == read_small_file(b / MANIFEST_NAME, MAX_JSON_BYTES)
+    except OSError:
+        return False
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> None:
+    """A copy of the committed checkpoint folder ``src`` at ``dst``, visible only once complete and durable."""
+    with TemporaryPath.create(dst) as tmp:
+        shutil.copytree(src, tmp.path, dirs_exist_ok=True)
+        for folder, _, files in os.walk(tmp.path):
+            for name in files:
+                fsync_file(Path(folder) / name)
+        tmp.publish()  # atomically in place of an earlier copy
 
 
 @dataclass
@@ -279,6 +301,32 @@ class LightningCheckpoints:
         )
         self.loaded.add(where(folder))
         return rest
+
+    def link(self, source: str | os.PathLike[str], link: str | os.PathLike[str]) -> None:
+        """ModelCheckpoint's ``save_last="link"`` for folders (call on one process, once ``source`` is committed).
+
+        ``link`` becomes a relative symlink to ``source``, as Lightning makes it. Where no symlink can be
+        made (a filesystem without them) it becomes a copy of the checkpoint, published as a save is (a
+        hidden folder renamed into place), so a half copy never looks loadable; Lightning's own fallback,
+        ``shutil.copy``, cannot copy a folder. What is at ``link`` goes first: a symlink is unlinked; a
+        checkpoint folder (an earlier copy) is replaced atomically, only if this run wrote it or resumed
+        from it (:meth:`may_replace`). Lightning allows ``"link"`` on local paths only."""
+        src, dst = Path(source), Path(link)
+        replace = False
+        if dst.is_symlink():
+            dst.unlink()
+        else:
+            replace = self.may_replace(dst)  # a copy made earlier (raises if it is another run's)
+        if not replace:  # a copy there means symlinks failed before
+            try:
+                os.symlink(os.path.relpath(src, dst.parent), dst)
+                return
+            except OSError as exc:
+                log.info("no symlink %s -> %s (%s): copying the checkpoint", dst, src, exc)
+        if replace and _same_manifest(src, dst):
+            return  # ModelCheckpoint links again at each save of last; the copy there is already of ``source``
+        _copy_checkpoint(src, dst)
+        self.written.add(where(dst))
 
     def remove(self, path: str | os.PathLike[str]) -> bool:
         """Retire the checkpoint at ``path`` if this run wrote it (call on one process); returns whether it did.

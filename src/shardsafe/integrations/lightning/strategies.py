@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from shardsafe.errors import SaveError
@@ -36,6 +38,16 @@ def _refuse_storage_options(strategy: Any, storage_options: Any) -> None:
             f"{type(strategy).__name__}.save_checkpoint(..., storage_options=...) is not supported: checkpoints go "
             "through shardsafe, not the CheckpointIO plugin (for s3:// and other fsspec URLs pass the URL as the path)"
         )
+
+
+def _link_last(strategy: _ShardsafeCheckpointing, trainer: Any, filepath: str, linkpath: str) -> None:
+    """ModelCheckpoint._link_checkpoint for folders (called on every rank): rank 0 links, or copies where no
+    symlink can be made (Lightning's fallback copies a file, and makes neither on an object store), once
+    ``filepath`` is committed (checkpoints.LightningCheckpoints.link)."""
+    if trainer.is_global_zero and os.fspath(filepath) != os.fspath(linkpath):
+        source, link = os.fspath(filepath), os.fspath(linkpath)
+        strategy._after_commit(lambda: strategy._shardsafe.link(source, link))
+    trainer.strategy.barrier()
 
 
 def _background(async_save: bool) -> BackgroundSaves | None:
@@ -75,13 +87,23 @@ class _ShardsafeCheckpointing:
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's rotation: rank 0 retires the folder if this run wrote it (never another run's)."""
-        if not self.is_global_zero:
-            return
-        path = os.fspath(filepath)
+        if self.is_global_zero:
+            path = os.fspath(filepath)
+            self._after_commit(lambda: self._shardsafe.remove(path))
+
+    def _after_commit(self, job: Callable[[], object]) -> None:
+        """Run ``job`` now, or (async) once the save in flight has committed, and not at all if it failed."""
         if self._background is None:
-            self._shardsafe.remove(path)
-        else:  # after the save ModelCheckpoint just made has committed; not at all if it failed
-            self._background.after_commit(lambda: self._shardsafe.remove(path))
+            job()
+        else:
+            self._background.after_commit(job)
+
+    def setup(self, trainer: Any) -> None:
+        """Lightning's setup; then every ModelCheckpoint makes ``save_last="link"`` through this strategy."""
+        super().setup(trainer)  # type: ignore[misc]
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                callback._link_checkpoint = partial(_link_last, self)  # type: ignore[method-assign]
 
     @property
     def save_in_flight(self) -> bool:
