@@ -370,7 +370,7 @@ def _step_of(path: Path | str) -> int:
     return int(read_manifest(location(str(path))).metadata[META_KEY]["global_step"])
 
 
-@pytest.mark.parametrize("symlinks", [True, False])
+@pytest.mark.parametrize("symlinks", [pytest.param(True, marks=pytest.mark.stress), False])  # True: Lightning's own
 def test_save_last_link_on_folders(tmp_path: Path, symlinks: bool) -> None:
     """save_last="link" with top-2 rotation every step, 2 FSDP2 ranks. With symlinks, last.ckpt is a relative
     symlink to the newest saved checkpoint; where os.symlink fails (Lightning then calls shutil.copy, which
