@@ -179,10 +179,24 @@ def test_initial_load_from_dcp_and_shardsafe_checkpoints(tmp_path: Path) -> None
             in_process(tmp_path, 1, {"enable": True, "folder": "d", **bad}, seed=7)
 
 
-def test_initial_load_in_hf_refusals(tmp_path: Path) -> None:
-    """initial_load_in_hf without a path needs the adapter's hf_assets_path (as the DCP manager asserts)."""
+def test_initial_load_in_hf_refusals(tmp_path: Path, assets: Path) -> None:
+    """initial_load_in_hf without a path needs the adapter's hf_assets_path (as the DCP manager asserts); a folder
+    whose tensors do not fit the model (a shape, a missing tensor) is refused naming the tensor."""
     with pytest.raises(ValueError, match="hf_assets_path"):
         in_process(tmp_path, 1, {"enable": True, "folder": "d", "initial_load_in_hf": True})
+    from safetensors.torch import save_file
+
+    model, _, _ = build("one", 1, seed=0)
+    weights = Llama3StateDictAdapter(tiny_config(), None).to_hf(dict(model.state_dict()))
+    weights = {k: v.detach().contiguous() for k, v in weights.items()}
+    for bad, match in (
+        ({**weights, "model.norm.weight": torch.ones(DIM - 1)}, "model.norm.weight"),
+        ({k: v for k, v in weights.items() if k != "lm_head.weight"}, "lm_head.weight"),
+    ):
+        save_file(bad, str(assets / "model.safetensors"))
+        start = {"enable": True, "folder": "d", "initial_load_path": str(assets), "initial_load_in_hf": True}
+        with pytest.raises(shardsafe.ShardsafeError, match=match):
+            in_process(tmp_path, 1, start)
     with pytest.raises(ValueError, match="initial_load_in_hf requires initial_load_model_only"):
         ShardsafeCheckpointManager.Config(enable=True, initial_load_in_hf=True, initial_load_model_only=False)
 
