@@ -156,6 +156,34 @@ def test_mismatches_refused_model_untouched(tmp_path: Path, into: Any, message: 
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
+class Refusing:
+    """A stateful object whose load_state_dict refuses: the load fails after the module's step ran."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ValueError("refused on purpose")
+
+
+def test_other_block_size_rebuilt_and_assigned_undone_on_failure(tmp_path: Path) -> None:
+    """A live NF4 weight of another block size cannot take the parts in place: the checkpoint's is
+    rebuilt and assigned (the parameter object changes, requires_grad kept); a later failure puts
+    the old parameter back."""
+    from torchao.quantization import to_nf4
+
+    saved = nn.ParameterDict({"w": nn.Parameter(_nf4(0), False)})
+    shardsafe.save(tmp_path / "ck", {"model": saved, "other": Refusing()})
+    model = nn.ParameterDict({"w": nn.Parameter(to_nf4(torch.randn(64, 64, dtype=torch.bfloat16), 32, 8), False)})
+    old = model["w"]
+    with pytest.raises(StateMismatchError, match="refused on purpose"):
+        shardsafe.load(tmp_path / "ck", {"model": model, "other": Refusing()})
+    assert model["w"] is old and old.block_size == 32
+    shardsafe.load(tmp_path / "ck", {"model": model})
+    assert model["w"] is not old and model["w"].block_size == 64 and not model["w"].requires_grad
+    _assert_same_bits(model["w"], saved["w"])
+
+
 def test_plain_checkpoint_into_quantized_model_refused(tmp_path: Path) -> None:
     shardsafe.save(tmp_path / "ck", {"model": nn.ParameterDict({"w": nn.Parameter(torch.zeros(64, 64))})})
     with pytest.raises(StateMismatchError, match=r"model/w: a plain tensor in the checkpoint, a .*NF4Tensor here"):

@@ -22,6 +22,7 @@ from torch import nn
 from shardsafe.core.format import Manifest
 from shardsafe.core.values import decode_value, state_tensor_keys
 from shardsafe.errors import FormatError
+from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.base import (
     KIND_MODULE,
     KIND_PER_RANK,
@@ -50,6 +51,7 @@ from shardsafe.state.module_load import (
     module_versions,
     saved_versions,
 )
+from shardsafe.state.subclass_load import assign_step, reassigned
 from shardsafe.state.subclasses import rebuild_records
 
 
@@ -125,12 +127,16 @@ class ModuleAdapter:
     def bind(self, name: str, value: Any, ctx: LoadContext) -> Bound:
         state, clean = _module_state(value)
         custom = _custom_load(value, state, clean)
-        bound = Bound(name, value, self, context=custom)
-        if custom is None:
-            bind_tensors(bound.targets, state, name, subclasses=bound.subclasses)
-            return bound
-        own = {k: v for k, v in state.items() if not custom.owns(k)}
+        own = state if custom is None else {k: v for k, v in state.items() if not custom.owns(k)}
+        targets: dict[str, ReadTarget] = {}
+        # subclass tensors whose context differs from the checkpoint's (subclass_load.py): rebuilt, assigned
+        moved = reassigned(name, value, own, _state_of(ctx), ctx.layout, targets)
+        bound = Bound(name, value, self, targets=targets, context=(custom, moved), early=set(targets))
+        if moved:
+            own = {k: v for k, v in own.items() if k not in {m.fqn for m in moved}}
         bind_tensors(bound.targets, own, name, subclasses=bound.subclasses)
+        if custom is None:
+            return bound
         before = set(bound.targets)
         custom.versions = saved_versions(ctx.saved, f"state.json {name!r}")
         custom.bind(name, _state_of(ctx), state, ctx.layout, clean, bound.targets)
@@ -141,23 +147,31 @@ class ModuleAdapter:
         return []
 
     def prepare(self, bound: Bound, ctx: LoadContext, lookup: Lookup) -> LoadStep:
-        custom = bound.context
-        if not isinstance(custom, CustomLoad):
+        custom, moved = bound.context if isinstance(bound.context, tuple) else (None, [])
+        if custom is None and not moved:
             return _no_step(bound.name)
         strict = ctx.strict
+        assign, unassign = assign_step(moved)
 
         def apply() -> None:
-            custom.apply(strict)
+            if custom is not None:
+                custom.apply(strict)
+            assign()
 
         if not ctx.atomic:  # no undo to keep: run once every tensor is read
             return LoadStep(bound.name, apply, after_tensors=True)
         undo: list[Callable[[], None]] = []
 
         def apply_undoable() -> None:  # the third phase: every byte verified, nothing live written yet
-            undo.append(custom.snapshot())
+            undo.append(custom.snapshot() if custom is not None else lambda: None)
+            undo.append(unassign)
             apply()
 
-        return LoadStep(bound.name, apply_undoable, undo=lambda: undo[0]() if undo else None)
+        def undo_all() -> None:
+            for step in reversed(undo):
+                step()
+
+        return LoadStep(bound.name, apply_undoable, undo=undo_all)
 
     def summarize(self, entry: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
         return tensor_summary(state_tensor_keys(entry.get("state")), manifest)
