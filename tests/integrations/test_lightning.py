@@ -414,3 +414,19 @@ def test_kill_mid_removal_leaves_nothing_that_looks_loadable(tmp_path: Path) -> 
     with pytest.raises(shardsafe.ShardsafeError):
         shardsafe.verify(hidden[0])
     assert shardsafe.collect_garbage(ckpts) == hidden
+
+
+@pytest.mark.stress  # a fresh interpreter (imports torch and Lightning: ~10 s)
+def test_async_save_in_flight_at_exit_is_finished(tmp_path: Path) -> None:
+    """trainer.save_checkpoint after fit with async_save=True, then the interpreter exits at once: the save still
+    in flight is finished at exit (with a warning), committed and verifying."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent / "lightning_scripts" / "async_exit.py"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "in flight at exit: True" in done.stdout and "finishing the Lightning checkpoint save" in done.stderr
+    assert shardsafe.verify(tmp_path / "after-fit.ckpt")["world_size"] == 1
