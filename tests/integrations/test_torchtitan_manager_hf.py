@@ -215,3 +215,20 @@ def test_initial_load_in_hf_at_2d(tmp_path: Path, assets: Path) -> None:
     )
     for rank, result in enumerate(started):
         assert_tensors_equal(result["loaded"], model_part_of(saved["recorded"][2]["state"]), f"2-D rank {rank}")
+
+
+@pytest.mark.stress
+def test_bf16_final_save_at_2_ranks_exported_and_resumed(tmp_path: Path, assets: Path) -> None:
+    """The cast final save from FSDP2 DTensors (2 ranks): exported to Hugging Face format and loaded back
+    model-only by the next 2-rank run from the folder (bfloat16 read strictly, cast into the float32 model)."""
+    checkpoint = {"enable": True, "folder": "ckpt", "interval": 5, "last_save_in_hf": True, "export_dtype": "bfloat16"}
+    args = (checkpoint, None, (2,), 0, False, str(assets))
+    saved = run_ranks(run, 2, "fsdp", str(tmp_path), 2, *args, work_dir=tmp_path / "w1")
+    expected = rounded(saved[0]["recorded"][2]["state"], torch.bfloat16)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt" / "step-2", dtype=torch.float32)
+    adapter = Llama3StateDictAdapter(tiny_config(), None)
+    assert_tensors_equal(adapter.from_hf(dict(hf_model.state_dict())), expected, "from_pretrained")
+    resumed = run_ranks(run, 2, "fsdp", str(tmp_path), 3, checkpoint, None, (), 99, work_dir=tmp_path / "w2")
+    for rank, result in enumerate(resumed):
+        assert result["loaded_at"] == 0
+        assert_tensors_equal(result["loaded"], expected, f"bf16 model-only -> FSDP2 rank {rank}")
