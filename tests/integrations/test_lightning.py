@@ -151,12 +151,14 @@ def test_rotation_top_k_best_and_validate(tmp_path: Path) -> None:
 
 def test_new_run_never_deletes_previous_runs_checkpoints(tmp_path: Path) -> None:
     """Lightning #21813: a second run in the same dirpath resumes from the first run's checkpoint with
-    save_top_k=1; its restored best_k_models name the first run's folders, and it deletes none of them (nor
-    replaces the first run's last.ckpt it did not resume from); its own rotated checkpoints do go."""
-    checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1}
+    save_top_k=2 and save_last; its restored best_k_models name the first run's folders, and it deletes none
+    of them; the restored last_model_path names the first run's last.ckpt, which it does not resume from:
+    it saves last-v1.ckpt beside it (from the start, not failing after an epoch) and leaves last.ckpt at step 4;
+    its own rotated checkpoints do go."""
+    checkpoint = {"monitor": "train_loss", "save_top_k": 2, "every_n_train_steps": 1, "save_last": True}
     first = _fit(2, tmp_path, "fsdp", 2, tmp_path / "work1", checkpoint=checkpoint)
     before = _visible(tmp_path / "ckpts")
-    assert len(before) == 2 and "epoch=1-step=4.ckpt" in before, before
+    assert len(before) == 3 and "epoch=1-step=4.ckpt" in before and "last.ckpt" in before, before
     ckpt = str(tmp_path / "ckpts" / "epoch=1-step=4.ckpt")
     second = _fit(2, tmp_path, "fsdp", 4, tmp_path / "work2", ckpt_path=ckpt, checkpoint=checkpoint)
     losses = first["losses"] + second["losses"]
@@ -165,9 +167,11 @@ def test_new_run_never_deletes_previous_runs_checkpoints(tmp_path: Path) -> None
     for name in before:
         assert name in after, (before, after)
         shardsafe.verify(tmp_path / "ckpts" / name)
+    assert _step_of(tmp_path / "ckpts" / "last.ckpt") == 4
+    assert _step_of(tmp_path / "ckpts" / "last-v1.ckpt") == 8 and second["last"].endswith("last-v1.ckpt")
     best_two = sorted(range(4, 8), key=lambda i: losses[i])[:2]
     assert sorted(n for n in after if n not in before) == sorted(
-        f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two
+        ["last-v1.ckpt", *(f"epoch={i // 2}-step={i + 1}.ckpt" for i in best_two)]
     ), (losses, after)
 
 

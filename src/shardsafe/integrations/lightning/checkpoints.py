@@ -328,6 +328,44 @@ class LightningCheckpoints:
         _copy_checkpoint(src, dst)
         self.written.add(where(dst))
 
+    def release_other_runs_last(self, rest: dict[str, Any], comm: Comm | None = None) -> list[str]:
+        """In ``rest`` (Lightning's restored checkpoint dict), forget each ModelCheckpoint's ``last_model_path``
+        that names a checkpoint of another run (not the one resumed from); returns those paths.
+
+        Resumed from ``epoch=1-step=4.ckpt`` in the dirpath of the run that wrote it, ModelCheckpoint
+        would save its ``last.ckpt`` over that run's (the restored path is "its own"), which the save
+        refuses (:meth:`may_replace`) only after the first epoch has trained. Without the path, it does
+        what it does for any ``last.ckpt`` it did not write: it saves ``last-v1.ckpt`` beside it. Decided
+        by rank 0, the same on every rank."""
+        comm = comm or get_comm()
+        states = rest.get("callbacks")
+        if not isinstance(states, dict):
+            return []
+        paths = sorted(
+            {st["last_model_path"] for st in states.values() if isinstance(st, dict) and st.get("last_model_path")}
+        )
+
+        def others() -> list[str]:
+            found = []
+            for path in paths:
+                try:
+                    self.may_replace(_target(path))
+                except CheckpointExistsError:
+                    found.append(path)
+            return found
+
+        released: list[str] = comm.on_coordinator(others, default=FormatError)
+        for st in states.values():
+            if isinstance(st, dict) and st.get("last_model_path") in released:
+                st["last_model_path"] = ""
+        if released and comm.is_coordinator:
+            log.warning(
+                "%s: written by another run; this run saves its last checkpoint beside it (last-v1.ckpt, ...) "
+                "rather than replace it",
+                ", ".join(released),
+            )
+        return released
+
     def remove(self, path: str | os.PathLike[str]) -> bool:
         """Retire the checkpoint at ``path`` if this run wrote it (call on one process); returns whether it did.
 

@@ -83,7 +83,9 @@ class _ShardsafeCheckpointing:
         self.wait_for_save()  # resuming reads what the last save committed
         path = self.broadcast(os.fspath(checkpoint_path))
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
-        return self._shardsafe.load(path, self.model, list(self.optimizers), strict=strict)
+        rest = self._shardsafe.load(path, self.model, list(self.optimizers), strict=strict)
+        self._shardsafe.release_other_runs_last(rest)
+        return rest
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's rotation: rank 0 retires the folder if this run wrote it (never another run's)."""
