@@ -1,6 +1,6 @@
 """Run transformers' own Trainer checkpoint tests with ShardsafeTrainer in place of ``Trainer``.
 
-The yardstick of issue 38 (docs/TRAINER.md, "Measured against transformers' own tests"). The test
+The yardstick of issue 38 (docs/TRAINER.md, "Measured against transformers' own checkpoint tests"). The test
 file is transformers' (Apache-2.0), not the project's: fetch it yourself, for the installed
 transformers version, with the helper module it imports, keeping the repository's layout
 (``tests/__init__.py``, ``tests/trainer/__init__.py``, ``tests/trainer/trainer_test_utils.py``,
@@ -84,7 +84,7 @@ def compare(test_file: Path, extra: list[str]) -> int:
             junit = os.path.join(tmp, f"{label}.xml")
             cmd = [sys.executable, __file__, str(test_file), f"--junit={junit}"]
             cmd += ["--stock"] if label == "stock" else []
-            subprocess.run(cmd + ["--", *extra], check=False)
+            subprocess.run(cmd + (["--", *extra] if extra else []), check=False)
             outcomes[label] = _outcomes(junit)
     for label, result in outcomes.items():
         counts = {k: sum(1 for v in result.values() if v == k) for k in ("passed", "failed", "skipped")}
@@ -104,14 +104,15 @@ def main() -> int:
     parser.add_argument("--stock", action="store_true", help="run on the stock transformers.Trainer")
     parser.add_argument("--compare", action="store_true", help="run both and list the tests only stock passes")
     parser.add_argument("--junit", help=argparse.SUPPRESS)
-    parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]  # after --: pytest's own arguments
     if not (args.test_file.parent.parent / "__init__.py").is_file():
         parser.error(f"{args.test_file}: expected inside <root>/tests/<folder>/ with the tests' __init__.py files")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.compare:
-        return compare(args.test_file, args.pytest_args)
-    return run(args.test_file, args.stock, args.pytest_args, args.junit)
+        return compare(args.test_file, extra)
+    return run(args.test_file, args.stock, extra, args.junit)
 
 
 if __name__ == "__main__":

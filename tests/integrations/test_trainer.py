@@ -27,7 +27,7 @@ pytest.importorskip("accelerate")
 from safetensors.torch import load_file  # noqa: E402
 
 import shardsafe  # noqa: E402
-from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, ScriptLaunch, launch_script, wait_for_scripts  # noqa: E402
+from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, ScriptLaunch, assert_tensors_equal, launch_script, wait_for_scripts  # noqa: E402
 from shardsafe.api.source import CheckpointSource  # noqa: E402
 from shardsafe.errors import CheckpointNotFoundError, ModelFolderError  # noqa: E402
 from shardsafe.hf.export import export_hf, iter_output  # noqa: E402
@@ -86,18 +86,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory, hub_server: Any) -> Runs:
     return Runs(root, files, commits, hub_server.url, HAVE_DEEPSPEED)
 
 
-def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
-    assert sorted(got) == sorted(expected), f"{what}: names differ: {sorted(set(got) ^ set(expected))}"
-    for key, e in expected.items():
-        g = got[key]
-        assert g.dtype == e.dtype and g.shape == e.shape, (
-            f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
-        )
-        assert torch.equal(g.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), (
-            f"{what}[{key}]: values differ"
-        )
-
-
 def after(losses: dict[str, float], step: int) -> dict[str, float]:
     return {s: v for s, v in losses.items() if int(s) > step}
 
@@ -116,7 +104,7 @@ def checkpoint_model(folder: Path) -> dict[str, torch.Tensor]:
 
 def assert_same_model(stored: dict[str, torch.Tensor], final: dict[str, torch.Tensor], what: str) -> None:
     assert set(final) - set(stored) == {"lm_head.weight"}, what
-    assert_same_tensors(stored, {k: final[k] for k in stored}, what)
+    assert_tensors_equal(stored, {k: final[k] for k in stored}, what)
 
 
 # ----------------------------------------------------------------------------- DDP
@@ -128,7 +116,7 @@ def test_ddp_final_weights_equal_the_plain_trainer_and_checkpoints_are_shardsafe
     main = runs.result("main")
     assert main["losses"] == runs.result("plain")["losses"]
     assert len(main["losses"]) == 6
-    assert_same_tensors(runs.weights("main"), runs.weights("plain"), "ShardsafeTrainer vs Trainer")
+    assert_tensors_equal(runs.weights("main"), runs.weights("plain"), "ShardsafeTrainer vs Trainer")
     train = runs.train_dir("main")
     assert main["after_train"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert get_last_checkpoint(str(train)) == str(train / "checkpoint-6")
@@ -166,7 +154,9 @@ def test_ddp_final_weights_equal_the_plain_trainer_and_checkpoints_are_shardsafe
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(train / "checkpoint-6")
-    assert_same_tensors({k: v.detach() for k, v in loaded.state_dict().items()}, final, "from_pretrained(checkpoint-6)")
+    assert_tensors_equal(
+        {k: v.detach() for k, v in loaded.state_dict().items()}, final, "from_pretrained(checkpoint-6)"
+    )
 
 
 def test_resume_from_a_middle_checkpoint_and_from_the_newest(runs: Runs) -> None:
@@ -174,11 +164,11 @@ def test_resume_from_a_middle_checkpoint_and_from_the_newest(runs: Runs) -> None
     final = runs.weights("main")
     mid = runs.result("resume_mid")  # checkpoint-2: mid-epoch (batches skipped, then the RNG restored)
     assert after(mid["losses"], 2) == after(main["losses"], 2) and len(after(mid["losses"], 2)) == 4
-    assert_same_tensors(runs.weights("resume_mid"), final, "resumed at step 2")
+    assert_tensors_equal(runs.weights("resume_mid"), final, "resumed at step 2")
     last = runs.result("resume_last")  # resume_from_checkpoint=True: checkpoint-4, the end of epoch 1
     assert after(last["losses"], 4) == after(main["losses"], 4) and len(after(last["losses"], 4)) == 2
     assert last["regenerated"], "trainer_state.json, deleted from checkpoint-4, was written again from its state.json"
-    assert_same_tensors(runs.weights("resume_last"), final, "resumed at step 4")
+    assert_tensors_equal(runs.weights("resume_last"), final, "resumed at step 4")
     assert sorted(p.name for p in runs.train_dir("resume_last").iterdir() if p.name != LEASE_DIR) == [
         "checkpoint-2",
         "checkpoint-4",
@@ -262,14 +252,14 @@ def test_save_model_ddp_writes_the_full_model_next_to_the_checkpoints(runs: Runs
     for folder in (runs.train_dir("main"), runs.root / "main" / "saved_again"):
         loaded = AutoModelForCausalLM.from_pretrained(folder)
         assert loaded.dtype == torch.float32
-        assert_same_tensors(
+        assert_tensors_equal(
             {k: v.detach() for k, v in loaded.state_dict().items()}, final, f"from_pretrained({folder.name})"
         )
         assert "lm_head.weight" not in dict(iter_output(folder)), "tied weights are written once, as transformers does"
     # a checkpoint exports to a from_pretrained folder (config.json is next to it)
     exported = export_hf(runs.train_dir("main") / "checkpoint-6", tmp_path / "exported", progress=False)
     loaded = AutoModelForCausalLM.from_pretrained(exported)
-    assert_same_tensors({k: v.detach() for k, v in loaded.state_dict().items()}, final, "exported checkpoint-6")
+    assert_tensors_equal({k: v.detach() for k, v in loaded.state_dict().items()}, final, "exported checkpoint-6")
 
 
 def test_save_only_model_checkpoints_hold_the_model_and_trainer_files(runs: Runs) -> None:
@@ -294,7 +284,7 @@ def test_push_to_hub_pushes_the_trained_model(runs: Runs) -> None:
 
     pushed = load_bytes(files["model.safetensors"])
     final = runs.weights("push")
-    assert_same_tensors(pushed, {k: v for k, v in final.items() if k != "lm_head.weight"}, "pushed model")
+    assert_tensors_equal(pushed, {k: v for k, v in final.items() if k != "lm_head.weight"}, "pushed model")
     assert runs.result("push")["url"].startswith(f"{runs.hub_url}/{REPO}/commit/")
 
 
@@ -367,7 +357,7 @@ def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_pa
     assert {k.split("/")[0] for k in final} == {"w16", "w32"} and final[
         "w16/transformer.wte.weight"
     ].dtype == torch.bfloat16
-    assert_same_tensors(
+    assert_tensors_equal(
         final, runs.weights("z3_plain"), "ShardsafeTrainer vs Trainer under ZeRO-3 (16-bit and fp32 master)"
     )
     train = runs.train_dir("z3_main")
@@ -378,17 +368,17 @@ def test_zero3_checkpoints_resume_and_match_the_plain_trainer(runs: Runs, tmp_pa
     # with stage3_gather_16bit_weights_on_model_save the checkpoint is a from_pretrained folder of the 16-bit model
     final16 = {k.split("/", 1)[1]: v for k, v in final.items() if k.startswith("w16/")}
     loaded16 = AutoModelForCausalLM.from_pretrained(train / "checkpoint-6", dtype=torch.bfloat16)
-    assert_same_tensors(
+    assert_tensors_equal(
         {k: v.detach() for k, v in loaded16.state_dict().items()}, final16, "from_pretrained(ZeRO-3 checkpoint-6)"
     )
     resumed = runs.result("z3_resume")
     assert after(resumed["losses"], 2) == after(main["losses"], 2) and len(after(resumed["losses"], 2)) == 4
-    assert_same_tensors(runs.weights("z3_resume"), final, "ZeRO-3 resumed at step 2")
+    assert_tensors_equal(runs.weights("z3_resume"), final, "ZeRO-3 resumed at step 2")
     no_leftovers(train)
     # `shardsafe export checkpoint-6`: the engine's flat fp32 master weights, reshaped, next to its config.json
     exported = export_hf(train / "checkpoint-6", tmp_path / "exported", progress=False)
     master = {k.split("/", 1)[1]: v for k, v in final.items() if k.startswith("w32/")}
-    assert_same_tensors(dict(iter_output(exported)), master, "exported ZeRO-3 checkpoint-6 vs the fp32 master weights")
+    assert_tensors_equal(dict(iter_output(exported)), master, "exported ZeRO-3 checkpoint-6 vs the fp32 master weights")
     assert AutoModelForCausalLM.from_pretrained(exported).dtype == torch.float32
 
 
@@ -404,11 +394,11 @@ def test_zero3_save_model_gathered_equals_deepspeeds_16bit_model(runs: Runs) -> 
     assert set(ds16) - set(ours) == {"lm_head.weight"}, (
         "DeepSpeed writes the tied head again; transformers and shardsafe once"
     )
-    assert_same_tensors(ours, {k: ds16[k] for k in ours}, "save_model vs save_16bit_model")
+    assert_tensors_equal(ours, {k: ds16[k] for k in ours}, "save_model vs save_16bit_model")
     assert ours["transformer.wte.weight"].dtype == torch.bfloat16
     loaded = AutoModelForCausalLM.from_pretrained(train)
     final16 = {k.split("/", 1)[1]: v for k, v in runs.weights("z3_main").items() if k.startswith("w16/")}
-    assert_same_tensors(
+    assert_tensors_equal(
         {k: v.detach() for k, v in loaded.state_dict().items()},
         final16,
         "from_pretrained vs the engine's 16-bit weights",
@@ -442,11 +432,11 @@ def test_zero3_save_model_without_gathering_writes_a_sharded_checkpoint(runs: Ru
     assert shardsafe.verify(train / "checkpoint")["world_size"] == 2
     master = {k.split("/", 1)[1]: v for k, v in runs.weights("z3_nogather").items() if k.startswith("w32/")}
     exported = export_hf(train, tmp_path / "exported", progress=False)  # what `shardsafe export` does
-    assert_same_tensors(dict(iter_output(exported)), master, "exported vs the fp32 master weights")
+    assert_tensors_equal(dict(iter_output(exported)), master, "exported vs the fp32 master weights")
     loaded = AutoModelForCausalLM.from_pretrained(exported)
     assert loaded.dtype == torch.float32
     assert torch.equal(loaded.lm_head.weight, master["transformer.wte.weight"])
     # loadable as it is into a model, on one process
     model = AutoModelForCausalLM.from_config(loaded.config)
     shardsafe.load(train / "checkpoint", {"model": model})
-    assert_same_tensors({k: v.detach() for k, v in model.named_parameters()}, master, "loaded into a model")
+    assert_tensors_equal({k: v.detach() for k, v in model.named_parameters()}, master, "loaded into a model")

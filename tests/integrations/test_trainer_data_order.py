@@ -32,7 +32,7 @@ pytest.importorskip("accelerate")
 from safetensors.torch import load_file  # noqa: E402
 
 import shardsafe  # noqa: E402
-from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, launch_script, wait_for_scripts  # noqa: E402
+from dist_utils import HAVE_DEEPSPEED, TESTS_DIR, assert_tensors_equal, launch_script, wait_for_scripts  # noqa: E402
 from shardsafe.data import ReshardableSampler  # noqa: E402
 from shardsafe.hf.export import export_hf, iter_output  # noqa: E402
 
@@ -145,18 +145,6 @@ def test_a_changed_global_batch_continues_in_samples_and_an_iterable_dataset_kee
 # ----------------------------------------------------------------------------- DeepSpeed ZeRO-3
 
 
-def assert_same_bits(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
-    assert sorted(got) == sorted(expected), f"{what}: names differ: {sorted(set(got) ^ set(expected))}"
-    for key, e in expected.items():
-        g = got[key]
-        assert g.dtype == e.dtype and g.shape == e.shape, (
-            f"{what}[{key}]: {g.dtype}{list(g.shape)} vs {e.dtype}{list(e.shape)}"
-        )
-        assert torch.equal(g.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), (
-            f"{what}[{key}]: values differ"
-        )
-
-
 def test_zero3_resume_on_3_ranks_loads_the_2_rank_engine_state_exactly(z3_root: Path, tmp_path: Path) -> None:
     saved, loaded = (
         load_file(z3_root / "z3_order2" / "state6.safetensors"),
@@ -167,7 +155,7 @@ def test_zero3_resume_on_3_ranks_loads_the_2_rank_engine_state_exactly(z3_root: 
         saved["w16/transformer.wte.weight"].dtype == torch.bfloat16
         and saved["exp_avg/transformer.wte.weight"].dtype == torch.float32
     )
-    assert_same_bits(loaded, saved, "engine state: 3 ranks after the load vs 2 ranks at checkpoint-6")
+    assert_tensors_equal(loaded, saved, "engine state: 3 ranks after the load vs 2 ranks at checkpoint-6")
     counters = json.loads((z3_root / "z3_order2" / "state6.json").read_text())
     assert (
         counters["adam_steps"] == [6.0]
@@ -182,7 +170,7 @@ def test_zero3_resume_on_3_ranks_loads_the_2_rank_engine_state_exactly(z3_root: 
     # `shardsafe export`: the checkpoint's fp32 master weights
     exported = export_hf(checkpoint, tmp_path / "exported", progress=False)
     master = {k.split("/", 1)[1]: v for k, v in loaded.items() if k.startswith("w32/")}
-    assert_same_bits(
+    assert_tensors_equal(
         dict(iter_output(exported)), master, "exported checkpoint-6 vs the fp32 master weights loaded on 3 ranks"
     )
 

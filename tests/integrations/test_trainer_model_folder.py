@@ -149,3 +149,39 @@ def test_resume_reproduces_the_batch_order_of_a_module_with_its_own_load_code(tm
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
     assert resumed.model.data_order.tolist() == full.model.data_order.tolist()
     assert len(full.model.data_order) == 12
+
+
+def test_a_checkpoint_resharded_in_place_resumes_verified(tmp_path: Path) -> None:
+    """transformers' tools may rewrite a checkpoint's model.safetensors as model-0000k-of-0000N files + an index (the
+    Trainer resumes from that): the resume reads the weights there, each block checked against the checkpoint's
+    committed hashes; a changed byte is refused before anything is loaded."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    from shardsafe.errors import IntegrityError
+
+    out = tmp_path / "out"
+    uninterrupted = small_trainer(out, max_steps=2)
+    uninterrupted.train()
+    folder = out / "checkpoint-1"
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    save_torch_state_dict(weights, folder, max_shard_size="4KB")  # huggingface_hub's own sharding
+    shards = sorted(p.name for p in folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file()
+
+    resumed = small_trainer(out, max_steps=2)
+    resumed.train(resume_from_checkpoint=str(folder))
+    for name, tensor in uninterrupted.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and "view" in p.name], "the view is removed"
+
+    last = folder / shards[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF  # one byte of a weight
+    last.write_bytes(bytes(data))
+    damaged = small_trainer(out, max_steps=2)
+    before = {k: v.clone() for k, v in damaged.model.state_dict().items()}
+    with pytest.raises(IntegrityError):
+        damaged.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(damaged.model.state_dict()[k], v) for k, v in before.items()), "nothing loaded"

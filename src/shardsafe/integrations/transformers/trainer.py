@@ -54,6 +54,7 @@ from shardsafe.integrations.transformers.checkpoints import (
 from shardsafe.integrations.transformers.data_order import ReshardableDataTrainer
 from shardsafe.integrations.transformers.model_folder import hub_token, install_model_folder, new_hidden, stage_upload
 from shardsafe.integrations.transformers.model_index import ModelIndexCommit, full_state_tensors, whole_weights
+from shardsafe.integrations.transformers.resharded import resharded_view
 from shardsafe.integrations.transformers.zero3 import (
     is_zero3_model,
     parameter_count,
@@ -523,7 +524,26 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         scaler = getattr(self.accelerator, "scaler", None)
         if SCALER in saved and scaler is not None:
             state[SCALER] = scaler
-        load(path, state)
+        view = self._resharded_view(path) if MODEL in state else None
+        try:
+            load(str(view) if view is not None else path, state)
+        finally:
+            if view is not None:
+                remove_tree(view)
+
+    def _resharded_view(self, path: str) -> Path | None:
+        """One process: a verified view of a checkpoint whose model.safetensors was re-sharded in place, as the Trainer
+        resumes from one (:mod:`.resharded`); None otherwise."""
+        if get_comm().world_size != 1 or "://" in path:
+            return None
+        view = resharded_view(Path(path), f"{MODEL}/")
+        if view is not None:
+            log.warning(
+                "%s: its model weights file is gone, re-sharded as model.safetensors.index.json says; loading the "
+                "weights from there, each block checked against the checkpoint's hashes",
+                path,
+            )
+        return view
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Restore this rank's RNG state from the checkpoint, where the Trainer restores its own (collective)."""
