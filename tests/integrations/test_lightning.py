@@ -403,6 +403,7 @@ def test_save_last_link_on_folders(tmp_path: Path, symlinks: bool) -> None:
     assert_optimizer_equal(optim, result["steps"][step][1], "last.ckpt optimizer")
 
 
+@pytest.mark.stress  # retire() itself is tested under kills in tests/manager (test_kill_during_rotation_...)
 def test_kill_mid_removal_leaves_nothing_that_looks_loadable(tmp_path: Path) -> None:
     """ModelCheckpoint(save_top_k=1) every step; rank 0 is SIGKILLed while it deletes step 1 (renamed hidden, its
     manifest gone, data files left): only step 2 is visible and it verifies; the half-deleted folder is hidden,
