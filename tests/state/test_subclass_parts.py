@@ -381,3 +381,19 @@ def test_hostile_records_refused(tmp_path: Path, edit: Any, message: str) -> Non
     with pytest.raises(FormatError, match=message):
         shardsafe.load(tmp_path / "ck", state)
     assert state == {"t": None}
+
+
+def test_torchao_class_taken_off_the_allowlist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """unregister_tensor_subclass takes torchao's classes off too: save refuses, load names the remedy."""
+    from shardsafe.state import subclasses
+
+    monkeypatch.setattr(subclasses, "_REGISTERED", dict(subclasses._REGISTERED))  # restored after the test
+    monkeypatch.setattr(subclasses, "_REMOVED", set(subclasses._REMOVED))
+    weight = _nf4(0)
+    shardsafe.save(tmp_path / "ck", {"t": {"w": weight}})
+    shardsafe.unregister_tensor_subclass(type(weight))
+    with pytest.raises(FormatError, match=r"'t/w': a .*NF4Tensor is a tensor subclass .*not allowlisted"):
+        shardsafe.save(tmp_path / "refused", {"t": {"w": weight}})
+    with pytest.raises(FormatError, match=r"'t/w': .*NF4Tensor', a tensor subclass .*register_tensor_subclass"):
+        shardsafe.load(tmp_path / "ck", {"t": None})
+    assert not (tmp_path / "refused").exists()
