@@ -24,7 +24,11 @@ base_folder=...)``) and driven by the Trainer's calls: per step forward/backward
 DCP's ``async_with_pinned_mem`` needs an accelerator (its ``DefaultStager`` asserts "Non-blocking copy requires
 that the current accelerator is available"), so without one only shardsafe's is measured.
 
-Times are the slowest rank's; medians over rounds. ``--md`` writes (replaces) only this script's section.
+Times are the slowest rank's; medians over rounds. Each timed call starts after a barrier: without it, the ranks'
+skew from the training step (the local optimizer step is uneven) would be charged to whichever manager's call has a
+collective in it (shardsafe's save agrees across ranks before it returns; DCP's async save plans in its background
+thread), although in a real step the next FSDP all-gather absorbs that skew anyway. ``--md`` writes (replaces)
+only this script's section.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ class Job:
         not save skips the ``save`` call (with a longer interval it returns False at once)."""
         self.train_state.step += 1
         self.forward_backward()
+        dist.barrier()  # the ranks' skew from the step is not the checkpointer's (see the module docstring)
         start = time.perf_counter()
         checkpointer.maybe_wait_for_staging()
         blocked = time.perf_counter() - start
@@ -165,6 +170,7 @@ class Job:
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
         if save:
+            dist.barrier()
             start = time.perf_counter()
             checkpointer.save(self.train_state.step)
             blocked += time.perf_counter() - start
@@ -229,6 +235,11 @@ def _median(runs: list[dict[str, float]], key: str) -> float | None:
     return statistics.median(r[key] for r in runs) if runs else None
 
 
+METHOD = (
+    "Blocked time of a save: its `save()` call plus the next step's `maybe_wait_for_staging()`; each steady save "
+    "is made after the previous one is written (an interval longer than a write); each timed call starts after a "
+    "barrier, so the ranks' skew from the training step is charged to neither manager."
+)
 ROWS = (  # label, mode, measurement
     ("save, `disabled`, steady", "disabled", "steady"),
     ("save, `disabled`, first save of the manager", "disabled", "first"),
@@ -266,7 +277,7 @@ def report(results: dict[str, Any], params: int, args: argparse.Namespace, load:
         f"parameters, {state_mb:.0f} MB with AdamW's moments) on dp_shard=2 x tp=2 at 4 gloo ranks (CPU), "
         f"both managers built from their Config as the Trainer builds them, in the same job; medians of "
         f"{args.rounds} rounds, slowest rank; loads from a {'cold' if cold else 'WARM (drop_caches refused)'} "
-        f"page cache. Load average (1/5/15 min) at the end: {load}; the whole run took {seconds:.0f} s.",
+        f"page cache. Load average (1/5/15 min) at the end: {load}; the whole run took {seconds:.0f} s. " + METHOD,
         "",
         "| | torchtitan DCP CheckpointManager | ShardsafeCheckpointManager | shardsafe / DCP |",
         "|---|---|---|---|",
