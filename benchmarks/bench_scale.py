@@ -387,7 +387,7 @@ def pp_once(tensors: list[tuple[str, tuple[int, ...], LayoutRule, int]], world: 
     # what the coordinator gathers: every rank's layout digest, the keys it lists (none here) and its
     # rule-described tensors (equal within a stage: stage_rules reads one list per digest)
     held: list[list[RuleHeld]] = [
-        [(k, "torch.bfloat16", s, r) for k, s, r, stage in tensors if stage == st] for st in range(PP_MESH[0])
+        [RuleHeld(k, "torch.bfloat16", s, r) for k, s, r, stage in tensors if stage == st] for st in range(PP_MESH[0])
     ]
     digests = [f"stage{st}" for st in range(PP_MESH[0])]  # a stage's ranks' layout digests are equal
     gathered: list[tuple[str, list[str], list[RuleHeld]]] = [

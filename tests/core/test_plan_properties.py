@@ -5,7 +5,10 @@ each box held by a random non-empty set of ranks (replicas), listed in a random 
 
 * every distinct box (key, offsets, shape) gets exactly one writer, and that writer holds it;
 * the written boxes tile each tensor: every element is written exactly once (no gaps, no overlaps);
-* each box goes to its least loaded holder, largest boxes first (the balance the docstring promises);
+* each box goes to its least loaded holder, largest boxes first (the balance the docstring promises;
+  with the small-chunk threshold at 0, so that every box counts as large);
+* with the default threshold, small replicated boxes (all of these are small) are packed: each goes to
+  its lowest holder rank while that rank has room (SMALL_PER_WRITER), so a reader opens few files;
 * a box no rank holds (a gap), a box held twice under two shapes (an overlap that changes the
   volume) and ranks that disagree on a tensor's dtype or global shape are refused with a SaveError
   naming the tensor. (Overlaps of the same total volume pass this volume check; the manifest
@@ -34,7 +37,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shardsafe.core.layout import IRREGULAR, SPLIT, WHOLE, classify, follows_rule, rule_for, whole_writers
-from shardsafe.core.plan import ChunkSpec, LocalChunk, assign_writers
+from shardsafe.core.plan import SMALL_CHUNK_BYTES, SMALL_PER_WRITER, ChunkSpec, LocalChunk, assign_writers
 from shardsafe.core.rule import LayoutRule
 from shardsafe.errors import SaveError
 
@@ -119,7 +122,7 @@ def test_each_box_goes_to_a_least_loaded_holder(case: Holdings) -> None:
     """Largest boxes first, each to its least loaded holder: so when rank r is given box b, what r
     already writes - at least its boxes larger than b - is no more than any other holder of b ends with."""
     _, _, specs = case
-    written = _written(specs, assign_writers(specs))
+    written = _written(specs, assign_writers(specs, small=0))
     load = [0] * len(specs)
     for rank, s in written:
         load[rank] += s.nbytes
@@ -130,6 +133,35 @@ def test_each_box_goes_to_a_least_loaded_holder(case: Holdings) -> None:
                 assert before <= load[other], (
                     f"{s.key} {s.offsets} went to rank {rank} though rank {other} was less loaded"
                 )
+
+
+@settings(max_examples=100, deadline=None)
+@given(holdings())
+def test_small_replicated_boxes_go_to_their_lowest_holder(case: Holdings) -> None:
+    """Every box here is far below SMALL_CHUNK_BYTES and all of them together below SMALL_PER_WRITER:
+    a box held by several ranks is written by the lowest of them; a box held once, by its holder."""
+    _, _, specs = case
+    assert sum(s.nbytes for rank_specs in specs for s in rank_specs) < SMALL_PER_WRITER
+    for rank, s in _written(specs, assign_writers(specs)):
+        holders = [r for r, rank_specs in enumerate(specs) if any(t == s for t in rank_specs)]
+        assert rank == min(holders), f"{s.key} {s.offsets} went to rank {rank}, not its lowest holder {min(holders)}"
+
+
+def test_small_packing_fills_one_writer_then_the_next() -> None:
+    """Small replicated boxes fill rank 0 up to SMALL_PER_WRITER, then rank 1; large ones are balanced
+    as before, counting the small bytes already placed."""
+    per = SMALL_CHUNK_BYTES // 4  # float32 elements of one small box at the threshold
+    small = [
+        ChunkSpec(f"s{i:03d}", "torch.float32", (per,), (0,), (per,))
+        for i in range(SMALL_PER_WRITER // SMALL_CHUNK_BYTES + 1)
+    ]
+    big = ChunkSpec("big", "torch.float32", (per * 2,), (0,), (per * 2,))
+    assignment = assign_writers([[*small, big], [*small, big], [*small, big]])
+    assert len(assignment[0]) == SMALL_PER_WRITER // SMALL_CHUNK_BYTES  # rank 0 full
+    assert assignment[1] == [len(small) - 1]  # the one small box left over, on rank 1
+    assert assignment[2] == [len(small)]  # the large one on the least loaded rank
+    writers = whole_writers([(s.key, s.nbytes) for s in small] + [("big", big.nbytes)], 3)
+    assert [writers[s.key] for s in small] == [0] * (len(small) - 1) + [1] and writers["big"] == 2
 
 
 @settings(max_examples=80, deadline=None)
@@ -172,7 +204,7 @@ def test_replicated_box_goes_to_the_least_loaded_holder() -> None:
     """The docstring's promise: a replicated tensor is written once, by the least loaded rank holding it."""
     big = ChunkSpec("big", "torch.float32", (100,), (0,), (100,))
     small = [ChunkSpec(f"s{i}", "torch.float32", (10,), (0,), (10,)) for i in range(3)]
-    assignment = assign_writers([[big, *small], [*small], [*small]])
+    assignment = assign_writers([[big, *small], [*small], [*small]], small=0)
     assert assignment[0] == [0]  # the largest first, to rank 0; the small ones then avoid rank 0
     assert sorted(len(a) for a in assignment[1:]) == [1, 2]
 
@@ -241,6 +273,7 @@ def test_classify_follows_the_split_rule(case: tuple[tuple[int, ...], int], data
     st.randoms(use_true_random=False),
 )
 def test_whole_writers_one_per_key_any_order(whole: list[tuple[str, int]], world: int, rng: random.Random) -> None:
-    writers = whole_writers(whole, world)
-    assert set(writers) == {k for k, _ in whole} and all(0 <= r < world for r in writers.values())
-    assert whole_writers(rng.sample(whole, len(whole)), world) == writers
+    for small in (0, 1 << 19):
+        writers = whole_writers(whole, world, small)
+        assert set(writers) == {k for k, _ in whole} and all(0 <= r < world for r in writers.values())
+        assert whole_writers(rng.sample(whole, len(whole)), world, small) == writers

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from shardsafe.core.dtypes import dtype_from_torch_text, element_size
 from shardsafe.core.fields import numel
-from shardsafe.core.plan import ChunkSpec, LocalChunk
+from shardsafe.core.plan import SMALL_CHUNK_BYTES, ChunkSpec, LocalChunk, SmallPacking
 from shardsafe.core.rule import LayoutRule, spread_writers
 
 __all__ = [
@@ -123,12 +123,19 @@ def layout_digest(tensors: list[HeldTensor]) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def whole_writers(whole: list[tuple[str, int]], world_size: int) -> dict[str, int]:
-    """Writer of each replicated tensor, from (key, nbytes) pairs every rank knows alike: largest
-    first, each to the least loaded rank (ties: lowest rank). O(T log W), the same on every rank."""
-    heap = [(0, r) for r in range(min(world_size, max(1, len(whole))))]
-    out: dict[str, int] = {}
-    for key, nbytes in sorted(whole, key=lambda kv: (-kv[1], kv[0])):
+def whole_writers(whole: list[tuple[str, int]], world_size: int, small: int = SMALL_CHUNK_BYTES) -> dict[str, int]:
+    """Writer of each replicated tensor, from (key, nbytes) pairs every rank knows alike: those of
+    at most ``small`` bytes packed onto the first ranks in key order (:class:`SmallPacking`),
+    the rest largest first, each to the least loaded rank (ties: lowest rank). O(T log W), the same
+    on every rank."""
+    packing = SmallPacking(world_size)
+    everyone = list(range(world_size))
+    out = {key: packing.place(nbytes, everyone) for key, nbytes in sorted(whole) if nbytes <= small}
+    large = [(key, nbytes) for key, nbytes in whole if nbytes > small]
+    packed = sum(1 for b in packing.small_bytes if b)  # a prefix of the ranks; the next ones are empty
+    heap = [(packing.small_bytes[r], r) for r in range(min(world_size, max(1, packed + len(large))))]
+    heapq.heapify(heap)
+    for key, nbytes in sorted(large, key=lambda kv: (-kv[1], kv[0])):
         load, rank = heapq.heappop(heap)
         out[key] = rank
         heapq.heappush(heap, (load + nbytes, rank))

@@ -2,8 +2,9 @@
 
 Save: every rank describes the chunks it holds (:class:`ChunkSpec`, tiny and picklable); the
 coordinator sees all descriptions, checks they agree, gives every distinct chunk exactly one
-writer (a replicated tensor is written once, by the least loaded rank holding it) and checks the
-chunks tile each tensor. Load: each rank intersects the box it owns with the stored chunks.
+writer (a replicated tensor is written once, by the least loaded rank holding it; small ones are
+packed onto the first few ranks, :class:`SmallPacking`) and checks the chunks tile each tensor.
+Load: each rank intersects the box it owns with the stored chunks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,25 @@ from shardsafe.core.format import ChunkEntry, TensorEntry, box_overlap, element_
 from shardsafe.core.rule import LayoutRule
 from shardsafe.errors import FormatError, SaveError
 
-__all__ = ["ChunkSpec", "LocalChunk", "ReadOp", "assign_writers", "candidate_chunks", "contiguous_span", "plan_reads"]
+__all__ = [
+    "SMALL_CHUNK_BYTES",
+    "SMALL_PER_WRITER",
+    "ChunkSpec",
+    "LocalChunk",
+    "ReadOp",
+    "SmallPacking",
+    "assign_writers",
+    "candidate_chunks",
+    "contiguous_span",
+    "plan_reads",
+]
+
+# A replicated chunk this small costs its readers more (one more file to open, one more index and
+# header to parse on every rank that needs it) than its bytes cost a writer: such chunks are packed
+# onto the first ranks, SMALL_PER_WRITER bytes each, instead of being spread by size. At 16 FSDP2
+# ranks the AdamW step scalars alone, spread one per writer, made every rank open all 16 files.
+SMALL_CHUNK_BYTES = 64 << 10
+SMALL_PER_WRITER = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -53,8 +72,27 @@ class ChunkSpec:
         return numel(self.shape) * element_size(dtype_from_torch_text(self.dtype))
 
 
-def assign_writers(specs_by_rank: list[list[ChunkSpec]]) -> list[list[int]]:
-    """For each rank, the indices of its chunks it must write. Raises SaveError on disagreement."""
+class SmallPacking:
+    """Where small replicated chunks go: to the lowest holder rank with room left under
+    :data:`SMALL_PER_WRITER` (all full: the holder with the fewest small bytes). Deterministic in
+    the order chunks are offered, so ranks that offer the same list agree."""
+
+    def __init__(self, world_size: int) -> None:
+        self.small_bytes = [0] * world_size
+
+    def place(self, nbytes: int, holders: list[int]) -> int:
+        """The writer of a small chunk of ``nbytes`` among ``holders`` (ascending ranks), recorded."""
+        rank = next((r for r in holders if self.small_bytes[r] < SMALL_PER_WRITER), None)
+        if rank is None:
+            rank = min(holders, key=lambda r: (self.small_bytes[r], r))
+        self.small_bytes[rank] += nbytes
+        return rank
+
+
+def assign_writers(specs_by_rank: list[list[ChunkSpec]], small: int = SMALL_CHUNK_BYTES) -> list[list[int]]:
+    """For each rank, the indices of its chunks it must write: replicated chunks of at most ``small``
+    bytes first, packed by :class:`SmallPacking` in (key, offsets, shape) order; then the rest,
+    largest first, each to its least loaded holder. Raises SaveError on disagreement."""
     seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
     for rank, specs in enumerate(specs_by_rank):
@@ -66,13 +104,26 @@ def assign_writers(specs_by_rank: list[list[ChunkSpec]]) -> list[list[int]]:
                     f"{list(spec.global_shape)} on rank {rank}"
                 )
             holders.setdefault((spec.key, spec.offsets, spec.shape), []).append((rank, index))
-    load = [0] * len(specs_by_rank)
     assignment: list[list[int]] = [[] for _ in specs_by_rank]
-    ordered = sorted(holders.items(), key=lambda kv: -specs_by_rank[kv[1][0][0]][kv[1][0][1]].nbytes)
-    for _, owners in ordered:
+
+    def nbytes(owners: list[tuple[int, int]]) -> int:
+        return specs_by_rank[owners[0][0]][owners[0][1]].nbytes
+
+    def is_packed(owners: list[tuple[int, int]]) -> bool:
+        return len(owners) > 1 and nbytes(owners) <= small
+
+    packed = sorted((box, owners) for box, owners in holders.items() if is_packed(owners))
+    packing = SmallPacking(len(specs_by_rank))
+    for _, owners in packed:
+        index_of = dict(owners)
+        rank = packing.place(nbytes(owners), sorted(index_of))
+        assignment[rank].append(index_of[rank])
+    load = list(packing.small_bytes)
+    rest = [owners for owners in holders.values() if not is_packed(owners)]
+    for owners in sorted(rest, key=lambda o: -nbytes(o)):
         rank, index = min(owners, key=lambda ri: (load[ri[0]], ri[0]))
         assignment[rank].append(index)
-        load[rank] += specs_by_rank[rank][index].nbytes
+        load[rank] += nbytes(owners)
     _check_tiling(specs_by_rank, assignment)
     for indices in assignment:
         indices.sort()
