@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-torchtitan bench-scale bench-nd bench-tiers bench-convert bench-gpu stress clean
+.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-torchtitan bench-scale bench-nd bench-tiers bench-convert bench-compare bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -108,6 +108,11 @@ CONVERT_BEFORE := 2ae7ff1^
 bench-convert: $(STAMP)
 	test -d .bench-before || git worktree add --detach .bench-before $(CONVERT_BEFORE)
 	$(PY) benchmarks/bench_convert.py --before .bench-before/src --md BENCHMARKS.md
+
+# Not part of `make bench`: HEAD (this working tree) against REF (a worktree in .bench-ref/), alternately, ~12 min.
+# Run it before calling a change to the save or load path done: make bench-compare REF=<the commit it started from>.
+bench-compare: $(STAMP)
+	$(PY) benchmarks/bench_compare.py --ref "$(REF)" $(if $(MD),--md $(MD))
 
 # Not part of `make bench`: needs a CUDA GPU and a CUDA build of torch (stops with a message otherwise); < 8 min on one H200.
 bench-gpu: $(STAMP)
