@@ -4,6 +4,7 @@ CPU; DDP and ZeRO-3 are checked in test_trainer.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,7 @@ def test_a_checkpoint_resharded_in_place_resumes_verified(tmp_path: Path) -> Non
     from huggingface_hub import save_torch_state_dict
     from safetensors.torch import load_file
 
-    from shardsafe.errors import IntegrityError
+    from shardsafe.errors import IntegrityError, ShardsafeError
 
     out = tmp_path / "out"
     uninterrupted = small_trainer(out, max_steps=2)
@@ -185,3 +186,14 @@ def test_a_checkpoint_resharded_in_place_resumes_verified(tmp_path: Path) -> Non
     with pytest.raises(IntegrityError):
         damaged.train(resume_from_checkpoint=str(folder))
     assert all(torch.equal(damaged.model.state_dict()[k], v) for k, v in before.items()), "nothing loaded"
+
+    # an index naming a file outside the checkpoint (a copy of an intact shard) is refused, not followed
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name, file = next((n, f) for n, f in index["weight_map"].items() if f == shards[0])
+    (out / "outside.safetensors").write_bytes((folder / file).read_bytes())
+    index["weight_map"][name] = "../outside.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ShardsafeError, match="outside the checkpoint folder"):
+        small_trainer(out, max_steps=2).train(resume_from_checkpoint=str(folder))
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and "view" in p.name]
