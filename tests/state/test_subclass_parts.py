@@ -3,7 +3,7 @@ torchao's real NF4Tensor and MXTensor: inner tensors stored as ordinary tensors 
 read back in place (bit-exact) or rebuilt through the allowlist; a class not allowlisted, an
 unknown name in a checkpoint, a context JSON cannot hold and a plain model are refused with the
 remedy; QLoRA-style FSDP2 (NF4 base weights under fully_shard, 2 gloo ranks) round-trips and
-reshards to and from one process."""
+reshards to 3 ranks and to and from one process."""
 
 from __future__ import annotations
 
@@ -44,13 +44,17 @@ def _mx(seed: int) -> torch.Tensor:
 
 
 class QLoRA(nn.Module):
-    """A frozen NF4 base weight with a trainable low-rank update (torchtune's LoRALinear, small)."""
+    """A frozen NF4 base weight with a trainable low-rank update (torchtune's LoRALinear, small).
+    96 rows, scaler blocks of 8: every inner tensor FSDP2 splits divides by 2 and by 3 ranks."""
 
-    def __init__(self, seed: int, rows: int = 64) -> None:
+    def __init__(self, seed: int, cols: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(_nf4(seed, rows), requires_grad=False)
-        self.lora_a = nn.Linear(64, 4, bias=False, dtype=torch.bfloat16)
-        self.lora_b = nn.Linear(4, rows, bias=False, dtype=torch.bfloat16)
+        from torchao.quantization import to_nf4
+
+        torch.manual_seed(seed)
+        self.weight = nn.Parameter(to_nf4(torch.randn(96, cols, dtype=torch.bfloat16), 64, 8), requires_grad=False)
+        self.lora_a = nn.Linear(cols, 4, bias=False, dtype=torch.bfloat16)
+        self.lora_b = nn.Linear(4, 96, bias=False, dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
@@ -257,7 +261,7 @@ def _qlora_job(rank: int, world_size: int, load_from: str, save_to: str, seed: i
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(seed)
-    model = nn.Sequential(QLoRA(seed), QLoRA(seed + 1))
+    model = nn.Sequential(QLoRA(seed, 64), QLoRA(seed + 1, 96))
     if world_size > 1:
         mesh = init_device_mesh("cpu", (world_size,))
         for layer in model:
@@ -311,14 +315,17 @@ def _assert_results(got: dict[str, Any], expected: dict[str, Any]) -> None:
 
 def test_qlora_fsdp2_round_trip_and_reshard(tmp_path: Path) -> None:
     """Saved by 2 ranks (trained LoRA weights, AdamW state, NF4 base weights as DTensors of NF4
-    parts), loaded by one process (every NF4 tensor whole, bit-exact) and saved again there, then
-    loaded by 2 ranks: each rank's NF4 part, LoRA weights and the output equal the first run's."""
+    parts), loaded by 3 ranks (other parts of every inner tensor) and by one process (every NF4
+    tensor whole, bit-exact), saved again there and loaded by 2 ranks: each rank's NF4 parts, LoRA
+    weights and the output equal the first run's."""
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
     saved = run_ranks(_qlora_job, 2, "", two, 0, work_dir=tmp_path)
+    three = run_ranks(_qlora_job, 3, two, "", 3, work_dir=tmp_path)
     single = _qlora_job(0, 1, two, one, 9)
-    assert torch.equal(single["y"], saved[0]["y"])
+    assert torch.equal(single["y"], saved[0]["y"]) and all(torch.equal(r["y"], saved[0]["y"]) for r in three)
     for name in ("0.weight", "1.weight"):
         _assert_results(single[name], _whole_nf4(saved, name))
+        _assert_results(_whole_nf4(three, name), _whole_nf4(saved, name))
     back = run_ranks(_qlora_job, 2, one, "", 5, work_dir=tmp_path)
     for before, after in zip(saved, back):
         _assert_results(after, before)
