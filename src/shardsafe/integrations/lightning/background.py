@@ -61,8 +61,10 @@ class BackgroundSaves:
         committed: Callable[[], None],
     ) -> None:
         """Collective: describe ``state`` (checked as a sync save checks it), copy it, and hand the write of
-        ``target`` to the thread; ``committed`` runs there once the checkpoint is published."""
-        self.wait()
+        ``target`` to the thread; ``committed`` runs there once the checkpoint is published. The caller has
+        called :meth:`settle` (so the previous save is committed before it decides where to save)."""
+        if self.in_flight:
+            raise RuntimeError("BackgroundSaves.save: call settle() first (at most one save in flight)")
         view = describe_collectively(state, comm, default=SaveError)
         background = self._background_comm(comm)
         staged = self._staging.prepare(view)
@@ -92,6 +94,16 @@ class BackgroundSaves:
                     self._error = exc
 
         self._worker.submit(run)
+
+    def settle(self, comm: Comm) -> None:
+        """Collective :meth:`wait`: if the previous save (or a job behind it) failed on any rank, every rank
+        raises, rather than the others going on into a collective that rank has left."""
+        problem: BaseException | None = None
+        try:
+            self.wait()
+        except SaveError as exc:
+            problem = exc
+        comm.agree(problem, default=SaveError)
 
     def wait(self) -> None:
         """Block until the save in flight and what is queued behind it are done; raise the save's error."""

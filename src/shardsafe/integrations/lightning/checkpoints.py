@@ -178,8 +178,8 @@ class LightningCheckpoints:
         (``save_weights_only``), the optimizers are left out. With ``background`` (``async_save=True``)
         the call returns once the state is copied; the folder is committed by its thread."""
         comm = comm or get_comm()
-        if background is not None:
-            background.wait()  # the previous save committed (this run's ``written``) before deciding anything
+        if background is not None:  # the previous save committed (``written`` complete), its failure raised everywhere
+            background.settle(comm)
         run = self.run_id(comm)
         rest = comm.on_coordinator(lambda: checked_rest(checkpoint), default=FormatError)
         state: dict[str, Any] = {MODEL_KEY: model}

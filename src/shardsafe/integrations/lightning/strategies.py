@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
+from shardsafe.core.comm import get_comm
 from shardsafe.errors import SaveError
 from shardsafe.integrations.lightning.background import BackgroundSaves
 from shardsafe.integrations.lightning.checkpoints import LightningCheckpoints
@@ -48,6 +49,14 @@ def _link_last(strategy: _ShardsafeCheckpointing, trainer: Any, filepath: str, l
         source, link = os.fspath(filepath), os.fspath(linkpath)
         strategy._after_commit(lambda: strategy._shardsafe.link(source, link))
     trainer.strategy.barrier()
+
+
+def _remove_logged(checkpoints: LightningCheckpoints, path: str) -> None:
+    """A removal that failed is logged, not raised: the save it follows is committed (as the manager's retention)."""
+    try:
+        checkpoints.remove(path)
+    except OSError as exc:
+        log.warning("shardsafe: could not remove %s (ModelCheckpoint rotation): %s", path, exc)
 
 
 def _background(async_save: bool) -> BackgroundSaves | None:
@@ -80,7 +89,8 @@ class _ShardsafeCheckpointing:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: the model and optimizers loaded in place (any world size and layout); returns the rest of
         Lightning's checkpoint dict (loops, callbacks, schedulers, ...), as ``ModelParallelStrategy`` does."""
-        self.wait_for_save()  # resuming reads what the last save committed
+        if self._background is not None:  # resuming reads what the last save committed; its failure stops every rank
+            self._background.settle(get_comm())
         path = self.broadcast(os.fspath(checkpoint_path))
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
         rest = self._shardsafe.load(path, self.model, list(self.optimizers), strict=strict)
@@ -91,7 +101,7 @@ class _ShardsafeCheckpointing:
         """ModelCheckpoint's rotation: rank 0 retires the folder if this run wrote it (never another run's)."""
         if self.is_global_zero:
             path = os.fspath(filepath)
-            self._after_commit(lambda: self._shardsafe.remove(path))
+            self._after_commit(lambda: _remove_logged(self._shardsafe, path))
 
     def _after_commit(self, job: Callable[[], object]) -> None:
         """Run ``job`` now, or (async) once the save in flight has committed, and not at all if it failed."""
