@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-torchtitan bench-scale bench-nd bench-tiers bench-convert bench-compare bench-gpu stress clean
+.PHONY: demo test test-compat lint docs bench bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-torchtitan bench-scale bench-nd bench-tiers bench-convert bench-compare bench-summary bench-gpu stress clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ stress: $(STAMP)
 
 # Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~45 min on 2 cores).
 bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-tiers
+	$(PY) benchmarks/summary.py BENCHMARKS.md
+
+# The table at the top of BENCHMARKS.md, from the sections below it (measures nothing).
+bench-summary: $(STAMP)
+	$(PY) benchmarks/summary.py BENCHMARKS.md
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/run.py

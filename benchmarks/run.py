@@ -35,21 +35,35 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from common import FULL, NOTES_MARK, QUICK, param_bytes  # noqa: E402
+from summary import END as SUMMARY_END  # noqa: E402
+from summary import START as SUMMARY_START  # noqa: E402
 
 INTRO = [
     "Every number below comes from a script run on this repository's machine (2 shared CPU cores), each",
     "comparing shardsafe with the named peer in the same run (medians of alternating runs, ratios reported).",
-    "`make bench` runs them all (~40 min); each section names its own command and is rewritten by it, so",
-    "rerun rather than edit the numbers by hand:",
+    "`make bench` runs them all (~45 min) and then `make bench-summary` (the table below); each section names its",
+    "own command and is rewritten by it, so rerun rather than edit the numbers by hand:",
     "",
     "| section | command | peer |",
     "|---|---|---|",
     "| Results ... analysis | `make bench-core` (`benchmarks/run.py`) | `torch.distributed.checkpoint`, `dd` |",
+    "| Cold load (2 ranks), Cold load (one process) | `make bench-load` (`benchmarks/bench_load.py`, "
+    "`bench_load_one.py`) | DCP, `cat` of the same files |",
     "| Export | `make bench-export` (`benchmarks/bench_export.py`) | transformers `save_pretrained`, torch's "
     "safetensors consolidation |",
-    "| CheckpointManager | `make bench-manager` (`benchmarks/bench_manager.py`) | DCP async save |",
+    "| CheckpointManager | `make bench-manager` (`benchmarks/bench_manager.py`) | DCP `async_save` (thread, process, "
+    "`DefaultStager`), torch-checkpointing |",
     "| DeepSpeed export | `make bench-deepspeed` (`benchmarks/bench_deepspeed.py`) | DeepSpeed `zero_to_fp32` script "
     "and lazy mode |",
+    "| Scale (simulated, real processes, 3-D and pipeline meshes) | `make bench-scale` (`benchmarks/bench_scale.py`) "
+    "| DCP's planner and metadata; DCP at 4-16 real ranks |",
+    "| N-D save and load | `make bench-nd` (`benchmarks/bench_nd.py`) | DCP, torch-checkpointing |",
+    "| Local tier | `make bench-tiers` (`benchmarks/bench_tiers.py`) | a memory copy |",
+    "| Lightning | `make bench-lightning` (`benchmarks/bench_lightning.py`) | Lightning's `ModelParallelStrategy` |",
+    "| torchtitan checkpoint managers | `make bench-torchtitan` (`benchmarks/bench_torchtitan.py`) | torchtitan's DCP "
+    "`CheckpointManager` |",
+    "| Change guard | `make bench-compare REF=<commit>` (`benchmarks/bench_compare.py`) | this tree against an "
+    "earlier commit (and DCP) |",
     "",
     "The first part (down to the notes) is shardsafe vs DCP on the same model.",
 ]
@@ -326,11 +340,13 @@ def write_markdown(
     dist_res: dict[str, Any],
     single_res: dict[str, Any],
 ) -> None:
-    notes = ""
+    notes, summary = "", []
     if path.exists():
         old = path.read_text()
         if NOTES_MARK in old:
             notes = old.split(NOTES_MARK, 1)[1]
+        if SUMMARY_START in old and SUMMARY_END in old:  # benchmarks/summary.py's table, kept at the top
+            summary = [SUMMARY_START + old.split(SUMMARY_START, 1)[1].split(SUMMARY_END, 1)[0] + SUMMARY_END, ""]
     b = r["ckpt_bytes"]
     save = dist_res["save"]
     dd_recs = [{"seconds": d["seconds"], "rate_bytes": d["bytes"]} for d in save["dd"]]
@@ -339,6 +355,7 @@ def write_markdown(
         "",
         *INTRO,
         "",
+        *summary,
         "## Results",
         "",
         f"- **Command:** `{facts['command']}` (what `make bench-core` runs), {facts['runs']} alternating run(s) per "
