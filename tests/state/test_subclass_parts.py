@@ -404,3 +404,32 @@ def test_torchao_class_taken_off_the_allowlist(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(FormatError, match=r"'t/w': .*NF4Tensor', a tensor subclass .*register_tensor_subclass"):
         shardsafe.load(tmp_path / "ck", {"t": None})
     assert not (tmp_path / "refused").exists()
+
+
+def _hsdp_job(rank: int, world_size: int, save_to: str) -> dict[str, Any]:
+    """The QLoRA model under HSDP (2 replicas x 2 shards): trained two steps and saved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(QLoRA(0, 64), QLoRA(1, 96))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    for _ in range(2):
+        model(torch.randn(3, 64, dtype=torch.bfloat16)).float().sum().backward()
+        optim.step()
+        optim.zero_grad()
+    shardsafe.save(save_to, {"model": model, "optim": optim})
+    return {"y": model(torch.ones(2, 64, dtype=torch.bfloat16)).detach().float()}
+
+
+def test_qlora_hsdp_to_one_process(tmp_path: Path) -> None:
+    """HSDP (Replicate x Shard(0)) NF4 weights: the inner tensors are stored once per part, and one
+    process loads the model with the saving run's output."""
+    saved = run_ranks(_hsdp_job, 4, str(tmp_path / "hsdp"), work_dir=tmp_path)
+    single = _qlora_job(0, 1, str(tmp_path / "hsdp"), "", 9)
+    assert all(torch.equal(r["y"], saved[0]["y"]) for r in saved)
+    assert torch.equal(single["y"], saved[0]["y"])
