@@ -232,3 +232,21 @@ def test_bf16_final_save_at_2_ranks_exported_and_resumed(tmp_path: Path, assets:
     for rank, result in enumerate(resumed):
         assert result["loaded_at"] == 0
         assert_tensors_equal(result["loaded"], expected, f"bf16 model-only -> FSDP2 rank {rank}")
+
+
+def test_newest_state_json_damaged_resumes_the_one_before(tmp_path: Path) -> None:
+    """load_step=-1 loads the newest checkpoint that loads: a damaged state.json of the newest one (read first to
+    tell a model-only checkpoint) is passed over like any other damage, for the one before it; the run then
+    writes that step anew (replacing the damaged one), as the DCP manager would."""
+    checkpoint = {"enable": True, "folder": "ckpt", "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
+    saved = in_process(tmp_path, 4, checkpoint, record_at=(2,))
+    (tmp_path / "ckpt" / "step-0000000004" / "state.json").write_text('{"model": ')
+    resumed = in_process(tmp_path, 5, checkpoint, seed=7)
+    assert resumed["loaded_at"] == 2
+    assert_tensors_equal(resumed["loaded"], saved["recorded"][2]["state"], "the step before the damaged one")
+    assert steps_in(tmp_path / "ckpt") == [2, 4, 5]  # the damaged step 4 replaced when this run saved step 4
+    assert shardsafe.verify(tmp_path / "ckpt" / "step-0000000004")["world_size"] == 1
+    # load_step older than the newest: the run goes on from it and writes steps 4 and 5 anew
+    again = in_process(tmp_path, 5, {**checkpoint, "load_step": 2}, seed=8)
+    assert again["loaded_at"] == 2 and again["losses"] == resumed["losses"]
+    assert steps_in(tmp_path / "ckpt") == [2, 4, 5]

@@ -29,7 +29,7 @@ from torchtitan.tools import filesystem
 from shardsafe.api.load import load
 from shardsafe.api.location import location, shown
 from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, STATE_NAME, dtype_from_name, dtype_name, parse_json
-from shardsafe.errors import CheckpointNotFoundError, FormatError, ShardsafeError
+from shardsafe.errors import CheckpointNotFoundError, FormatError, IntegrityError, ShardsafeError
 from shardsafe.integrations.torchtitan.dcp_folders import dcp_manager_steps, load_dcp_manager_folder
 from shardsafe.integrations.torchtitan.hf_weights import TensorHolder, export_hf_folder, load_hf_weights
 from shardsafe.integrations.torchtitan.state import EXPORT_DTYPE, MODEL, OPTIMIZER, model_part, training_state
@@ -139,6 +139,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
             replicas=config.replicas,
         )
         self._open = True
+        self._replaceable: set[int] = set()  # later steps than the one resumed: this run saves them anew
         log.info("shardsafe: checkpoints of this run are loaded from and saved to %s", self.folder)
 
     def __del__(self) -> None:
@@ -167,7 +168,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         if last_step:
             self._save_last_step(curr_step)
             return True
-        self.manager.save(curr_step, self.state, force=True)
+        self.manager.save(curr_step, self.state, force=True, overwrite=curr_step in self._replaceable)
         if self.manager.save_in_flight:
             self.save_future = Future()  # a marker: maybe_wait_for_saving() then waits for the manager
         return True
@@ -183,10 +184,8 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
                 f"{out} is a DCP manager checkpoint; last_save_in_hf would replace it with the Hugging Face export. "
                 "Move it away, or save the last step without last_save_in_hf"
             )
-        if not self.config.last_save_model_only:
-            self.manager.save(curr_step, self.state, force=True)
-        else:
-            self.manager.save(curr_step, self._final_model_state(), force=True)
+        state = self.state if not self.config.last_save_model_only else self._final_model_state()
+        self.manager.save(curr_step, state, force=True, overwrite=curr_step in self._replaceable)
         self.manager.wait()
         self.save_future = None
         if self.config.last_save_in_hf:
@@ -236,13 +235,38 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
                 f"(it holds {steps[-10:]})"
             )
         target = steps[-1] if step == -1 else step
-        model_only, export_dtype = self._saved_as(self.manager.step_path(target))
+        try:
+            model_only, export_dtype = self._saved_as(self.manager.step_path(target))
+        except (FormatError, IntegrityError, OSError):
+            if step != -1:
+                raise
+            # the newest one's state.json is damaged: the restore below passes it over (and says so), as any
+            # damaged newest checkpoint, for the newest one that loads
+            model_only, export_dtype = False, None
         if model_only or target == 0:
             self._load_model(lambda state: self.manager.restore(state, step=target), export_dtype)
-            return True
-        loaded = self.manager.restore(self._loadable(), step=None if step == -1 else step)
+            loaded: int | None = target
+        else:
+            loaded = self.manager.restore(self._loadable(), step=None if step == -1 else step)
         log.info("shardsafe: loaded step %s from %s", loaded, self.folder)
+        self._replace_later(steps, loaded)
         return True
+
+    def _replace_later(self, steps: list[int], loaded: int | None) -> None:
+        """The run continues from ``loaded``; the folder's later checkpoints (damaged ones the restore passed
+        over, or newer than an explicit ``load_step``) belong to the history it abandons. As the DCP manager
+        does, this run writes those steps anew: each is replaced (atomically) when the run saves it, not
+        before, and a warning names them now. shardsafe refuses to replace another run's step otherwise."""
+        later = [s for s in steps if loaded is not None and s > loaded]
+        self._replaceable = set(later)
+        if later:
+            log.warning(
+                "shardsafe: resumed step %s of %s, which also holds the later checkpoints %s (damaged, or newer than "
+                "load_step); each is replaced when this run saves that step",
+                loaded,
+                self.folder,
+                later[-10:],
+            )
 
     def _load_dcp_manager_folder(self, step: int) -> bool:
         """No shardsafe checkpoint in the folder: resume from the DCP manager's newest ``step-<N>`` there
