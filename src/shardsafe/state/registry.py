@@ -35,7 +35,7 @@ from shardsafe.state.base import (
 )
 from shardsafe.state.deepspeed_engine import ENGINE_ADAPTER
 from shardsafe.state.optimizer import OptimizerAdapter
-from shardsafe.state.subclasses import subclass_problems
+from shardsafe.state.subclasses import subclass_problems, subclass_side_keys
 
 __all__ = [
     "ADAPTERS",
@@ -298,8 +298,9 @@ def check_binding(binding: LoadBinding, manifest: Manifest, tree: dict[str, Any]
             continue
         if adapter.in_place:
             saved = set(state_tensor_keys(tree[name].get("state")))
+            side = _side_keys(bound, tree[name], saved)
             if strict:
-                problems += [f"missing in checkpoint: {k}" for k in sorted(bound.targets.keys() - saved)]
+                problems += [f"missing in checkpoint: {k}" for k in sorted(bound.targets.keys() - saved - side)]
             for key in sorted(bound.targets.keys() & saved):
                 problems += _compare_tensor(key, manifest, bound.targets[key], strict)
             problems += subclass_problems(tree[name].get("state"), bound.subclasses, bound.targets.keys(), saved)
@@ -318,14 +319,19 @@ def unclaimed(binding: LoadBinding, tree: dict[str, Any]) -> set[str]:
         if not (isinstance(entry, dict) and entry.get("kind") == bound.adapter.kind):
             continue
         if bound.adapter.in_place:
+            saved = set(state_tensor_keys(entry.get("state")))
             out |= {
-                f"unexpected in checkpoint: {k}"
-                for k in set(state_tensor_keys(entry.get("state"))) - bound.targets.keys()
+                f"unexpected in checkpoint: {k}" for k in saved - bound.targets.keys() - _side_keys(bound, entry, saved)
             }
         extra = getattr(bound.adapter, "unclaimed", None)
         if extra is not None:
             out |= extra(bound, binding.contexts[name])
     return out
+
+
+def _side_keys(bound: Bound, entry: dict[str, Any], saved: set[str]) -> set[str]:
+    """Keys a plain-vs-subclass problem explains (state/subclasses.py): not listed again as missing or unexpected."""
+    return subclass_side_keys(entry.get("state"), bound.subclasses, bound.targets.keys(), saved)
 
 
 def _compare_tensor(key: str, manifest: Manifest, target: ReadTarget, strict: bool) -> list[str]:

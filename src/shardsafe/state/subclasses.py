@@ -47,6 +47,7 @@ __all__ = [
     "spec_for_name",
     "spec_for_type",
     "subclass_problems",
+    "subclass_side_keys",
     "unknown_class",
     "unregister_tensor_subclass",
 ]
@@ -378,6 +379,21 @@ def subclass_problems(
             "tensor; build the model with the same subclass (quantize it as it was when saved) before loading"
         )
     return problems
+
+
+def subclass_side_keys(
+    saved_state: Any, live: dict[str, tuple[str, Any]], targets: Collection[str], saved_keys: Collection[str]
+) -> set[str]:
+    """The keys a plain-vs-subclass problem of :func:`subclass_problems` already explains (the plain
+    tensor's key and the other side's inner keys), left out of the missing / unexpected lists."""
+    out: set[str] = set()
+    for key, record in subclass_records(saved_state).items():
+        if key not in live and key in targets:
+            out |= {key, *(f"{key}/{n}" for n in record.inner)}
+    for key in live:
+        if key in saved_keys:
+            out |= {key, *(t for t in targets if t.startswith(key + "/"))}
+    return out
 
 
 def _shown(context: Any) -> str:
