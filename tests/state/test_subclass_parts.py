@@ -139,7 +139,10 @@ def test_rebuilt_in_values_and_custom_modules(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "into, message",
     [
-        (lambda: nn.ParameterDict({"w": nn.Parameter(torch.zeros(64, 64))}), r"\(1 problems\):\n  model/w: the checkpoint holds a .*NF4"),
+        (
+            lambda: nn.ParameterDict({"w": nn.Parameter(torch.zeros(64, 64))}),
+            r"\(1 problems\):\n  model/w: the checkpoint holds a .*NF4",
+        ),
         (
             lambda: nn.ParameterDict({"w": nn.Parameter(_nf4(0, rows=32), False)}),
             r"model/w: the checkpoint's .*NF4Tensor was made with .* same settings",
@@ -190,7 +193,8 @@ def test_other_block_size_rebuilt_and_assigned_undone_on_failure(tmp_path: Path)
 
 def test_plain_checkpoint_into_quantized_model_refused(tmp_path: Path) -> None:
     shardsafe.save(tmp_path / "ck", {"model": nn.ParameterDict({"w": nn.Parameter(torch.zeros(64, 64))})})
-    with pytest.raises(StateMismatchError, match=r"\(1 problems\):\n  model/w: a plain tensor in the checkpoint, a .*NF4Tensor here"):
+    one = r"\(1 problems\):\n  model/w: a plain tensor in the checkpoint, a .*NF4Tensor here"
+    with pytest.raises(StateMismatchError, match=one):
         shardsafe.load(tmp_path / "ck", {"model": nn.ParameterDict({"w": nn.Parameter(_nf4(0), False)})})
 
 
