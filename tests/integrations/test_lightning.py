@@ -219,10 +219,11 @@ def test_ddp_checkpoint_resumes_under_model_parallel(tmp_path: Path) -> None:
 
 
 def test_fabric_save_load_other_world_size(tmp_path: Path) -> None:
-    """fabric.save on 2 FSDP2 ranks -> fabric.load on 1 process: model and AdamW state bit-exact, the plain
-    value replaced in place, what the state did not ask for returned."""
+    """fabric.save (async_save=True: training goes on 2 steps while it commits) on 2 FSDP2 ranks -> fabric.load
+    on 1 process: model and AdamW state bit-exact as at the save, the plain value replaced in place, what the
+    state did not ask for returned."""
     path = str(tmp_path / "fabric.ckpt")
-    saved = run_ranks(lit_utils.fabric_run, 2, path, "save", work_dir=tmp_path / "w1", timeout=300)[0]
+    saved = run_ranks(lit_utils.fabric_run, 2, path, "save", False, True, work_dir=tmp_path / "w1", timeout=300)[0]
     shardsafe.verify(path)
     loaded = run_ranks(lit_utils.fabric_run, 1, path, "load", work_dir=tmp_path / "w2", timeout=300)[0]
     assert_tensors_equal(loaded["model"], saved["model"], "fabric model")

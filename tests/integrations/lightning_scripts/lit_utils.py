@@ -259,9 +259,12 @@ def fit_run(rank: int, world_size: int, root: str, layout: str, epochs: int, opt
     return out
 
 
-def fabric_run(rank: int, world_size: int, path: str, mode: str, native: bool = False) -> dict[str, Any]:
+def fabric_run(
+    rank: int, world_size: int, path: str, mode: str, native: bool = False, async_save: bool = False
+) -> dict[str, Any]:
     """Fabric, FSDP2 on ``world_size`` ranks (plain on 1): ``mode="save"`` trains 3 steps and saves
-    {model, optimizer, step, note}; ``"load"`` loads into a fresh model/optimizer and returns the whole state."""
+    {model, optimizer, step, note} (``async_save``: then trains 2 more steps while it commits, and returns
+    the state at the save); ``"load"`` loads into a fresh model/optimizer and returns the whole state."""
     import lightning.fabric as LF
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
@@ -277,7 +280,10 @@ def fabric_run(rank: int, world_size: int, path: str, mode: str, native: bool = 
         return model
 
     cls = ModelParallelStrategy if native else ShardsafeFabricModelParallelStrategy
-    strategy = cls(parallelize, data_parallel_size=world_size, tensor_parallel_size=1, process_group_backend="gloo")
+    extra = {"async_save": True} if async_save else {}
+    strategy = cls(
+        parallelize, data_parallel_size=world_size, tensor_parallel_size=1, process_group_backend="gloo", **extra
+    )
     fabric = LF.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
@@ -294,6 +300,15 @@ def fabric_run(rank: int, world_size: int, path: str, mode: str, native: bool = 
             state["step"] = step + 1
         fabric.save(path, {**state, "note": {"text": "hello", "values": [1, 2.5]}})
         remainder: Any = None
+        if async_save:
+            inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+            at_save = {"model": full_model_state(model), "optimizer": full_optimizer_state(model, inner)}
+            for _ in range(2):  # the model and moments change while the save commits
+                fabric.backward(model(torch.randn(4, 8, generator=gen)).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            fabric.strategy.wait_for_save()
+            return {**at_save, "step": state["step"], "remainder": None}
     else:
         remainder = fabric.load(path, state)
     return {

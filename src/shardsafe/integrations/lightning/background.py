@@ -30,7 +30,7 @@ from shardsafe.errors import SaveError, ShardsafeError
 from shardsafe.manager.staging import SaveWorker, StagingBuffers, copy_all
 from shardsafe.storage.remote import RemoteDir
 
-__all__ = ["BackgroundSaves"]
+__all__ = ["BackgroundSaves", "background_saves"]
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +129,10 @@ class BackgroundSaves:
             self.wait()
         except SaveError as exc:
             log.error("shardsafe: %s", exc)
+
+
+def background_saves(async_save: bool) -> BackgroundSaves | None:
+    """A strategy's ``async_save`` argument: its background saver, or None (saves write in the call)."""
+    if not isinstance(async_save, bool):
+        raise ValueError(f"async_save must be True or False, not {async_save!r}")
+    return BackgroundSaves() if async_save else None

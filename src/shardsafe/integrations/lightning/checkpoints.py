@@ -153,6 +153,7 @@ class LightningCheckpoints:
     checkpoint's metadata, and a removal checks it there before anything is deleted."""
 
     run: str | None = None
+    background: BackgroundSaves | None = None  # async saves (the strategies' ``async_save=True``)
     written: set[str] = field(default_factory=set)  # where(...) of every checkpoint this run committed
     loaded: set[str] = field(default_factory=set)  # ... and of those it resumed from
 
@@ -169,39 +170,43 @@ class LightningCheckpoints:
         optimizers: list[torch.optim.Optimizer],
         *,
         comm: Comm | None = None,
-        background: BackgroundSaves | None = None,
     ) -> None:
         """Collective: ``checkpoint`` (Lightning's dict) as one shardsafe checkpoint folder at ``path``.
 
         The model and optimizers are saved from ``model`` and ``optimizers`` (each rank its shards);
         ``checkpoint``'s other entries from rank 0. With no ``optimizer_states`` in ``checkpoint``
-        (``save_weights_only``), the optimizers are left out. With ``background`` (``async_save=True``)
-        the call returns once the state is copied; the folder is committed by its thread."""
+        (``save_weights_only``), the optimizers are left out."""
         comm = comm or get_comm()
-        if background is not None:  # the previous save committed (``written`` complete), its failure raised everywhere
-            background.settle(comm)
-        run = self.run_id(comm)
+        self.settle(comm)
         rest = comm.on_coordinator(lambda: checked_rest(checkpoint), default=FormatError)
         state: dict[str, Any] = {MODEL_KEY: model}
         n_optimizers = len(optimizers) if OPTIMIZER_STATES in checkpoint else 0
         for i in range(n_optimizers):
             state[optimizer_key(i)] = optimizers[i]
         state[REST_KEY] = rest
-        target = _target(path)
+        meta = {"optimizers": n_optimizers, "global_step": rest.get("global_step"), "epoch": rest.get("epoch")}
+        self.write(_target(path), state, meta, comm)
+
+    def settle(self, comm: Comm) -> None:
+        """Collective, before a save or load: with async saves, the one in flight is committed (``written``
+        complete), or its failure raised on every rank (background.BackgroundSaves.settle)."""
+        if self.background is not None:
+            self.background.settle(comm)
+
+    def write(self, target: Path | RemoteDir, state: dict[str, Any], meta: dict[str, Any], comm: Comm) -> None:
+        """Collective: ``state`` as the checkpoint at ``target``, its metadata ``meta`` and this run's id,
+        replacing only what this run wrote or resumed from; async (``background``): returns once the
+        state is copied, the commit happens on the background thread. Call :meth:`settle` first."""
+        run = self.run_id(comm)
         overwrite = comm.on_coordinator(lambda: self.may_replace(target), default=CheckpointExistsError)
-        meta = {
-            "run": run,
-            "optimizers": n_optimizers,
-            "global_step": rest.get("global_step"),
-            "epoch": rest.get("epoch"),
-        }
+        metadata = {META_KEY: {"run": run, **meta}}
         key = where(target)
-        if background is None:
-            save(target, state, overwrite=overwrite, metadata={META_KEY: meta}, process_group=comm.group)
+        if self.background is None:
+            save(target, state, overwrite=overwrite, metadata=metadata, process_group=comm.group)
             self.written.add(key)
             return
-        background.save(
-            target, state, comm, overwrite=overwrite, metadata={META_KEY: meta}, committed=lambda: self.written.add(key)
+        self.background.save(
+            target, state, comm, overwrite=overwrite, metadata=metadata, committed=lambda: self.written.add(key)
         )
 
     def may_replace(self, target: Path | RemoteDir) -> bool:
@@ -256,6 +261,7 @@ class LightningCheckpoints:
         lacks (``trainer.validate``/``test``) are not read; optimizers it lacks are reported
         as missing (``StateMismatchError``), before anything is modified."""
         comm = comm or get_comm()
+        self.settle(comm)  # resuming reads what the last save committed
         self.run_id(comm)
         target = _target(path)
         if isinstance(target, Path) and is_dcp_folder(target) and (target / LIGHTNING_META).is_file():

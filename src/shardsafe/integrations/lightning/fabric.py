@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
-from shardsafe.api.checkpoint import load, location, save
+from shardsafe.api.checkpoint import load, location
 from shardsafe.core.comm import get_comm
 from shardsafe.errors import FormatError
+from shardsafe.integrations.lightning.background import background_saves
 from shardsafe.integrations.lightning.checkpoints import META_KEY, LightningCheckpoints, checked_rest
 from shardsafe.manager.catalog import read_manifest, where
 
@@ -55,15 +56,24 @@ class _FabricShardsafe:
                 "whole entries; for s3:// and other fsspec URLs pass the URL as the path)"
             )
         comm = get_comm()
+        self._shardsafe.settle(comm)
         target = location(self.broadcast(os.fspath(path)))
         values = {k: v for k, v in state.items() if not _is_object(v)}
         values = comm.on_coordinator(lambda: checked_rest(values), default=FormatError)
         full = {k: (values[k] if k in values else v) for k, v in state.items()}
-        run = self._shardsafe.run_id(comm)
-        overwrite = comm.on_coordinator(lambda: self._shardsafe.may_replace(target), default=FormatError)
-        meta = {"run": run, "fabric_values": sorted(values), "fabric_objects": sorted(set(state) - set(values))}
-        save(target, full, overwrite=overwrite, metadata={META_KEY: meta}, process_group=comm.group)
-        self._shardsafe.written.add(where(target))
+        meta = {"fabric_values": sorted(values), "fabric_objects": sorted(set(state) - set(values))}
+        self._shardsafe.write(target, full, meta, comm)
+
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether an async save (``async_save=True``) is still being written and committed."""
+        return self._shardsafe.background is not None and self._shardsafe.background.in_flight
+
+    def wait_for_save(self) -> None:
+        """Block until the async save in flight (if any) is committed; raise its error (``SaveError``). The
+        next ``fabric.save`` / ``fabric.load`` waits by itself, and a save in flight at exit is finished."""
+        if self._shardsafe.background is not None:
+            self._shardsafe.background.wait()
 
     def load_checkpoint(
         self,
@@ -77,6 +87,7 @@ class _FabricShardsafe:
         if not state:
             raise ValueError(f"{type(self).__name__}.load_checkpoint needs a state: {{'model': model, ...}}")
         comm = get_comm()
+        self._shardsafe.settle(comm)  # reads what the last save committed
         target = location(self.broadcast(os.fspath(path)))
 
         def stored() -> dict[str, Any]:
@@ -106,16 +117,17 @@ class _FabricShardsafe:
 
 
 class ShardsafeFabricModelParallelStrategy(_FabricShardsafe, ModelParallelStrategy):
-    """Fabric's ``ModelParallelStrategy`` (FSDP2 / TP), saving and loading shardsafe checkpoints. Same arguments."""
+    """Fabric's ``ModelParallelStrategy`` (FSDP2 / TP), saving and loading shardsafe checkpoints. Same arguments,
+    and ``async_save=True``: ``fabric.save`` returns once the state is copied; it commits in the background."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._shardsafe = LightningCheckpoints()
+        self._shardsafe = LightningCheckpoints(background=background_saves(async_save))
 
 
 class ShardsafeFabricDDPStrategy(_FabricShardsafe, DDPStrategy):
-    """Fabric's ``DDPStrategy``, saving and loading shardsafe checkpoints. Same arguments."""
+    """Fabric's ``DDPStrategy``, saving and loading shardsafe checkpoints. Same arguments, and ``async_save``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._shardsafe = LightningCheckpoints()
+        self._shardsafe = LightningCheckpoints(background=background_saves(async_save))

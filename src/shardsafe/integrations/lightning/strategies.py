@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from shardsafe.core.comm import get_comm
 from shardsafe.errors import SaveError
-from shardsafe.integrations.lightning.background import BackgroundSaves
+from shardsafe.integrations.lightning.background import BackgroundSaves, background_saves
 from shardsafe.integrations.lightning.checkpoints import LightningCheckpoints
 
 __all__ = ["ShardsafeDDPStrategy", "ShardsafeModelParallelStrategy"]
@@ -59,12 +58,6 @@ def _remove_logged(checkpoints: LightningCheckpoints, path: str) -> None:
         log.warning("shardsafe: could not remove %s (ModelCheckpoint rotation): %s", path, exc)
 
 
-def _background(async_save: bool) -> BackgroundSaves | None:
-    if not isinstance(async_save, bool):
-        raise ValueError(f"async_save must be True or False, not {async_save!r}")
-    return BackgroundSaves() if async_save else None
-
-
 class _ShardsafeCheckpointing:
     """The checkpoint methods both strategies share (a mixin before Lightning's class in the bases)."""
 
@@ -84,13 +77,11 @@ class _ShardsafeCheckpointing:
         shardsafe checkpoint folder at ``filepath`` (rank 0's choice)."""
         _refuse_storage_options(self, storage_options)
         path = self.broadcast(os.fspath(filepath))
-        self._shardsafe.save(path, checkpoint, self.model, list(self.optimizers), background=self._background)
+        self._shardsafe.save(path, checkpoint, self.model, list(self.optimizers))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: the model and optimizers loaded in place (any world size and layout); returns the rest of
         Lightning's checkpoint dict (loops, callbacks, schedulers, ...), as ``ModelParallelStrategy`` does."""
-        if self._background is not None:  # resuming reads what the last save committed; its failure stops every rank
-            self._background.settle(get_comm())
         path = self.broadcast(os.fspath(checkpoint_path))
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
         rest = self._shardsafe.load(path, self.model, list(self.optimizers), strict=strict)
@@ -161,8 +152,8 @@ class ShardsafeModelParallelStrategy(_ShardsafeCheckpointing, ModelParallelStrat
 
     def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._shardsafe = LightningCheckpoints()
-        self._background = _background(async_save)
+        self._background = background_saves(async_save)
+        self._shardsafe = LightningCheckpoints(background=self._background)
 
 
 class ShardsafeDDPStrategy(_ShardsafeCheckpointing, DDPStrategy):
@@ -171,5 +162,5 @@ class ShardsafeDDPStrategy(_ShardsafeCheckpointing, DDPStrategy):
 
     def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._shardsafe = LightningCheckpoints()
-        self._background = _background(async_save)
+        self._background = background_saves(async_save)
+        self._shardsafe = LightningCheckpoints(background=self._background)
