@@ -123,16 +123,21 @@ def subclass_records(value: Any, where: str = STATE_NAME) -> dict[str, SubclassR
     found: dict[str, SubclassRecord] = {}
 
     def walk(v: Any) -> None:
-        if isinstance(v, list):
-            for item in v:
-                walk(item)
-        elif isinstance(v, dict):
-            if len(v) == 1 and SUBCLASS_TAG in v:
-                record = _subclass_record(v[SUBCLASS_TAG], lambda key: None, where)
-                found[record.path] = record
-                return
+        if type(v) is dict:
+            if len(v) == 1:
+                if TENSOR_REF in v:  # most values: one test each
+                    return
+                if SUBCLASS_TAG in v:
+                    record = _subclass_record(v[SUBCLASS_TAG], lambda key: None, where)
+                    found[record.path] = record
+                    return
             for item in v.values():
-                walk(item)
+                if type(item) is dict or type(item) is list:
+                    walk(item)
+        elif type(v) is list:
+            for item in v:
+                if type(item) is dict or type(item) is list:
+                    walk(item)
 
     walk(value)
     return found

@@ -17,7 +17,7 @@ import torch
 
 from shardsafe.core.format import Manifest
 from shardsafe.core.plan import LocalChunk
-from shardsafe.core.values import encode_state, merge_values, state_tensor_keys
+from shardsafe.core.values import encode_state, merge_values, state_tensor_keys, subclass_records
 from shardsafe.errors import FormatError, SaveError, ShardsafeError, StateMismatchError
 from shardsafe.protocol.shard_write import chunk_name
 from shardsafe.protocol.transfer import ReadTarget
@@ -298,12 +298,13 @@ def check_binding(binding: LoadBinding, manifest: Manifest, tree: dict[str, Any]
             continue
         if adapter.in_place:
             saved = set(state_tensor_keys(tree[name].get("state")))
-            side = _side_keys(bound, tree[name], saved)
+            records = subclass_records(tree[name].get("state"))
+            side = subclass_side_keys(records, bound.subclasses, bound.targets.keys(), saved)
             if strict:
                 problems += [f"missing in checkpoint: {k}" for k in sorted(bound.targets.keys() - saved - side)]
             for key in sorted(bound.targets.keys() & saved):
                 problems += _compare_tensor(key, manifest, bound.targets[key], strict)
-            problems += subclass_problems(tree[name].get("state"), bound.subclasses, bound.targets.keys(), saved)
+            problems += subclass_problems(records, bound.subclasses, bound.targets.keys(), saved)
         problems += adapter.check(bound, binding.contexts[name], manifest)
     return problems
 
@@ -320,18 +321,13 @@ def unclaimed(binding: LoadBinding, tree: dict[str, Any]) -> set[str]:
             continue
         if bound.adapter.in_place:
             saved = set(state_tensor_keys(entry.get("state")))
-            out |= {
-                f"unexpected in checkpoint: {k}" for k in saved - bound.targets.keys() - _side_keys(bound, entry, saved)
-            }
+            records = subclass_records(entry.get("state"))
+            side = subclass_side_keys(records, bound.subclasses, bound.targets.keys(), saved)
+            out |= {f"unexpected in checkpoint: {k}" for k in saved - bound.targets.keys() - side}
         extra = getattr(bound.adapter, "unclaimed", None)
         if extra is not None:
             out |= extra(bound, binding.contexts[name])
     return out
-
-
-def _side_keys(bound: Bound, entry: dict[str, Any], saved: set[str]) -> set[str]:
-    """Keys a plain-vs-subclass problem explains (state/subclasses.py): not listed again as missing or unexpected."""
-    return subclass_side_keys(entry.get("state"), bound.subclasses, bound.targets.keys(), saved)
 
 
 def _compare_tensor(key: str, manifest: Manifest, target: ReadTarget, strict: bool) -> list[str]:

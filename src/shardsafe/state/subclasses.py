@@ -32,7 +32,7 @@ import torch
 
 from shardsafe.core.dtypes import dtype_from_name, dtype_name
 from shardsafe.core.jsonsafe import check_json_string
-from shardsafe.core.values import DTYPE_TAG, TUPLE_TAG, SubclassRecord, subclass_records
+from shardsafe.core.values import DTYPE_TAG, TUPLE_TAG, SubclassRecord
 from shardsafe.errors import FormatError
 
 __all__ = [
@@ -346,13 +346,15 @@ def rebuild_records(value: Any) -> Any:
 
 
 def subclass_problems(
-    saved_state: Any, live: dict[str, tuple[str, Any]], targets: Collection[str], saved_keys: Collection[str]
+    saved: dict[str, SubclassRecord],
+    live: dict[str, tuple[str, Any]],
+    targets: Collection[str],
+    saved_keys: Collection[str],
 ) -> list[str]:
     """Where an in-place load's live subclass tensors (``live``: key -> class name and encoded
     context at the whole tensor's shape) and the checkpoint's records disagree: another class,
     another context (block sizes), a plain tensor on one side. Raises FormatError for a record of a
     class not allowlisted that the load would take."""
-    saved = subclass_records(saved_state)
     problems: list[str] = []
     for key, (name, context) in live.items():
         record = saved.get(key)
@@ -382,12 +384,15 @@ def subclass_problems(
 
 
 def subclass_side_keys(
-    saved_state: Any, live: dict[str, tuple[str, Any]], targets: Collection[str], saved_keys: Collection[str]
+    saved: dict[str, SubclassRecord],
+    live: dict[str, tuple[str, Any]],
+    targets: Collection[str],
+    saved_keys: Collection[str],
 ) -> set[str]:
     """The keys a plain-vs-subclass problem of :func:`subclass_problems` already explains (the plain
     tensor's key and the other side's inner keys), left out of the missing / unexpected lists."""
     out: set[str] = set()
-    for key, record in subclass_records(saved_state).items():
+    for key, record in saved.items():
         if key not in live and key in targets:
             out |= {key, *(f"{key}/{n}" for n in record.inner)}
     for key in live:
