@@ -32,6 +32,8 @@ import shardsafe  # noqa: E402
 from dist_utils import assert_tensors_equal, run_ranks  # noqa: E402
 from shardsafe.integrations.torchtitan import ShardsafeCheckpointManager  # noqa: E402
 
+pytest_plugins = ["servers.fixtures"]  # moto_server, s3_bucket
+
 # transformers' LlamaConfig of test_torchtitan's tiny llama3 (its RoPE: theta 500000, llama3 scaling)
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -57,7 +59,7 @@ HF_CONFIG = {
 }
 
 
-def in_process(base: Path, steps: int, checkpoint: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+def in_process(base: Path | str, steps: int, checkpoint: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
     """``run`` on one process, the model not parallelised (rank 0 of 1, no process group)."""
     args = {"kill_after": None, "record_at": (), "seed": 0, "dcp_manager": False, "hf_assets": None, **kwargs}
     return run(0, 1, "one", str(base), steps, checkpoint, **args)
@@ -250,3 +252,13 @@ def test_newest_state_json_damaged_resumes_the_one_before(tmp_path: Path) -> Non
     again = in_process(tmp_path, 5, {**checkpoint, "load_step": 2}, seed=8)
     assert again["loaded_at"] == 2 and again["losses"] == resumed["losses"]
     assert steps_in(tmp_path / "ckpt") == [2, 4, 5]
+
+
+def test_initial_load_from_an_object_store_checkpoint(tmp_path: Path, s3_bucket: str) -> None:
+    """initial_load_path as an object-store URL (a local S3 server): the checkpoint a run saved there starts a run
+    in a local folder, the model alone."""
+    saved = in_process(f"s3://{s3_bucket}", 2, {"enable": True, "folder": "run", "interval": 2}, record_at=(2,))
+    start = {"enable": True, "folder": "local", "initial_load_path": f"s3://{s3_bucket}/run/step-0000000002"}
+    started = in_process(tmp_path, 1, start, seed=7)
+    assert started["loaded_at"] == 0
+    assert_tensors_equal(started["loaded"], model_part_of(saved["recorded"][2]["state"]), "from s3")
