@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 from shardsafe.errors import FormatError
 
@@ -22,6 +22,7 @@ __all__ = [
     "check_tensor_key",
     "expect_field",
     "int_list",
+    "is_int_list",
     "numel",
 ]
 
@@ -59,11 +60,18 @@ def all_safe_components(names: Iterable[object]) -> bool:
     return _SAFE_JOINED.match("".join(f"{n}/" for n in listed)) is not None
 
 
+def is_int_list(value: object, max_len: int = MAX_DIMS) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a list of at most ``max_len`` non-negative ints (bools and floats are not:
+    ``True == 1`` and ``1.0 == 1`` would otherwise pass a comparison with an expected box). One
+    C-speed pass, no message: the fast paths of the index and header parsers call it per entry."""
+    return type(value) is list and len(value) <= max_len and all(type(v) is int and v >= 0 for v in value)
+
+
 def int_list(value: object, where: str, *, max_len: int = MAX_DIMS) -> tuple[int, ...]:
     """A list of at most ``max_len`` non-negative ints (not bools), as a tuple. Called for every box of
-    every index and header a load reads: the common case is one C-speed pass, the checks below only
+    every index and header a load reads: the common case is :func:`is_int_list`, the checks below only
     run to say what is wrong."""
-    if type(value) is list and len(value) <= max_len and all(type(v) is int and v >= 0 for v in value):
+    if is_int_list(value, max_len):
         return tuple(value)
     if not isinstance(value, list) or len(value) > max_len:
         raise FormatError(f"{where}: expected a list of at most {max_len} integers, got {value!r:.80}")

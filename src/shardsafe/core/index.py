@@ -20,9 +20,9 @@ it needs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from shardsafe.core.fields import check_tensor_key, expect_field, int_list, numel
+from shardsafe.core.fields import check_tensor_key, expect_field, int_list, is_int_list, numel
 from shardsafe.core.format import ChunkEntry, FileEntry, Manifest, TensorEntry, element_size
 from shardsafe.core.integrity import hash_bytes, num_blocks
 from shardsafe.core.jsonsafe import dump_json, parse_json
@@ -122,25 +122,26 @@ def _parse_part(
             f"{where} tensor {key!r:.200}: lists {len(items)} boxes; part {rule.part_of(entry.rank)} has "
             f"{len(expected)}"
         )
+    part_of = _PartOf(tensor, expected, manifest.hash_block_size, file, entry)
     out = []
     for raw in items:
-        chunk = _valid_box(raw, tensor, expected, manifest, file, entry)
-        out.append(
-            chunk
-            if chunk is not None
-            else _parse_box(f"{where} tensor {key!r:.200}", raw, tensor, expected, manifest, file, entry)
-        )
+        chunk = _valid_box(raw, part_of)
+        out.append(chunk if chunk is not None else _parse_box(f"{where} tensor {key!r:.200}", raw, part_of))
     return out
 
 
-def _valid_box(
-    item: Any,
-    tensor: TensorEntry,
-    expected: dict[tuple[int, ...], tuple[int, ...]],
-    manifest: Manifest,
-    file: str,
-    entry: FileEntry,
-) -> ChunkEntry | None:
+class _PartOf(NamedTuple):
+    """What an index box of one tensor is checked against: the tensor, the boxes its writer's part
+    has under the rule (offsets -> shape), and the file (name, manifest entry) it is in."""
+
+    tensor: TensorEntry
+    expected: dict[tuple[int, ...], tuple[int, ...]]
+    block_size: int
+    file: str
+    entry: FileEntry
+
+
+def _valid_box(item: Any, part_of: _PartOf) -> ChunkEntry | None:
     """A well-formed index entry as a chunk; None if anything is wrong, for :func:`_parse_box` to say
     what. Every rank that reads from a shard parses its whole index (thousands of boxes): this path
     builds no message and calls no checker. Ints are checked by type (``True == 1`` and ``1.0 == 1``
@@ -148,33 +149,28 @@ def _valid_box(
     if type(item) is not dict:
         return None
     offsets, shape = item.get("offsets"), item.get("shape")
-    if type(offsets) is not list or type(shape) is not list:
-        return None
-    if not all(type(v) is int for v in offsets) or not all(type(v) is int for v in shape):
+    if not is_int_list(offsets) or not is_int_list(shape):
         return None
     box, box_shape = tuple(offsets), tuple(shape)
-    if expected.get(box) != box_shape or box in tensor.overrides:
+    tensor = part_of.tensor
+    if part_of.expected.get(box) != box_shape or box in tensor.overrides:
         return None
     begin, end, hashes = item.get("begin"), item.get("end"), item.get("hashes")
     nbytes = numel(box_shape) * element_size(tensor.dtype)
-    if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != nbytes or end > entry.size:
+    if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != nbytes:
         return None
-    if type(hashes) is not list or len(hashes) != num_blocks(nbytes, manifest.hash_block_size):
+    if end > part_of.entry.size:
+        return None
+    if type(hashes) is not list or len(hashes) != num_blocks(nbytes, part_of.block_size):
         return None
     if not all(type(h) is str and len(h) <= 64 for h in hashes):
         return None
-    return ChunkEntry(box, box_shape, file, begin, end, tuple(hashes))
+    return ChunkEntry(box, box_shape, part_of.file, begin, end, tuple(hashes))
 
 
-def _parse_box(
-    kwhere: str,
-    item: Any,
-    tensor: TensorEntry,
-    expected: dict[tuple[int, ...], tuple[int, ...]],
-    manifest: Manifest,
-    file: str,
-    entry: FileEntry,
-) -> ChunkEntry:
+def _parse_box(kwhere: str, item: Any, part_of: _PartOf) -> ChunkEntry:
+    """:func:`_valid_box`'s checks one by one, raising the FormatError that says what is wrong."""
+    tensor, expected, file, entry = part_of.tensor, part_of.expected, part_of.file, part_of.entry
     if not isinstance(item, dict):
         raise FormatError(f"{kwhere}: an index entry is not an object")
     offsets = int_list(expect_field(item, "offsets", list, kwhere), kwhere)
@@ -194,7 +190,7 @@ def _parse_box(
             f"{kwhere}: byte range [{begin}, {end}) does not hold {nbytes} bytes inside {file} ({entry.size} bytes)"
         )
     hashes = expect_field(item, "hashes", list, kwhere)
-    blocks = num_blocks(nbytes, manifest.hash_block_size)
+    blocks = num_blocks(nbytes, part_of.block_size)
     if len(hashes) != blocks or not all(isinstance(h, str) and len(h) <= 64 for h in hashes):
         raise FormatError(f"{kwhere}: expected {blocks} block hashes")
     return ChunkEntry(offsets, shape, file, begin, end, tuple(hashes))

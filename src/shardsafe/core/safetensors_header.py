@@ -19,7 +19,14 @@ from shardsafe.core.dtypes import (
     safetensors_shape,
     torch_shape,
 )
-from shardsafe.core.fields import MAX_DIMS, MAX_HEADER_BYTES, RESERVED_HEADER_NAME, expect_field, int_list, numel
+from shardsafe.core.fields import (
+    MAX_HEADER_BYTES,
+    RESERVED_HEADER_NAME,
+    expect_field,
+    int_list,
+    is_int_list,
+    numel,
+)
 from shardsafe.core.jsonsafe import parse_json
 from shardsafe.errors import FormatError
 
@@ -112,14 +119,14 @@ def _valid_entry(entry: Any, base: int, file_size: int) -> tuple[torch.dtype, tu
         return None
     dtype = dtype_or_none(entry.get("dtype"))
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if dtype is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+    if dtype is None or not is_int_list(offsets, 2) or len(offsets) != 2:
         return None
     if is_packed(dtype):  # its shape counts values, not bytes: the checked path converts it
         return None
-    if len(shape) > MAX_DIMS or not all(type(n) is int and n >= 0 for n in shape):
+    if not is_int_list(shape):
         return None
     begin, end = offsets
-    if type(begin) is not int or type(end) is not int or begin < 0 or end < 0 or base + end > file_size:
+    if base + end > file_size:
         return None
     dims = tuple(shape)
     if end - begin != numel(dims) * element_size(dtype):
