@@ -87,3 +87,19 @@ def test_damaged_checkpoint_on_s3_is_skipped_by_retention_list_and_gc(s3_bucket:
     report = collect(root)
     assert report.removed == [] and report.left == [orphan.url] and [d.step for d in report.damaged] == [1]
     assert orphan.exists("shard-00000-deadbeef0000.safetensors") and remote.child(step_name(1)).exists("manifest.json")
+
+
+def test_listing_sees_what_other_processes_wrote_since(s3_bucket: str) -> None:
+    """fsspec caches a folder's listing per process: a manager that listed once would not see a checkpoint
+    another process committed (or removed) afterwards. RemoteDir.list asks the store every time."""
+    import boto3
+
+    root = f"s3://{s3_bucket}/run"
+    remote = RemoteDir(root)
+    remote.child("step-0000000001").write_bytes("manifest.json", b"{}")
+    assert remote.list() == ["step-0000000001"]  # the listing is cached from here on
+    client = boto3.client("s3", region_name="us-east-1")  # another writer: not this process's s3fs
+    client.put_object(Bucket=s3_bucket, Key="run/step-0000000002/manifest.json", Body=b"{}")
+    assert remote.list() == ["step-0000000001", "step-0000000002"]
+    client.delete_object(Bucket=s3_bucket, Key="run/step-0000000001/manifest.json")
+    assert remote.list() == ["step-0000000002"]

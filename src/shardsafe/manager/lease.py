@@ -199,7 +199,6 @@ class RemoteRecords:
         self.conditional = True
 
     def epochs(self) -> list[int]:
-        self.dir.fs.invalidate_cache(self.dir.root)  # another run may have created a record since the last listing
         return sorted(e for e in map(_epoch_of, self.dir.list()) if e is not None)
 
     def read(self, epoch: int) -> LeaseRecord | None:

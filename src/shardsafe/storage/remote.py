@@ -126,6 +126,10 @@ class RemoteDir:
         return None
 
     def list(self) -> list[str]:
+        """The names under this folder as the store holds them now: fsspec's listing cache is dropped
+        first, so checkpoints other processes wrote (or removed) since this process last listed are
+        seen (retention, "latest", leases all decide from this listing)."""
+        self.fs.invalidate_cache(self.root)
         try:
             entries: Any = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
