@@ -335,13 +335,13 @@ def test_qlora_fsdp2_round_trip_and_reshard(tmp_path: Path) -> None:
         _assert_results(after, before)
 
 
-def _edit_record(path: Path, edit: Any) -> None:
-    """Edit the 't/w' record in state.json and make the manifest vouch for it, as an attacker can."""
+def _edit_record(path: Path, edit: Any, entry: str = "t") -> None:
+    """Edit the '<entry>/w' record in state.json and make the manifest vouch for it, as an attacker can."""
     import xxhash
 
     state = path / "state.json"
     tree = json.loads(state.read_text())
-    edit(tree["t"]["state"]["w"]["__subclass__"])
+    edit(tree[entry]["state"]["w"]["__subclass__"])
     state.write_text(json.dumps(tree))
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["state"] |= {"size": state.stat().st_size, "hash": xxhash.xxh3_64_hexdigest(state.read_bytes())}
@@ -437,3 +437,34 @@ def test_qlora_hsdp_to_one_process(tmp_path: Path) -> None:
     single = _qlora_job(0, 1, str(tmp_path / "hsdp"), "", 9)
     assert all(torch.equal(r["y"], saved[0]["y"]) for r in saved)
     assert torch.equal(single["y"], saved[0]["y"])
+
+
+def test_class_recorded_under_an_older_name(tmp_path: Path) -> None:
+    """A class that moved (NF4Tensor was torchao.dtypes.nf4tensor.NF4Tensor in older torchao; a
+    user's class registered with aliases=) loads from checkpoints that recorded the old name."""
+    weight = _nf4(0)
+    shardsafe.save(tmp_path / "ck", {"t": {"w": weight}})
+    _edit_record(tmp_path / "ck", lambda r: r.update({"class": "torchao.dtypes.nf4tensor.NF4Tensor"}))
+    state: dict[str, Any] = {"t": None}
+    shardsafe.load(tmp_path / "ck", state)
+    _assert_same_bits(state["t"]["w"], weight)
+    shardsafe.save(tmp_path / "model", {"model": nn.ParameterDict({"w": nn.Parameter(weight, False)})})
+    _edit_record(tmp_path / "model", lambda r: r.update({"class": "torchao.dtypes.nf4tensor.NF4Tensor"}), "model")
+    model = nn.ParameterDict({"w": nn.Parameter(_nf4(1), False)})
+    inner = model["w"].quantized_data
+    shardsafe.load(tmp_path / "model", {"model": model})  # in place: one class under both names
+    assert model["w"].quantized_data is inner
+    _assert_same_bits(model["w"], weight)
+
+    value = Packed(torch.arange(6, dtype=torch.int8), torch.tensor(0.5), Meta(8, "x"))
+    try:
+        shardsafe.register_tensor_subclass(Packed, context_types=[Meta], aliases=["oldpkg.quant.Packed"])
+        shardsafe.save(tmp_path / "user", {"t": {"w": value}})
+        _edit_record(tmp_path / "user", lambda r: r.update({"class": "oldpkg.quant.Packed"}))
+        state = {"t": None}
+        shardsafe.load(tmp_path / "user", state)
+        assert type(state["t"]["w"]) is Packed and torch.equal(state["t"]["w"].codes, value.codes)
+    finally:
+        shardsafe.unregister_tensor_subclass(Packed)
+    with pytest.raises(FormatError, match=r"'oldpkg.quant.Packed', a tensor subclass"):
+        shardsafe.load(tmp_path / "user", {"t": None})

@@ -23,7 +23,7 @@ from torch import nn
 from shardsafe.core.values import SubclassRecord, subclass_records
 from shardsafe.protocol.transfer import ReadTarget
 from shardsafe.state.base import SavedLayout, is_dtensor, read_target, subclass_of, subclass_parts, unwrap_module
-from shardsafe.state.subclasses import rebuild, same_context
+from shardsafe.state.subclasses import rebuild, same_class, same_context
 
 __all__ = ["Reassigned", "assign_step", "reassigned"]
 
@@ -55,7 +55,7 @@ def reassigned(
         key = f"{name}/{fqn}"
         record = records.get(key)
         spec = subclass_of(tensor) if record is not None and isinstance(tensor, torch.Tensor) else None
-        if record is None or spec is None or is_dtensor(tensor) or record.cls != spec.name:
+        if record is None or spec is None or is_dtensor(tensor) or not same_class(record.cls, spec.name):
             continue
         if tuple(int(n) for n in tensor.shape) != record.shape:
             continue  # another shape: refused by the checks, as torch's load_state_dict refuses it

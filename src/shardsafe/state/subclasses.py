@@ -43,6 +43,7 @@ __all__ = [
     "rebuild",
     "rebuild_records",
     "register_tensor_subclass",
+    "same_class",
     "same_context",
     "spec_for_name",
     "spec_for_type",
@@ -94,6 +95,7 @@ def register_tensor_subclass(
     sharded_inner: Iterable[str] = (),
     context_types: Iterable[type] = (),
     with_shape: WithShape | None = None,
+    aliases: Iterable[str] = (),
 ) -> type:
     """Allow shardsafe to store tensors of ``cls`` by their inner tensors and rebuild them on load.
 
@@ -101,7 +103,8 @@ def register_tensor_subclass(
     load calls it with the stored inner tensors and context. ``context_types``: the enums,
     dataclasses and named tuples its ``__tensor_flatten__`` context may hold (stored by name, looked
     up here). ``sharded_inner`` and ``with_shape``: only for classes that FSDP2 shards
-    (see :class:`SubclassSpec`). Returns ``cls`` (usable as a class decorator).
+    (see :class:`SubclassSpec`). ``aliases``: other qualified names under which checkpoints
+    recorded this class (it moved to another module). Returns ``cls`` (usable as a class decorator).
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
         raise TypeError(f"register_tensor_subclass: {cls!r} is not a torch.Tensor subclass")
@@ -119,15 +122,29 @@ def register_tensor_subclass(
                 f"register_tensor_subclass: context type {t!r} is not an Enum, a dataclass or a named tuple"
             )
         types[class_name(t)] = t
-    _REGISTERED[class_name(cls)] = SubclassSpec(cls, tuple(sharded_inner), types, with_shape)
-    _REMOVED.discard(class_name(cls))
+    spec = SubclassSpec(cls, tuple(sharded_inner), types, with_shape)
+    for name in (class_name(cls), *aliases):
+        _REGISTERED[name] = spec
+        _REMOVED.discard(name)
     return cls
 
 
 def unregister_tensor_subclass(cls: type) -> None:
-    """Take ``cls`` off the allowlist (torchao's classes too, until registered again)."""
-    _REGISTERED.pop(class_name(cls), None)
-    _REMOVED.add(class_name(cls))
+    """Take ``cls`` off the allowlist, under every name (torchao's classes too, until registered again)."""
+    names = {class_name(cls), *(n for n, spec in _REGISTERED.items() if spec.cls is cls)}
+    loader = _BUILTIN.get(class_name(cls))
+    names |= {n for n, load in _BUILTIN.items() if loader is not None and load is loader}
+    for name in names:
+        _REGISTERED.pop(name, None)
+        _REMOVED.add(name)
+
+
+def same_class(a: str, b: str) -> bool:
+    """Whether two recorded class names are one allowlisted class (one may be an alias)."""
+    if a == b:
+        return True
+    spec_a, spec_b = spec_for_name(a), spec_for_name(b)
+    return spec_a is not None and spec_b is not None and spec_a.cls is spec_b.cls
 
 
 # --------------------------------------------------------------------------- torchao, registered lazily
@@ -147,6 +164,7 @@ def _nf4() -> None:
         sharded_inner=getattr(nf4, "_INNER_TENSOR_NAMES_FOR_SHARDING", ()),
         context_types=[nf4.SubclassTensorArgs],
         with_shape=with_shape,
+        aliases=[name for name, load in _BUILTIN.items() if load is _nf4],  # where older torchao had it
     )
 
 
@@ -171,10 +189,14 @@ def spec_for_name(name: str) -> SubclassSpec | None:
     """The allowlisted class a checkpoint's record names (torchao's registered on first use)."""
     spec = _REGISTERED.get(name)
     if spec is None and name in _BUILTIN and name not in _REMOVED:
+        removed = set(_REMOVED)
         try:
             _BUILTIN[name]()
         except (ImportError, AttributeError):
             return None
+        for other in removed:  # what the user took off stays off (the loader registers every alias)
+            _REGISTERED.pop(other, None)
+        _REMOVED.update(removed)
         spec = _REGISTERED.get(name)
     return spec
 
@@ -364,7 +386,7 @@ def subclass_problems(
                     f"{key}: a plain tensor in the checkpoint, a {name} here; load it into a model without the "
                     "subclass and convert (quantize) after loading"
                 )
-        elif record.cls != name:
+        elif not same_class(record.cls, name):
             problems.append(f"{key}: a {record.cls} in the checkpoint, a {name} here")
         elif not same_context(record.context, context):
             problems.append(
