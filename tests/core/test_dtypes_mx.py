@@ -144,3 +144,22 @@ def test_mx_dtypes_resharded_on_two_ranks(tmp_path: Path) -> None:
     shardsafe.load(path, one)
     for key, value in whole.items():
         assert torch.equal(_bytes(one[key]), _bytes(value)), key
+
+
+def test_whole_weights_of_a_model_cast_only_what_export_casts() -> None:
+    """The Trainer's model-folder weights (integrations/transformers/model_index.full_state_tensors) follow
+    export's one rule (core/dtypes.output_dtype): the float weight is cast, the FP4 buffer and its E8M0
+    scales keep their bytes (the stream used to cast every floating tensor and failed on FP4)."""
+    from torch import nn
+
+    from shardsafe.integrations.transformers.model_index import full_state_tensors
+
+    module = nn.Linear(8, 4)
+    module.register_buffer("packed", _random(torch.float4_e2m1fn_x2, (4, 4), 3))
+    module.register_buffer("scales", _random(torch.float8_e8m0fnu, (4, 1), 4))
+    infos, stream = full_state_tensors(module, torch.bfloat16)
+    got = dict(stream)
+    assert {i.name: i.dtype for i in infos} == {n: t.dtype for n, t in got.items()}
+    assert got["weight"].dtype == torch.bfloat16 and torch.equal(got["weight"], module.weight.detach().bfloat16())
+    for name in ("packed", "scales"):
+        assert torch.equal(_bytes(got[name]), _bytes(getattr(module, name))), name

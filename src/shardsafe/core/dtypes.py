@@ -14,6 +14,7 @@ __all__ = [
     "dtype_or_none",
     "element_size",
     "is_cast_on_export",
+    "output_dtype",
     "is_packed",
     "safetensors_dtype",
     "safetensors_shape",
@@ -117,6 +118,14 @@ def is_cast_on_export(dtype: torch.dtype) -> bool:
     """Whether an export's floating-point cast (``dtype=``) applies to tensors stored as ``dtype``:
     floating-point ones, except packed FP4 and the E8M0 scale type (kept as stored)."""
     return dtype.is_floating_point and dtype not in _NOT_CAST
+
+
+def output_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype an export (``dtype=``) writes a tensor stored as ``stored`` in: floating-point
+    tensors are cast to ``dtype``; integer and bool tensors keep theirs, and so do packed FP4 values
+    and E8M0 scales (block-scaled parts: a cast of either alone would be meaningless, and torch
+    cannot cast packed FP4 at all). The one rule for every writer of model weights."""
+    return dtype if dtype is not None and is_cast_on_export(stored) else stored
 
 
 def is_packed(dtype: torch.dtype) -> bool:

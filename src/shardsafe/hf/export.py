@@ -28,7 +28,7 @@ import torch
 
 from shardsafe.api.source import DTYPE_CHOICES, TensorInfo, TensorSource
 from shardsafe.core.comm import Comm
-from shardsafe.core.dtypes import is_cast_on_export
+from shardsafe.core.dtypes import output_dtype
 from shardsafe.core.format import (
     MAX_JSON_BYTES,
     HeaderEntry,
@@ -53,7 +53,6 @@ __all__ = [
     "ShardPlan",
     "export_hf",
     "iter_output",
-    "output_dtype",
     "parse_size",
     "plan_shards",
     "write_index",
@@ -203,13 +202,6 @@ def _refuse_subclasses(source: Any) -> None:
             f"{record.cls}); a model folder holds plain weights: load the checkpoint into the model, replace them by "
             "dequantized weights (NF4: t.get_original_weight()) and export with save_pretrained"
         )
-
-
-def output_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """Floating-point tensors are cast to ``dtype``; integer and bool tensors keep theirs, and so do
-    packed FP4 values and E8M0 scales (block-scaled parts: a cast of either alone would be meaningless,
-    and torch cannot cast packed FP4 at all)."""
-    return dtype if dtype is not None and is_cast_on_export(stored) else stored
 
 
 # ----------------------------------------------------------------------------- writing

@@ -28,6 +28,7 @@ from torch import nn
 from shardsafe.api.checkpoint import save
 from shardsafe.api.source import CHECKPOINT_DIR, EXPORT_META, TensorInfo
 from shardsafe.core.comm import Comm, Outcome, get_comm
+from shardsafe.core.dtypes import output_dtype
 from shardsafe.core.format import dtype_name, dump_json
 from shardsafe.core.integrity import hash_bytes
 from shardsafe.errors import DistributedError, SaveError, ShardsafeError
@@ -35,7 +36,6 @@ from shardsafe.hf.export import (
     DEFAULT_MAX_SHARD_SIZE,
     SafetensorsStreamWriter,
     ShardPlan,
-    output_dtype,
     plan_shards,
     write_index,
 )

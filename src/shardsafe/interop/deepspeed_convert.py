@@ -24,6 +24,7 @@ import torch
 from shardsafe._version import __version__
 from shardsafe.api.source import DTYPE_CHOICES
 from shardsafe.core.comm import Comm, Outcome
+from shardsafe.core.dtypes import output_dtype
 from shardsafe.core.format import (
     ChunkEntry,
     FileEntry,
@@ -73,10 +74,6 @@ class _Produced:
             if self.progress is not None:
                 self.progress.update(tensor.numel() * tensor.element_size())
             del tensor
-
-
-def _cast(dtype: torch.dtype | None, stored: torch.dtype) -> torch.dtype:
-    return dtype if dtype is not None and stored.is_floating_point else stored
 
 
 def convert_deepspeed(
@@ -150,7 +147,7 @@ def _plan_module(
     model_tree: dict[str, Any] = {}
     for name in [*ckpt.names(), *ckpt.aliases]:
         stored = ckpt.dtype(name)
-        target = _cast(dtype, stored)
+        target = output_dtype(stored, dtype)
         planned.append(
             Planned(f"{model_key}/{name}", target, ckpt.shape(name), functools.partial(_read_as, ckpt, name, target))
         )

@@ -32,8 +32,8 @@ from torch import nn
 
 from shardsafe.api.source import TensorInfo
 from shardsafe.core.comm import Comm
+from shardsafe.core.dtypes import output_dtype
 from shardsafe.core.format import Manifest
-from shardsafe.hf.export import output_dtype
 from shardsafe.hf.guard import INDEX_FILE, SINGLE_FILE
 from shardsafe.hf.pretrained import tied_aliases
 from shardsafe.protocol.commit import CommitTarget, LocalCommit
@@ -165,6 +165,6 @@ def full_state_tensors(
         for name in names:
             tensor = state[name]
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            yield name, full if dtype is None or not full.is_floating_point() else full.to(dtype)
+            yield name, full.to(output_dtype(full.dtype, dtype))
 
     return infos, stream()

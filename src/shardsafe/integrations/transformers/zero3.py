@@ -21,8 +21,8 @@ from torch import nn
 from shardsafe.api.source import TensorInfo
 from shardsafe.compat.deepspeed import z3_optimizer
 from shardsafe.core.comm import Comm, get_comm
+from shardsafe.core.dtypes import output_dtype
 from shardsafe.errors import ShardsafeError
-from shardsafe.hf.export import output_dtype
 from shardsafe.hf.pretrained import tied_aliases
 
 if TYPE_CHECKING:
