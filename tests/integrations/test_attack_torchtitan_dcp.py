@@ -219,3 +219,37 @@ def test_metadata_claiming_a_huge_shape_is_refused_unallocated(
 ) -> None:
     folder = copied(step_folder, tmp_path, lambda f: _metadata(f, lambda m: _huge(m, chunk_too)))
     load_refused(folder, FormatError, match)
+
+
+def test_manager_resume_from_a_hostile_dcp_folder_is_refused(
+    step_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the entry point torchtitan calls: ShardsafeCheckpointManager.load finds the DCP manager's newest
+    step-<N> (no shardsafe checkpoint in the folder) and refuses its code-running .metadata; nothing ran, the model
+    is unchanged, nothing was written into the folder but the run's lease."""
+    from shardsafe.integrations.torchtitan import ShardsafeCheckpointManager
+
+    folder = copied(
+        step_folder, tmp_path, lambda f: (f / ".metadata").write_bytes(pickle.dumps(RunsCode("touch pwned")))
+    )
+    monkeypatch.chdir(folder.parent)
+    target = model(1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    config = ShardsafeCheckpointManager.Config(enable=True, folder="ckpt", interval=1)
+    manager = config.build(
+        dataloader=None,
+        model_parts=[target],
+        optimizers=torch.optim.Adam(target.parameters()),
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
+    try:
+        with pytest.raises(FormatError, match=r"step-4/\.metadata: refused pickle: global 'posix.system'"):
+            manager.load(step=-1)
+    finally:
+        manager.close()
+    assert not (folder.parent / MARK).exists()
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in before.items())
+    assert sorted(p.name for p in folder.parent.iterdir() if p.name != ".shardsafe-lease") == ["step-4"]
