@@ -16,7 +16,7 @@ the report gives both medians, the median of the per-round ratios HEAD/REF and t
 HEAD is faster). CPU seconds (all processes of the job together) are given beside the wall time
 because they barely move with the load of a shared machine.
 
-Probes (~4 min a round on 2 cores):
+Probes (~4 min a round on 2 cores, ~13 min for the default 3 rounds; 16 processes starting dominate):
 
 - ``core``: one process, 8 Linear(2048, 2048) (128 MiB fp32) and 500 Linear(32, 32) layers with AdamW
   state (2,016 tensors, 384 MiB): save (fsync on), load warm, load from a cold page cache; medians of 3 each.
@@ -129,7 +129,7 @@ def probe_dist16(scratch: Path) -> Metrics:
     result = scratch / "dist16.json"
     root = scratch / "dist16"
     root.mkdir(exist_ok=True)
-    worker = [str(BENCH / "worker_scale.py"), "--layers", "250", "--runs", "2"]
+    worker = [str(BENCH / "worker_scale.py"), "--layers", "250", "--runs", "1"]
     worker += ["--root", str(root), "--out", str(result)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=16", *worker]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
