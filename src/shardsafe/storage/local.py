@@ -224,7 +224,10 @@ def make_dirs(path: Path, fsync: bool = True) -> None:
 
 
 def safe_child(folder: Path, name: str) -> Path:
-    """``folder/name``, refusing anything that resolves outside ``folder`` (symlinks included)."""
+    """``folder/name``, refusing anything that resolves outside ``folder`` (symlinks included) and names
+    no file system can hold (a NUL byte)."""
+    if "\x00" in name:
+        raise FormatError(f"{folder}: a file name with a NUL byte ({name!r:.80}) cannot be a checkpoint file")
     candidate = folder / name
     real_folder = os.path.realpath(folder)
     real = os.path.realpath(candidate)

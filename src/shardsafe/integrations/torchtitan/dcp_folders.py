@@ -38,7 +38,7 @@ __all__ = ["dcp_manager_steps", "load_dcp_manager_folder"]
 
 log = logging.getLogger(__name__)
 
-_DCP_STEP = re.compile(r"^step-(\d+)$")
+_DCP_STEP = re.compile(r"^step-(0|[1-9][0-9]*)$", re.ASCII)  # as torchtitan writes them: no 01, no other digits
 
 
 def dcp_manager_steps(folder: str) -> dict[int, Path]:

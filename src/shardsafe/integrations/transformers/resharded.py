@@ -13,18 +13,17 @@ the checkpoint itself is not modified. No view when the checkpoint is not in tha
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
 
-from shardsafe.core.format import MANIFEST_NAME, FileEntry, Manifest, TensorEntry
+from shardsafe.core.format import MANIFEST_NAME, MAX_JSON_BYTES, FileEntry, Manifest, TensorEntry, parse_json
 from shardsafe.errors import IntegrityError
 from shardsafe.hf.guard import INDEX_FILE
 from shardsafe.hf.weights_file import read_weights_file
 from shardsafe.integrations.transformers.model_folder import new_hidden
 from shardsafe.protocol.commit import open_checkpoint
-from shardsafe.storage.local import remove_tree, safe_child, write_small_file
+from shardsafe.storage.local import read_small_file, remove_tree, safe_child, write_small_file
 
 __all__ = ["resharded_view"]
 
@@ -40,7 +39,8 @@ def resharded_view(checkpoint: Path, prefix: str) -> Path | None:
     moved = _moved_tensors(checkpoint, manifest, prefix)
     if not moved:
         return None
-    index = json.loads(safe_child(checkpoint, INDEX_FILE).read_text())
+    index_path = safe_child(checkpoint, INDEX_FILE)
+    index = parse_json(read_small_file(index_path, MAX_JSON_BYTES), str(index_path))  # bounded, no duplicate keys
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise IntegrityError(f"{checkpoint / INDEX_FILE}: no weight_map")
@@ -60,7 +60,17 @@ def resharded_view(checkpoint: Path, prefix: str) -> Path | None:
         found = headers[file].tensors.get(name)
         if found is None:
             raise IntegrityError(f"{checkpoint / file}: holds no {name}, which {INDEX_FILE} places there")
-        chunk = replace(entry.chunks[0], file=file, begin=found.begin, end=found.end)
+        committed = entry.chunks[0]
+        if (found.dtype, found.shape, found.end - found.begin) != (
+            entry.dtype,
+            entry.shape,
+            committed.end - committed.begin,
+        ):
+            raise IntegrityError(
+                f"{checkpoint / file}: {name} is {found.dtype} {list(found.shape)} there, but the checkpoint committed "
+                f"{entry.dtype} {list(entry.shape)}; restore the checkpoint's original {committed.file}"
+            )
+        chunk = replace(committed, file=file, begin=found.begin, end=found.end)
         tensors[key] = replace(entry, chunks=(chunk,))
     return _write_view(checkpoint, replace(manifest, tensors=tensors, files=files))
 

@@ -70,6 +70,17 @@ from shardsafe.storage.local import fsync_dir, remove_tree, write_small_file
 
 __all__ = ["ShardsafeTrainer"]
 
+
+def _in_checkpoint(error: ShardsafeError, view: Path, checkpoint: str) -> ShardsafeError:
+    """``error`` of a load of the re-sharded view, naming the checkpoint's files rather than the view's (removed
+    by the time the user reads it): the view holds hard links to the checkpoint's files under the same names."""
+    text = str(error).replace(str(view), checkpoint)
+    try:
+        return type(error)(text)
+    except TypeError:  # an error type with other constructor arguments: keep it as it is
+        return error
+
+
 log = logging.getLogger(__name__)
 
 HF_MAX_SHARD_SIZE = "50GB"  # PreTrainedModel.save_pretrained's default in transformers 5
@@ -527,6 +538,13 @@ class ShardsafeTrainer(ReshardableDataTrainer):
         view = self._resharded_view(path) if MODEL in state else None
         try:
             load(str(view) if view is not None else path, state)
+        except ShardsafeError as error:
+            if view is None:
+                raise
+            named = _in_checkpoint(error, view, path)
+            if named is error:
+                raise
+            raise named from error
         finally:
             if view is not None:
                 remove_tree(view)
