@@ -158,6 +158,13 @@ def two_rows(peer: str, operation: str, section: str, column: str) -> Callable[[
     return extract
 
 
+def _unquoted(cell: str) -> str:
+    """A cell that is one code span (```x```) without its backticks; any other cell as it is."""
+    if len(cell) > 1 and cell.startswith("`") and cell.endswith("`") and cell.count("`") == 2:
+        return cell[1:-1]
+    return cell
+
+
 def speedup_table(peer: str, section: str, ours: str, theirs: str) -> Callable[[str], list[Line]]:
     """Sections with one row per operation and a column of times for each library."""
 
@@ -167,7 +174,7 @@ def speedup_table(peer: str, section: str, ours: str, theirs: str) -> Callable[[
             op = next(iter(row.values()), "")
             a, b = _seconds(row.get(ours, "")), _seconds(row.get(theirs, ""))
             if op and a and b:
-                out.append(Line(peer, op.strip("`"), f"{b / a:.2f}x", "", section))
+                out.append(Line(peer, _unquoted(op), f"{b / a:.2f}x", "", section))
         return out
 
     return extract
