@@ -90,7 +90,7 @@ bench-manager: $(STAMP)
 	$(PY) benchmarks/bench_manager.py
 
 bench-lightning: $(STAMP)
-	$(PY) benchmarks/bench_lightning.py
+	$(PY) benchmarks/bench_lightning.py --md BENCHMARKS.md
 
 bench-torchtitan: $(STAMP)
 	$(PY) benchmarks/bench_torchtitan.py --md BENCHMARKS.md

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,7 +52,7 @@ from torch.utils.data import IterableDataset
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path[:0] = [str(HERE.parent / "tests" / "integrations"), str(HERE.parent / "tests")]
-from common import drop_file_cache, load_average, write_section  # noqa: E402
+from common import drop_file_cache, free_port, load_average, write_section  # noqa: E402
 
 HEADING = "## torchtitan checkpoint managers (4 ranks, dp_shard=2 x tp=2)"
 MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -225,12 +224,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _median(runs: list[dict[str, float]], key: str) -> float | None:
     return statistics.median(r[key] for r in runs) if runs else None
 
@@ -335,7 +328,7 @@ def main() -> None:
     try:
         with mp.Manager() as manager:
             out = manager.dict()
-            mp.spawn(_rank, (4, _free_port(), args, out), nprocs=4)
+            mp.spawn(_rank, (4, free_port(), args, out), nprocs=4)
             results, params = out["results"], out["params"]
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)

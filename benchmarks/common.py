@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -253,3 +254,10 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
         with safe_open(str(f), framework="pt") as s:
             out.update({k: f for k in s.keys()})  # noqa: SIM118
     return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now, for a job's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
