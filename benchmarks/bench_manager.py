@@ -630,6 +630,17 @@ def _verdict(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
 
+def _busy(load_before: str) -> str:
+    """What the 1-minute load average before the run says about the machine (the shared VM has 2 cores)."""
+    try:
+        busy = float(load_before.split("/")[0]) > (os.cpu_count() or 1)
+    except ValueError:
+        busy = True
+    if busy:
+        return "**the machine was shared and noisy** (other jobs ran when the measurement started), so "
+    return "quiet when the measurement started; the machine is shared, so "
+
+
 def section(s: dict[str, Any], facts: dict[str, Any]) -> str:
     sizes = s["sizes"]
     copy = s["blocked"]["memory copy"]
@@ -665,11 +676,9 @@ def section(s: dict[str, Any], facts: dict[str, Any]) -> str:
         SECTION,
         "",
         f"`{facts['command']}` on {facts['when']} (UTC): {facts['machine']}; load average {facts['load_before']} "
-        "before, "
-        f"{facts['load_after']} after: **the machine is shared and noisy** (other jobs ran during the measurement), so "
-        "only "
-        "ratios measured in the same runs are meaningful. 2 ranks (gloo, CPU, `torch.distributed.run --nproc_per_node "
-        "2`), "
+        f"before, {facts['load_after']} after (the benchmark's own processes included): {_busy(facts['load_before'])}"
+        "only ratios measured in the same runs are meaningful. 2 ranks (gloo, CPU, "
+        "`torch.distributed.run --nproc_per_node 2`), "
         f"FSDP2, fsync on for every writer, `OMP_NUM_THREADS=1`. Model: {sizes['layers']} x Linear({sizes['width']}, "
         f"{sizes['width']}), {_mb(s['param_bytes'])} of fp32 parameters plus stepped AdamW state: {_mb(state_bytes)} "
         "of tensors "
