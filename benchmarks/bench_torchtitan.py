@@ -259,7 +259,9 @@ def _best_async(runs: dict[str, list[dict[str, float]]]) -> tuple[str, float]:
     return mode, timed[mode] or 0.0
 
 
-def report(results: dict[str, Any], params: int, args: argparse.Namespace, load: str, seconds: float) -> str:
+def report(
+    results: dict[str, Any], params: int, args: argparse.Namespace, load: str, seconds: float, before: str
+) -> str:
     state_mb = params * 4 * 3 / 1e6  # fp32 weights + AdamW's two moments
     cold = all(r["cold"] for lib in LIBS for r in results[lib]["disabled"])
     lines = [
@@ -270,7 +272,8 @@ def report(results: dict[str, Any], params: int, args: argparse.Namespace, load:
         f"parameters, {state_mb:.0f} MB with AdamW's moments) on dp_shard=2 x tp=2 at 4 gloo ranks (CPU), "
         f"both managers built from their Config as the Trainer builds them, in the same job; medians of "
         f"{args.rounds} rounds, slowest rank; loads from a {'cold' if cold else 'WARM (drop_caches refused)'} "
-        f"page cache. Load average (1/5/15 min) at the end: {load}; the whole run took {seconds:.0f} s. " + METHOD,
+        f"page cache. Load average (1/5/15 min) before: {before}, at the end: {load} (its own 4 ranks included); "
+        f"the whole run took {seconds:.0f} s. " + METHOD,
         "",
         "| | torchtitan DCP CheckpointManager | ShardsafeCheckpointManager | shardsafe / DCP |",
         "|---|---|---|---|",
@@ -284,15 +287,16 @@ def report(results: dict[str, Any], params: int, args: argparse.Namespace, load:
         f"(`{best['dcp'][0]}`) | {best['shardsafe'][1]:.3f} s (`{best['shardsafe'][0]}`) | "
         f"{_ratio(best['dcp'][1], best['shardsafe'][1])} |"
     )
-    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    before_1min = float(before.split(" / ")[0]) if before != "?" else float("inf")
+    busy = before_1min > (os.cpu_count() or 1)
     lines += [
         "",
         f"Machine: {os.cpu_count()} CPUs"
         + (
-            f", **under load** (1-minute load average {os.getloadavg()[0]:.1f} > {os.cpu_count()} CPUs: other jobs "
-            "shared the cores and the disk, so treat the numbers as indicative and rerun on a quiet machine)."
+            f", **under load** (1-minute load average {before_1min:.1f} > {os.cpu_count()} CPUs when the run started: "
+            "other jobs shared the cores and the disk, so treat the numbers as indicative; rerun on a quiet machine)."
             if busy
-            else ", quiet (1-minute load average below the CPU count)."
+            else ", quiet when the run started (1-minute load average below the CPU count)."
         ),
         "",
         "Ratios are shardsafe's time over DCP's (below 1: shardsafe faster). Targets (issue 40): blocked time "
@@ -324,7 +328,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
     args = parser.parse_args()
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench-torchtitan-", dir=os.environ.get("BENCH_DIR"))
-    start = time.perf_counter()
+    start, before = time.perf_counter(), load_average()
     try:
         with mp.Manager() as manager:
             out = manager.dict()
@@ -332,7 +336,7 @@ def main() -> None:
             results, params = out["results"], out["params"]
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    text = report(results, params, args, load_average(), time.perf_counter() - start)
+    text = report(results, params, args, load_average(), time.perf_counter() - start, before)
     print(text)
     if args.md is not None:
         write_section(args.md, HEADING, text)
