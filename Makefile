@@ -69,7 +69,7 @@ stress: $(STAMP)
 	$(PY) tests/fuzz/fuzz_dcp_metadata.py -runs=20000
 
 # Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~45 min on 2 cores).
-bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-scale bench-nd bench-tiers
+bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-torchtitan bench-scale bench-nd bench-tiers
 	$(PY) benchmarks/summary.py BENCHMARKS.md
 
 # The table at the top of BENCHMARKS.md, from the sections below it (measures nothing).

@@ -41,7 +41,7 @@ from summary import START as SUMMARY_START  # noqa: E402
 INTRO = [
     "Every number below comes from a script run on this repository's machine (2 shared CPU cores), each",
     "comparing shardsafe with the named peer in the same run (medians of alternating runs, ratios reported).",
-    "`make bench` runs them all (~45 min) and then `make bench-summary` (the table below); each section names its",
+    "`make bench` runs them all (~50 min) and then `make bench-summary` (the table below); each section names its",
     "own command and is rewritten by it, so rerun rather than edit the numbers by hand:",
     "",
     "| section | command | peer |",
