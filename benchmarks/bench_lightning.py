@@ -72,6 +72,7 @@ def _module(width: int, depth: int) -> Any:
         def configure_model(self) -> None:
             if isinstance(self.layers[0].weight, DTensor):
                 return
+            assert self.device_mesh is not None  # set by the strategy before configure_model
             mesh = self.device_mesh["data_parallel"]
             for layer in self.layers:
                 fully_shard(layer, mesh=mesh)
@@ -122,7 +123,7 @@ def _strategy(kind: str) -> Any:
 
     from shardsafe.integrations.lightning import ShardsafeModelParallelStrategy
 
-    mesh = {"data_parallel_size": 2, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
+    mesh: dict[str, Any] = {"data_parallel_size": 2, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
     if kind == "lightning":
         return ModelParallelStrategy(**mesh)
     return ShardsafeModelParallelStrategy(**mesh, async_save=kind == "async")
@@ -158,7 +159,7 @@ def _resume(kind: str, path: str, width: int, depth: int) -> dict[str, float]:
         return out["r"]
 
     strategy.load_checkpoint = timed  # type: ignore[method-assign]
-    data = torch.utils.data.DataLoader(torch.randn(16, width), batch_size=4)
+    data: Any = torch.utils.data.DataLoader(torch.randn(16, width), batch_size=4)  # type: ignore[arg-type]
     _trainer(strategy).fit(_module(width, depth), train_dataloaders=data, ckpt_path=path)
     return seen
 
@@ -167,7 +168,7 @@ def _measure(kind: str, path: str, width: int, depth: int) -> dict[str, float]:
     """Train one step, save (timed), reload into the same trainer from a cold cache (timed), then the
     floor; the checkpoint stays for the resume job."""
     trainer = _trainer(_strategy(kind))
-    data = torch.utils.data.DataLoader(torch.randn(16, width), batch_size=4)
+    data: Any = torch.utils.data.DataLoader(torch.randn(16, width), batch_size=4)  # type: ignore[arg-type]
     trainer.fit(_module(width, depth), train_dataloaders=data)
     out: dict[str, float] = {}
     out["save"], _ = _timed(lambda: trainer.save_checkpoint(path))  # async: what the training loop waits for
