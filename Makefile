@@ -68,7 +68,7 @@ stress: $(STAMP)
 	$(PY) tests/fuzz/fuzz_deepspeed_unpickler.py -runs=20000
 	$(PY) tests/fuzz/fuzz_dcp_metadata.py -runs=20000
 
-# Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~45 min on 2 cores).
+# Each writes its own section of BENCHMARKS.md; `make bench` runs them all (~50 min on 2 cores).
 bench: bench-core bench-load bench-export bench-manager bench-deepspeed bench-lightning bench-torchtitan bench-scale bench-nd bench-tiers
 	$(PY) benchmarks/summary.py BENCHMARKS.md
 

@@ -15,8 +15,9 @@ run and strategy (the order alternating from run to run), in one 2-rank job:
 
 then, per strategy, a new 2-rank job (fresh processes, as a restarted training job) with a new Trainer,
 strategy and module runs ``trainer.fit(model, ckpt_path=...)``: the **resume**, timed as the strategy's
-``load_checkpoint`` inside it (it loads the model and optimizer), after ``sync; echo 3 >
-/proc/sys/vm/drop_caches`` (when this process may; reported).
+``load_checkpoint`` inside it (it loads the model and optimizer), after the checkpoint's pages are evicted
+from the page cache (``common.drop_file_cache``: ``drop_caches`` as root, else ``posix_fadvise``; a page
+left cached is reported).
 
 The shardsafe strategy runs twice, the second time with ``async_save=True``: its save time is what the
 training loop waits for (describe + copy into host buffers), "committed" adds
@@ -43,19 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, load_average, write_section  # noqa: E402
+from common import drop_file_cache, free_port, load_average, was_busy, write_section  # noqa: E402
 
 HEADING = "## Lightning (2 ranks, FSDP2)"
-
-
-def _drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _module(width: int, depth: int) -> Any:
@@ -99,9 +90,10 @@ def _timed(fn: Any) -> tuple[float, float]:
     return float(slowest), float(total)
 
 
-def _cold() -> bool:
-    """Rank 0 empties the page cache; True on every rank when it could."""
-    flags = torch.tensor([int(_drop_caches()) if dist.get_rank() == 0 else 1])
+def _cold(path: str) -> bool:
+    """Rank 0 evicts the checkpoint's pages from the page cache (common.drop_file_cache); True on every rank
+    when none is left."""
+    flags = torch.tensor([int(drop_file_cache(Path(path)) == 0) if dist.get_rank() == 0 else 1])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return bool(flags)
 
@@ -153,7 +145,7 @@ def _resume(kind: str, path: str, width: int, depth: int) -> dict[str, float]:
     seen: dict[str, float] = {}
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        seen["cold"] = float(_cold())
+        seen["cold"] = float(_cold(path))
         out: dict[str, Any] = {}
         seen["resume"], seen["resume_cpu"] = _timed(lambda: out.setdefault("r", load(*args, **kwargs)))
         return out["r"]
@@ -173,9 +165,9 @@ def _measure(kind: str, path: str, width: int, depth: int) -> dict[str, float]:
     out: dict[str, float] = {}
     out["save"], _ = _timed(lambda: trainer.save_checkpoint(path))  # async: what the training loop waits for
     out["committed"] = out["save"] + (_timed(trainer.strategy.wait_for_save)[0] if kind == "async" else 0.0)
-    out["cold"] = float(_cold())
+    out["cold"] = float(_cold(path))
     out["reload"], out["reload_cpu"] = _timed(lambda: trainer.strategy.load_checkpoint(path))
-    out["cold"] = min(out["cold"], float(_cold()))
+    out["cold"] = min(out["cold"], float(_cold(path)))
     out["floor"], _ = _timed(lambda: _cat(path))
     return out
 
@@ -232,7 +224,7 @@ def report(
 ) -> str:
     med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in times.items()}
     avg = load_average()
-    busy = float(before.split(" / ")[0]) > (os.cpu_count() or 1) if before != "?" else True
+    busy = was_busy(before)
     floor = statistics.median(times["lightning"]["floor"] + times["shardsafe"]["floor"])
     lines = [
         HEADING,
@@ -242,7 +234,7 @@ def report(
         f"over 2 gloo ranks, {mb:.0f} MB of fp32 parameters and AdamW state; each "
         f"strategy in the same run, the order alternating, each resume in a new job; slowest rank, medians of {runs} "
         f"runs; loads from a "
-        f"{'cold' if cold else 'WARM (drop_caches not permitted)'} page cache. Load average (1/5/15 min) before: "
+        f"{'cold' if cold else 'WARM (pages left in the cache)'} page cache. Load average (1/5/15 min) before: "
         f"{before}{' (**under load**: other jobs shared the cores and the disk)' if busy else ' (quiet)'}, at the end "
         f"{avg} (the benchmark's own processes included); "
         f"the run took {seconds:.0f} s.",

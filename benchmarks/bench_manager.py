@@ -632,11 +632,9 @@ def _verdict(ok: bool) -> str:
 
 def _busy(load_before: str) -> str:
     """What the 1-minute load average before the run says about the machine (the shared VM has 2 cores)."""
-    try:
-        busy = float(load_before.split("/")[0]) > (os.cpu_count() or 1)
-    except ValueError:
-        busy = True
-    if busy:
+    from common import was_busy
+
+    if was_busy(load_before):
         return "**the machine was shared and noisy** (other jobs ran when the measurement started), so "
     return "quiet when the measurement started; the machine is shared, so "
 

@@ -52,7 +52,7 @@ from torch.utils.data import IterableDataset
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path[:0] = [str(HERE.parent / "tests" / "integrations"), str(HERE.parent / "tests")]
-from common import drop_file_cache, free_port, load_average, write_section  # noqa: E402
+from common import drop_file_cache, free_port, load_average, was_busy, write_section  # noqa: E402
 
 HEADING = "## torchtitan checkpoint managers (4 ranks, dp_shard=2 x tp=2)"
 MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -287,13 +287,12 @@ def report(
         f"(`{best['dcp'][0]}`) | {best['shardsafe'][1]:.3f} s (`{best['shardsafe'][0]}`) | "
         f"{_ratio(best['dcp'][1], best['shardsafe'][1])} |"
     )
-    before_1min = float(before.split(" / ")[0]) if before != "?" else float("inf")
-    busy = before_1min > (os.cpu_count() or 1)
+    busy = was_busy(before)
     lines += [
         "",
         f"Machine: {os.cpu_count()} CPUs"
         + (
-            f", **under load** (1-minute load average {before_1min:.1f} > {os.cpu_count()} CPUs when the run started: "
+            f", **under load** (load average {before} when the run started, above {os.cpu_count()} CPUs: "
             "other jobs shared the cores and the disk, so treat the numbers as indicative; rerun on a quiet machine)."
             if busy
             else ", quiet when the run started (1-minute load average below the CPU count)."

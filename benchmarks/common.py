@@ -245,6 +245,16 @@ def load_average() -> str:
         return "?"
 
 
+def was_busy(load: str) -> bool:
+    """Whether a :func:`load_average` text taken before a run says other work held more than the cores (its
+    1-minute value above the CPU count); True when it is unknown. Taken before, since a benchmark's own
+    processes raise the value at its end."""
+    try:
+        return float(load.split("/")[0]) > (os.cpu_count() or 1)
+    except ValueError:
+        return True
+
+
 def safetensors_index(folder: Path) -> dict[str, Path]:
     """Tensor name -> the ``*.safetensors`` file of ``folder`` that holds it (headers only)."""
     from safetensors import safe_open
